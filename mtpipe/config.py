@@ -1,0 +1,336 @@
+"""params.yaml: one frozen dataclass per section, strict loading, CLI overrides.
+
+Precedence, lowest first: the dataclass defaults below, then ``params.yaml``, then command-line flags. Every field of a
+section a command reads is also an option of that command (``vocab_size`` -> ``--vocab-size``), so ``dvc.yaml`` can
+pass paths only and DVC tracks every knob through params.yaml. Unknown keys fail loudly with their name.
+
+This module must stay light (no torch, no pyarrow): the CLI builds its options from these classes at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from mtpipe.errors import MtpipeError
+
+PARAMS_FILE = "params.yaml"
+
+
+def _h(text: str, **kw: Any) -> Any:
+    """A dataclass field with a help string (shown by ``mtpipe <stage> --help``)."""
+    return field(metadata={"help": text}, **kw)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FetchConfig:
+    """``fetch``: where the parallel corpus comes from and how train is cleaned."""
+
+    SECTION: typing.ClassVar[str] = "fetch"
+
+    source: str = _h(
+        "Corpus: 'hf:REPO[:CONFIG]' (Hugging Face dataset), or a local directory / file "
+        "({split}.{lang}[.gz] parallel files, .tsv, .parquet, or a saved `datasets` directory).",
+        default="hf:bentrevett/multi30k",
+    )
+    src_lang: str = _h("Source language code (column / file suffix).", default="en")
+    tgt_lang: str = _h("Target language code (column / file suffix).", default="de")
+    splits: dict = _h(
+        "Output split -> source split name, or a list of candidate names (the first that exists is used), e.g. "
+        "{train: train, valid: [validation, val], test: [test, test_2016_flickr]}.",
+        default_factory=lambda: {
+            "train": ["train"],
+            "valid": ["validation", "valid", "val", "dev"],
+            "test": ["test", "test_2016_flickr"],
+        },
+    )
+    min_len: int = _h("Train: drop pairs with a side shorter than this many whitespace words.", default=1)
+    max_len: int = _h("Train: drop pairs with a side longer than this many whitespace words.", default=250)
+    max_ratio: float = _h("Train: drop pairs whose word-length ratio exceeds this (Moses clean-corpus-n).", default=9.0)
+    dedup: bool = _h("Train: drop exact duplicate (src, tgt) pairs.", default=True)
+    revision: Optional[str] = _h("Hugging Face dataset revision (git tag / commit) for reproducibility.", default=None)
+
+
+@dataclass(frozen=True)
+class BpeConfig:
+    """``bpe``: the joint SentencePiece BPE model (paper section 5.1)."""
+
+    SECTION: typing.ClassVar[str] = "bpe"
+
+    vocab_size: int = _h("Joint BPE vocabulary size (paper: ~37000 en-de, 32000 en-fr).", default=8000)
+    character_coverage: float = _h("SentencePiece character coverage.", default=1.0)
+    sample_sentences: int = _h(
+        "Cap on sentences (both sides together) sampled for BPE training on big corpora.", default=10_000_000
+    )
+    threads: int = _h("Threads for training and encoding (0 = all cores).", default=0)
+    seed: int = _h("Seed for the training-sentence sample.", default=1)
+
+
+@dataclass(frozen=True)
+class BucketConfig:
+    """``bucket``: token-based batching (paper section 5.1: ~25k source + ~25k target tokens per step)."""
+
+    SECTION: typing.ClassVar[str] = "bucket"
+
+    max_tokens: int = _h("Per-batch cap on padded tokens per side (one GPU / process).", default=4096)
+    max_len: int = _h("Train pairs with a side longer than this many positions (incl. EOS) are dropped.", default=256)
+    multiple_of: int = _h("Sentence count per batch is a multiple of this (tensor-core friendly).", default=8)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """``model``: the Transformer's shape (paper section 3 and Table 3). ``null`` fields take the preset's value."""
+
+    SECTION: typing.ClassVar[str] = "model"
+
+    preset: str = _h("Preset: base, big (paper), small, tiny (CPU-sized).", default="base")
+    encoder_layers: Optional[int] = _h("N, encoder layers.", default=None)
+    decoder_layers: Optional[int] = _h("N, decoder layers.", default=None)
+    d_model: Optional[int] = _h("d_model.", default=None)
+    d_ff: Optional[int] = _h("d_ff, inner size of the feed-forward layers.", default=None)
+    heads: Optional[int] = _h("h, attention heads.", default=None)
+    d_k: Optional[int] = _h("d_k, query/key size per head (default d_model / h).", default=None)
+    d_v: Optional[int] = _h("d_v, value size per head (default d_model / h).", default=None)
+    dropout: Optional[float] = _h("P_drop on residuals and embedding sums.", default=None)
+    attention_dropout: Optional[float] = _h("Dropout on attention weights (paper: 0).", default=None)
+    relu_dropout: Optional[float] = _h("Dropout after the FFN ReLU (paper: 0).", default=None)
+    max_positions: Optional[int] = _h("Longest sequence the model accepts (positions table size).", default=None)
+
+    def resolved(self) -> "ModelConfig":
+        """Fill every ``None`` from the preset; derive d_k/d_v; validate."""
+        if self.preset not in MODEL_PRESETS:
+            raise MtpipeError(f"model.preset: unknown preset {self.preset!r} (choose from {', '.join(MODEL_PRESETS)})")
+        base = MODEL_PRESETS[self.preset]
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for k, v in base.items():
+            if values.get(k) is None:
+                values[k] = v
+        if values["d_model"] % values["heads"] and (values["d_k"] is None or values["d_v"] is None):
+            raise MtpipeError(
+                f"model: d_model={values['d_model']} is not divisible by heads={values['heads']}; set d_k and d_v"
+            )
+        for k in ("d_k", "d_v"):
+            if values[k] is None:
+                values[k] = values["d_model"] // values["heads"]
+        for k in ("dropout", "attention_dropout", "relu_dropout"):
+            if not 0.0 <= values[k] < 1.0:
+                raise MtpipeError(f"model.{k}: {values[k]} is not in [0, 1)")
+        return ModelConfig(**values)
+
+
+# Paper Table 3 rows "base" and "big"; small/tiny are sized for a laptop CPU.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "base": dict(encoder_layers=6, decoder_layers=6, d_model=512, d_ff=2048, heads=8, dropout=0.1,
+                 attention_dropout=0.0, relu_dropout=0.0, max_positions=1024),
+    "big": dict(encoder_layers=6, decoder_layers=6, d_model=1024, d_ff=4096, heads=16, dropout=0.3,
+                attention_dropout=0.0, relu_dropout=0.0, max_positions=1024),
+    "small": dict(encoder_layers=3, decoder_layers=3, d_model=256, d_ff=1024, heads=4, dropout=0.1,
+                  attention_dropout=0.0, relu_dropout=0.0, max_positions=1024),
+    "tiny": dict(encoder_layers=2, decoder_layers=2, d_model=64, d_ff=128, heads=2, dropout=0.1,
+                 attention_dropout=0.0, relu_dropout=0.0, max_positions=512),
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """``train``: optimisation (paper section 5.3-5.4), precision, stopping and checkpointing."""
+
+    SECTION: typing.ClassVar[str] = "train"
+
+    seed: int = _h("Random seed (model init, dropout, batch order).", default=1)
+    nproc: str = _h("Processes for the torchrun launcher: 'auto' (every visible GPU, else 1 CPU process) or a number.",
+                    default="auto")
+    tokens_per_update: int = _h(
+        "Target tokens per optimizer step across all processes (paper ~25000); sets gradient accumulation.",
+        default=25000,
+    )
+    max_steps: int = _h("Stop after this many updates (paper: base 100k, big 300k). 0 = no limit.", default=100_000)
+    max_epochs: int = _h("Stop after this many epochs. 0 = no limit.", default=0)
+    max_time: float = _h("Stop after this many minutes of training. 0 = no limit.", default=0.0)
+    lr_scale: float = _h("Multiplier on the paper's learning-rate formula.", default=1.0)
+    warmup: int = _h("warmup_steps of the paper's schedule.", default=4000)
+    adam_beta1: float = _h("Adam beta1.", default=0.9)
+    adam_beta2: float = _h("Adam beta2.", default=0.98)
+    adam_eps: float = _h("Adam epsilon.", default=1e-9)
+    clip_norm: float = _h("Clip the gradient norm to this (0 = no clipping).", default=0.0)
+    label_smoothing: float = _h("epsilon_ls (paper section 5.4).", default=0.1)
+    precision: str = _h("fp32, bf16 (autocast, GPU and CPU), fp16 (GPU, grad scaler) or auto.", default="auto")
+    compile: bool = _h("torch.compile the model.", default=False)
+    threads: int = _h("CPU threads per process (0 = torch's default).", default=0)
+    save_every_minutes: float = _h("Checkpoint every this many minutes (paper: 10). 0 = off.", default=10.0)
+    save_every_steps: int = _h("Checkpoint every this many updates. 0 = off.", default=0)
+    keep_last: int = _h("Keep this many most recent checkpoints (>= the average stage's count).", default=20)
+    valid_every_steps: int = _h("Validation loss/perplexity every this many updates. 0 = only at the end.",
+                                default=1000)
+    log_every_steps: int = _h("Log training metrics every this many updates.", default=10)
+    max_bad_steps: int = _h("Stop with an error after this many non-finite losses in a row.", default=5)
+
+
+@dataclass(frozen=True)
+class AverageConfig:
+    """``average``: checkpoint averaging (paper section 6.1)."""
+
+    SECTION: typing.ClassVar[str] = "average"
+
+    last: int = _h("Average the last N checkpoints by step (paper: base 5, big 20).", default=5)
+    up_to_step: Optional[int] = _h("Only consider checkpoints at or before this step.", default=None)
+    allow_fewer: bool = _h("Warn instead of failing when fewer checkpoints than asked exist.", default=False)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """``decode``: beam search (paper section 6.1: beam 4, alpha 0.6, max length input + 50)."""
+
+    SECTION: typing.ClassVar[str] = "decode"
+
+    beam: int = _h("Beam size (1 = greedy).", default=4)
+    alpha: float = _h("Length penalty alpha.", default=0.6)
+    length_penalty: str = _h("'gnmt': ((5+|Y|)/6)^alpha (tensor2tensor, the paper); 'fairseq': |Y|^alpha.",
+                             default="gnmt")
+    max_len_a: float = _h("Max output length = a * source length + b: this is a.", default=1.0)
+    max_len_b: int = _h("Max output length = a * source length + b: this is b.", default=50)
+    split: str = _h("Split of the bpe artifact to translate.", default="test")
+    max_tokens: int = _h("Source tokens per decoding batch.", default=8000)
+    nbest: int = _h("Hypotheses kept per sentence in the Parquet output.", default=1)
+    precision: str = _h("fp32 or bf16 (autocast).", default="fp32")
+    threads: int = _h("CPU threads (0 = torch's default).", default=0)
+
+
+@dataclass(frozen=True)
+class ScoreConfig:
+    """``score``: sacreBLEU metrics and the CI regression gate."""
+
+    SECTION: typing.ClassVar[str] = "score"
+
+    tokenize: str = _h("sacreBLEU tokenizer (13a is the WMT standard).", default="13a")
+    lowercase: bool = _h("Case-insensitive BLEU.", default=False)
+    split: Optional[str] = _h(
+        "Reference split of the fetch artifact (--ref DIR) when --hyp is a text file (default: test). With a "
+        "hypotheses artifact its own split is used; a different value here is an error.",
+        default=None,
+    )
+    min_bleu: Optional[float] = _h("Gate: exit with status 3 when BLEU is below this (the metrics JSON is still "
+                                   "written).", default=None)
+    max_drop: Optional[float] = _h("Gate: exit with status 3 when BLEU is more than this below the --baseline "
+                                   "metrics JSON's BLEU.", default=None)
+    paper_bleu: bool = _h("Also report the paper's tokenised, compound-split BLEU (not comparable to sacreBLEU).",
+                          default=False)
+
+
+SECTIONS: dict[str, type] = {
+    c.SECTION: c
+    for c in (FetchConfig, BpeConfig, BucketConfig, ModelConfig, TrainConfig, AverageConfig, DecodeConfig, ScoreConfig)
+}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """Resolved annotations of a section's fields (``from __future__ import annotations`` makes them strings)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def base_type(tp: Any) -> Any:
+    """``Optional[int]`` -> ``int``; anything else unchanged."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is typing.Union and len(args) == 1:
+        return args[0]
+    return tp
+
+
+def _coerce(cls: type, key: str, value: Any, tp: Any, where: str) -> Any:
+    """Check a params.yaml value against the field's type; ints are accepted for floats."""
+    if value is None:
+        if typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp):
+            return None
+        raise MtpipeError(f"{where}: {cls.SECTION}.{key} must not be null")
+    bt = base_type(tp)
+    origin = typing.get_origin(bt) or bt
+    if bt is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if bt is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if origin in (dict, list) and isinstance(value, origin):
+        return value
+    if isinstance(bt, type) and isinstance(value, bt) and not (bt is int and isinstance(value, bool)):
+        return value
+    raise MtpipeError(f"{where}: {cls.SECTION}.{key} = {value!r} is not a {getattr(bt, '__name__', bt)}")
+
+
+def make_section(cls: type, values: dict[str, Any], where: str = PARAMS_FILE) -> Any:
+    """Build a section from a mapping, failing on unknown keys (named) and wrong types."""
+    if not isinstance(values, dict):
+        raise MtpipeError(f"{where}: section '{cls.SECTION}' must be a mapping, got {type(values).__name__}")
+    types = field_types(cls)
+    unknown = [k for k in values if k not in types]
+    if unknown:
+        raise MtpipeError(
+            f"{where}: unknown key '{cls.SECTION}.{unknown[0]}' (known: {', '.join(types)})"
+        )
+    return cls(**{k: _coerce(cls, k, v, types[k], where) for k, v in values.items()})
+
+
+def load_params(path: Path | str | None = PARAMS_FILE, *, required: bool = False) -> dict[str, dict[str, Any]]:
+    """Read params.yaml into ``{section: {key: value}}``; unknown sections fail with their name.
+
+    A missing file is fine unless ``required`` (then every value is the dataclass default).
+    """
+    import yaml
+
+    path = Path(path) if path is not None else None
+    if path is None or not path.exists():
+        if required:
+            raise MtpipeError(f"{path}: params file not found")
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        first = str(e).splitlines()[0] if str(e) else "invalid YAML"
+        raise MtpipeError(f"{path}: not valid YAML ({first})") from None
+    if not isinstance(data, dict):
+        raise MtpipeError(f"{path}: top level must be a mapping of sections")
+    unknown = [k for k in data if k not in SECTIONS]
+    if unknown:
+        raise MtpipeError(f"{path}: unknown section '{unknown[0]}' (known: {', '.join(SECTIONS)})")
+    for name, values in data.items():
+        make_section(SECTIONS[name], values or {}, str(path))  # validate every section, used or not
+    return {k: (v or {}) for k, v in data.items()}
+
+
+def resolve(cls: type, params: dict[str, dict[str, Any]], overrides: dict[str, Any] | None = None,
+            where: str = PARAMS_FILE) -> Any:
+    """Section ``cls`` from defaults <- params.yaml <- ``overrides`` (CLI flags; ``None`` means not given)."""
+    values = dict(params.get(cls.SECTION, {}))
+    for k, v in (overrides or {}).items():
+        if v is not None:
+            values[k] = v
+    return make_section(cls, values, where)
+
+
+def to_dict(section: Any) -> dict[str, Any]:
+    """A section as plain data (for manifests and checkpoints)."""
+    return dataclasses.asdict(section)
+
+
+# Default artifact locations: what `mtpipe <stage>` uses with no arguments, and what dvc.yaml passes.
+PATHS: dict[str, str] = {
+    "fetch": "artifacts/fetch",
+    "bpe": "artifacts/bpe",
+    "bucket": "artifacts/bucket",
+    "train": "artifacts/train",
+    "average": "artifacts/average",
+    "decode": "artifacts/decode",
+    "score": "metrics/score.json",
+}

@@ -1,0 +1,79 @@
+"""Terminal output: one rich console (stderr), progress bars, summary tables.
+
+Everything human-facing goes to stderr so stdout stays clean for data (``mtpipe decode --input - > out.txt``).
+In a torchrun launch only rank 0 prints (``mtpipe.distributed.is_rank0``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+console = Console(stderr=True, highlight=False)
+
+
+def _quiet() -> bool:
+    # Non-zero ranks of a torchrun launch stay silent.
+    return os.environ.get("RANK", "0") != "0" or os.environ.get("MTPIPE_QUIET") == "1"
+
+
+def progress(*extra_columns: Any, transient: bool = False) -> Progress:
+    """A progress bar: description, bar, n/total, elapsed, ETA, plus any extra columns (e.g. a rate field)."""
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        *extra_columns,
+        console=console,
+        transient=transient,
+        disable=_quiet(),
+    )
+
+
+def table(title: str, columns: Iterable[str], rows: Iterable[Iterable[Any]]) -> None:
+    """Print a summary table (numbers right-aligned, thousands separated)."""
+    if _quiet():
+        return
+    cols = list(columns)
+    t = Table(title=title, title_justify="left")
+    for i, c in enumerate(cols):
+        t.add_column(c, justify="left" if i == 0 else "right")
+    for row in rows:
+        t.add_row(*[fmt(v) for v in row])
+    console.print(t)
+
+
+def fmt(v: Any) -> str:
+    if isinstance(v, bool) or v is None:
+        return "" if v is None else str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:,.4g}" if abs(v) < 1000 else f"{v:,.0f}"
+    return str(v)
+
+
+def info(msg: str) -> None:
+    if not _quiet():
+        console.print(msg)
+
+
+def warn(msg: str) -> None:
+    if not _quiet():
+        console.print(f"[yellow]warning:[/yellow] {msg}")

@@ -1,0 +1,290 @@
+"""The Transformer of Vaswani et al. (2017), "Attention Is All You Need", read top to bottom.
+
+Section 3 of the paper, with its numbers as the ``base``/``big`` presets in :mod:`mtpipe.config`:
+
+* 3.1  encoder and decoder stacks of N layers; every sub-layer is wrapped as ``LayerNorm(x + Dropout(Sublayer(x)))``
+       (post-norm, section 5.4 "Residual Dropout").
+* 3.2  multi-head scaled dot-product attention, ``softmax(QK^T / sqrt(d_k)) V`` over h heads
+       (``torch.nn.functional.scaled_dot_product_attention``: a fused kernel on CPU and GPU).
+* 3.3  position-wise feed-forward network ``max(0, x W1 + b1) W2 + b2``.
+* 3.4  one embedding matrix shared by the source embedding, the target embedding and the pre-softmax projection
+       (joint BPE vocabulary), multiplied by sqrt(d_model) in the embedding layers.
+* 3.5  sinusoidal positional encodings added to the embeddings, then dropout on the sum (section 5.4).
+
+Tensors are batch-first: ``src`` is ``[B, S]`` token ids, ``tgt`` is ``[B, T]``; hidden states are ``[B, L, d_model]``.
+Padding is on the right and uses :data:`mtpipe.artifacts.PAD_ID`.
+
+For decoding, :meth:`Transformer.encode` runs the encoder once, :meth:`Transformer.start` projects every decoder
+layer's cross-attention keys/values once, and :meth:`Transformer.step` extends each layer's self-attention key/value
+cache by one position (incremental decoding). :meth:`DecoderState.select` reorders or shrinks the batch (beam
+reordering, finished sentences leaving the batch).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mtpipe.artifacts import PAD_ID
+from mtpipe.config import ModelConfig
+from mtpipe.errors import MtpipeError
+
+# --------------------------------------------------------------------------------------------------------------------
+# 3.5 Positional encoding
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def sinusoids(length: int, d_model: int) -> Tensor:
+    """``PE(pos, 2i) = sin(pos / 10000^(2i/d_model))``, ``PE(pos, 2i+1) = cos(...)`` (section 3.5).
+
+    Sines fill the first half of the vector and cosines the second (the tensor2tensor / Marian layout): a fixed
+    permutation of the paper's interleaving, which keeps exported models compatible with those toolkits.
+    Returns ``[length, d_model]``.
+    """
+    half = d_model // 2
+    pos = torch.arange(length, dtype=torch.float64).unsqueeze(1)  # [length, 1]
+    freq = torch.pow(10000.0, -torch.arange(half, dtype=torch.float64) * 2.0 / d_model)  # [half]
+    angles = pos * freq  # [length, half]
+    pe = torch.zeros(length, d_model, dtype=torch.float64)
+    pe[:, :half] = torch.sin(angles)
+    pe[:, half : 2 * half] = torch.cos(angles)
+    return pe.float()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 3.2 Attention
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class MultiHeadAttention(nn.Module):
+    """``MultiHead(Q, K, V) = Concat(head_1..head_h) W^O`` with ``head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)``.
+
+    The h per-head projections are one matrix each (``h * d_k`` outputs). For self-attention Q, K and V come from
+    one fused ``[d_model -> h*(2 d_k + d_v)]`` matmul, for cross-attention K and V from one ``[d_model -> h*(d_k+d_v)]``
+    matmul over the encoder output: fewer, larger matmuls are faster on every backend.
+    """
+
+    def __init__(self, d_model: int, heads: int, d_k: int, d_v: int, dropout: float, self_attention: bool):
+        super().__init__()
+        self.heads, self.d_k, self.d_v, self.dropout = heads, d_k, d_v, dropout
+        self.self_attention = self_attention
+        if self_attention:
+            self.qkv = nn.Linear(d_model, heads * (2 * d_k + d_v))
+        else:
+            self.q = nn.Linear(d_model, heads * d_k)
+            self.kv = nn.Linear(d_model, heads * (d_k + d_v))
+        self.out = nn.Linear(heads * d_v, d_model)
+
+    def _split(self, x: Tensor, d: int) -> Tensor:
+        b, length, _ = x.shape
+        return x.view(b, length, self.heads, d).transpose(1, 2)  # [B, L, h*d] -> [B, h, L, d]
+
+    def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Cross-attention keys and values of the encoder output, ``[B, h, S, d_k]`` and ``[B, h, S, d_v]``."""
+        k, v = self.kv(memory).split([self.heads * self.d_k, self.heads * self.d_v], dim=-1)
+        return self._split(k, self.d_k), self._split(v, self.d_v)
+
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Self-attention queries, keys and values, each ``[B, h, L, d]``."""
+        hk, hv = self.heads * self.d_k, self.heads * self.d_v
+        q, k, v = self.qkv(x).split([hk, hk, hv], dim=-1)
+        return self._split(q, self.d_k), self._split(k, self.d_k), self._split(v, self.d_v)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool = False) -> Tensor:
+        """Scaled dot-product attention (section 3.2.1) and the output projection. ``mask``: True = may attend."""
+        p = self.dropout if self.training else 0.0
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal)  # [B, h, Lq, d_v]
+        b, _, length, _ = o.shape
+        return self.out(o.transpose(1, 2).reshape(b, length, self.heads * self.d_v))  # [B, Lq, h*d_v] -> [B, Lq, D]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 3.1 / 3.3 Layers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class FeedForward(nn.Module):
+    """``FFN(x) = max(0, x W1 + b1) W2 + b2`` (section 3.3), inner size d_ff."""
+
+    def __init__(self, d_model: int, d_ff: int, relu_dropout: float):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+        self.relu_dropout = nn.Dropout(relu_dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(self.relu_dropout(F.relu(self.w1(x))))
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention, then feed-forward; each ``LayerNorm(x + Dropout(sublayer(x)))`` (sections 3.1, 5.4)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.d_k, cfg.d_v, cfg.attention_dropout, True)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.relu_dropout)
+        self.norm1, self.norm2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
+        q, k, v = self.self_attn.project_qkv(x)
+        x = self.norm1(x + self.dropout(self.self_attn.attend(q, k, v, src_mask)))
+        return self.norm2(x + self.dropout(self.ffn(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, encoder-decoder attention, feed-forward; each sub-layer post-normed (section 3.1)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.d_k, cfg.d_v, cfg.attention_dropout, True)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.d_k, cfg.d_v, cfg.attention_dropout, False)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.relu_dropout)
+        self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, mem_k: Tensor, mem_v: Tensor, src_mask: Tensor, incremental: bool = False,
+                cache: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """``x``: ``[B, T, D]`` (training: the whole shifted target; decoding: the one new position).
+
+        Incremental: ``x`` is the newest position only and attends to itself and the cached keys/values of earlier
+        positions (``[B, h, t, d]``, None at the first step). Otherwise the causal mask keeps position i from seeing
+        positions > i (section 3.2.3). Returns the output and the keys/values to cache.
+        """
+        q, k, v = self.self_attn.project_qkv(x)
+        if incremental:
+            if cache is not None:
+                k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)  # [B, h, t+1, d]
+            a = self.self_attn.attend(q, k, v, None)
+        else:
+            a = self.self_attn.attend(q, k, v, None, causal=True)
+        x = self.norm1(x + self.dropout(a))
+        cq = self.cross_attn._split(self.cross_attn.q(x), self.cross_attn.d_k)  # [B, h, T, d_k]
+        x = self.norm2(x + self.dropout(self.cross_attn.attend(cq, mem_k, mem_v, src_mask)))
+        return self.norm3(x + self.dropout(self.ffn(x))), (k, v)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DecoderState:
+    """What incremental decoding carries from step to step, per batch row.
+
+    ``src_mask`` ``[B, 1, 1, S]``; ``cross[l]`` = layer l's encoder keys/values ``[B, h, S, d]`` (projected once);
+    ``self_kv[l]`` = layer l's self-attention keys/values of the positions decoded so far ``[B, h, t, d]``.
+    """
+
+    src_mask: Tensor
+    cross: list[tuple[Tensor, Tensor]]
+    self_kv: list[tuple[Tensor, Tensor] | None]
+    length: int = 0
+
+    def select(self, index: Tensor) -> "DecoderState":
+        """Keep/reorder batch rows (beam search reordering, dropping finished sentences)."""
+        return DecoderState(
+            src_mask=self.src_mask.index_select(0, index),
+            cross=[(k.index_select(0, index), v.index_select(0, index)) for k, v in self.cross],
+            self_kv=[None if kv is None else (kv[0].index_select(0, index), kv[1].index_select(0, index))
+                     for kv in self.self_kv],
+            length=self.length,
+        )
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer (section 3) over a joint vocabulary with three-way tied embeddings (3.4)."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int):
+        super().__init__()
+        self.cfg = cfg = cfg.resolved()
+        self.vocab_size = vocab_size
+        self.embed = nn.Embedding(vocab_size, cfg.d_model, padding_idx=PAD_ID)
+        self.scale = math.sqrt(cfg.d_model)  # 3.4: embeddings are multiplied by sqrt(d_model)
+        # Not a parameter and not saved: rebuilt from the config, so checkpoints hold learned weights only.
+        self.register_buffer("positions", sinusoids(cfg.max_positions, cfg.d_model), persistent=False)
+        self.dropout = nn.Dropout(cfg.dropout)  # 5.4: dropout on the sums of embeddings and positional encodings
+        self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform projections and N(0, d_model^-0.5) embeddings (as tensor2tensor initialised the paper's
+        models): with the sqrt(d_model) scale the embedded inputs start at unit variance, like the positions."""
+        for name, p in self.named_parameters():
+            if p.dim() == 2 and name != "embed.weight":
+                nn.init.xavier_uniform_(p)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(p)
+        nn.init.normal_(self.embed.weight, mean=0.0, std=self.cfg.d_model**-0.5)
+        with torch.no_grad():
+            self.embed.weight[PAD_ID].zero_()
+
+    # -- embeddings ----------------------------------------------------------------------------------------------
+
+    def embed_tokens(self, tokens: Tensor, offset: int = 0) -> Tensor:
+        """``Dropout(E[tokens] * sqrt(d_model) + PE[offset : offset+L])``, ``[B, L] -> [B, L, D]``."""
+        length = tokens.size(1)
+        if offset + length > self.cfg.max_positions:
+            raise MtpipeError(
+                f"sequence of {offset + length} positions exceeds model.max_positions={self.cfg.max_positions}"
+            )
+        x = self.embed(tokens) * self.scale + self.positions[offset : offset + length]
+        return self.dropout(x)
+
+    def logits(self, h: Tensor) -> Tensor:
+        """Pre-softmax projection with the shared embedding matrix (3.4): ``[..., D] -> [..., V]``."""
+        return F.linear(h, self.embed.weight)
+
+    # -- training ------------------------------------------------------------------------------------------------
+
+    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
+        """Encoder stack. Returns ``memory [B, S, D]`` and the source mask ``[B, 1, 1, S]`` (True = real token)."""
+        src_mask = (src != PAD_ID)[:, None, None, :]  # [B, S] -> [B, 1, 1, S], broadcast over heads and queries
+        x = self.embed_tokens(src)
+        for layer in self.encoder:
+            x = layer(x, src_mask)
+        return x, src_mask
+
+    def features(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """Decoder output states ``[B, T, D]`` for the shifted target ``tgt_in`` (teacher forcing)."""
+        memory, src_mask = self.encode(src)
+        x = self.embed_tokens(tgt_in)
+        for layer in self.decoder:
+            mk, mv = layer.cross_attn.project_kv(memory)
+            x, _ = layer(x, mk, mv, src_mask)
+        return x
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """Logits ``[B, T, V]`` of the next target token at every position."""
+        return self.logits(self.features(src, tgt_in))
+
+    # -- incremental decoding ------------------------------------------------------------------------------------
+
+    def start(self, memory: Tensor, src_mask: Tensor) -> DecoderState:
+        """Project every decoder layer's cross-attention keys/values once for the whole decode."""
+        cross = [layer.cross_attn.project_kv(memory) for layer in self.decoder]
+        return DecoderState(src_mask=src_mask, cross=cross, self_kv=[None] * len(self.decoder))
+
+    def step(self, tokens: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
+        """Log-probabilities ``[B, V]`` of the token after ``tokens [B]`` (the last decoded position).
+
+        Only the new position is computed; earlier positions' self-attention keys/values come from ``state``.
+        """
+        x = self.embed_tokens(tokens[:, None], offset=state.length)  # [B] -> [B, 1] -> [B, 1, D]
+        new_kv: list[tuple[Tensor, Tensor] | None] = []
+        for layer, (mk, mv), kv in zip(self.decoder, state.cross, state.self_kv):
+            x, kv = layer(x, mk, mv, state.src_mask, incremental=True, cache=kv)
+            new_kv.append(kv)
+        logp = F.log_softmax(self.logits(x[:, 0]).float(), dim=-1)  # [B, 1, D] -> [B, D] -> [B, V]
+        return logp, DecoderState(state.src_mask, state.cross, new_kv, state.length + 1)
+
+
+def build_model(model_config: dict | ModelConfig, vocab_size: int) -> Transformer:
+    """A Transformer from a (checkpoint's) config dict or a :class:`ModelConfig`."""
+    cfg = model_config if isinstance(model_config, ModelConfig) else ModelConfig(**model_config)
+    return Transformer(cfg, vocab_size)

@@ -1,0 +1,106 @@
+"""params.yaml loading, strictness, and CLI flags overriding it."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mtpipe.cli import app
+from mtpipe.config import SECTIONS, BpeConfig, ModelConfig, field_types, load_params, resolve
+from mtpipe.errors import MtpipeError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_repo_params_yaml_is_valid():
+    params = load_params(REPO / "params.yaml", required=True)
+    for name, cls in SECTIONS.items():
+        resolve(cls, params)  # every section builds
+    assert resolve(ModelConfig, params).resolved().d_model > 0
+
+
+def test_unknown_key_fails_with_its_name(tmp_path: Path):
+    p = tmp_path / "params.yaml"
+    p.write_text("bpe:\n  vocab_size: 100\n  vocab_sise: 3\n")
+    with pytest.raises(MtpipeError, match=r"bpe\.vocab_sise"):
+        load_params(p)
+
+
+def test_unknown_section_fails_with_its_name(tmp_path: Path):
+    p = tmp_path / "params.yaml"
+    p.write_text("bpee:\n  vocab_size: 100\n")
+    with pytest.raises(MtpipeError, match="bpee"):
+        load_params(p)
+
+
+def test_wrong_type_fails(tmp_path: Path):
+    p = tmp_path / "params.yaml"
+    p.write_text("bpe:\n  vocab_size: lots\n")
+    with pytest.raises(MtpipeError, match=r"bpe\.vocab_size"):
+        load_params(p)
+
+
+def test_sections_are_frozen():
+    cfg = BpeConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.vocab_size = 3  # type: ignore[misc]
+
+
+def test_precedence_default_file_flag(tmp_path: Path):
+    p = tmp_path / "params.yaml"
+    p.write_text("bpe:\n  vocab_size: 1234\n  threads: 2\n")
+    params = load_params(p)
+    assert resolve(BpeConfig, params).vocab_size == 1234
+    assert resolve(BpeConfig, params, {"vocab_size": 99, "threads": None}).vocab_size == 99
+    assert resolve(BpeConfig, params, {"vocab_size": 99, "threads": None}).threads == 2
+    assert resolve(BpeConfig, {}).vocab_size == BpeConfig().vocab_size
+
+
+def test_presets_fill_only_unset_fields():
+    cfg = ModelConfig(preset="base", heads=16).resolved()
+    assert (cfg.d_model, cfg.d_ff, cfg.heads, cfg.d_k) == (512, 2048, 16, 32)
+    big = ModelConfig(preset="big").resolved()
+    assert (big.d_model, big.d_ff, big.heads, big.dropout) == (1024, 4096, 16, 0.3)
+    with pytest.raises(MtpipeError, match="preset"):
+        ModelConfig(preset="huge").resolved()
+
+
+def _help(cmd: str) -> str:
+    res = CliRunner().invoke(app, [cmd, "--help"], env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+@pytest.mark.parametrize("cmd,sections", [
+    ("fetch", ["fetch"]), ("bpe", ["bpe"]), ("bucket", ["bucket"]), ("train", ["model", "train"]),
+    ("average", ["average"]), ("decode", ["decode"]), ("score", ["score"]),
+])
+def test_every_params_key_is_a_flag(cmd: str, sections: list[str]):
+    text = _help(cmd)
+    for s in sections:
+        for key in field_types(SECTIONS[s]):
+            assert "--" + key.replace("_", "-") in text, f"{cmd} lacks --{key}"
+
+
+def test_help_and_version_do_not_import_torch():
+    code = ("import sys; from mtpipe.cli import app\n"
+            "try:\n    app(['--help'])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported at start-up'\n"
+            "assert 'pyarrow' not in sys.modules, 'pyarrow imported at start-up'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    out = subprocess.run([sys.executable, "-m", "mtpipe", "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("mtpipe ")
+
+
+def test_bad_params_file_is_a_one_line_error(tmp_path: Path):
+    p = tmp_path / "params.yaml"
+    p.write_text("bucket:\n  max_tokenz: 3\n")
+    res = CliRunner().invoke(app, ["bucket", "--params", str(p)])
+    assert res.exit_code == 1
+    assert "max_tokenz" in res.output and str(p) in res.output
+    assert len(res.output.strip().splitlines()) == 1
