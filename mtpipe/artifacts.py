@@ -224,6 +224,9 @@ class ArtifactWriter:
     def __enter__(self) -> "ArtifactWriter":
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self.tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the artifact should get the usual permissions
         return self
 
     def path(self, name: str) -> Path:

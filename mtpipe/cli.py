@@ -123,7 +123,8 @@ def stage_command(name: str, sections: list[type], opts: list[Opt] = (), help: s
                 impl(SimpleNamespace(**cfg), SimpleNamespace(**kwargs), params)
             except MtpipeError as e:
                 typer.echo(f"error: {e}", err=True)
-                raise typer.Exit(1) from None
+                # 1 = bad input; a subclass may set another status (score's gate failure: 3).
+                raise typer.Exit(getattr(e, "exit_code", 1)) from None
             except KeyboardInterrupt:
                 typer.echo("interrupted", err=True)
                 raise typer.Exit(130) from None
@@ -221,8 +222,8 @@ def train(cfg: SimpleNamespace, opts: SimpleNamespace, params: dict) -> None:
     [AverageConfig],
     [
         Opt("run", Path, Path(PATHS["train"]), "Input: the train output directory.", ("--run",)),
-        Opt("checkpoints", Optional[list[Path]], None, "Average exactly these checkpoint directories instead.",
-            ("--checkpoint",)),
+        Opt("checkpoints", Optional[list[Path]], None,
+            "Average exactly this checkpoint directory instead (repeat the option for each).", ("--checkpoint",)),
         Opt("out", Path, Path(PATHS["average"]), "Output checkpoint directory.", ("--out",)),
     ],
 )
@@ -243,11 +244,13 @@ def average(cfg: SimpleNamespace, opts: SimpleNamespace, params: dict) -> None:
             ("--tokens",)),
         Opt("input", Optional[Path], None, "Translate raw text from this file ('-' = stdin) instead of --split.",
             ("--input",)),
-        Opt("out", Path, Path(PATHS["decode"]), "Output directory (hypotheses .txt and .parquet).", ("--out",)),
+        Opt("out", Optional[Path], None,
+            f"Output directory (hypotheses .txt and .parquet). Default with --split: {PATHS['decode']}; with "
+            "--input the translations go to stdout, and also to this directory when it is given.", ("--out",)),
     ],
 )
 def decode(cfg: SimpleNamespace, opts: SimpleNamespace, params: dict) -> None:
-    """Translate with batched beam search."""
+    """Translate with batched beam search (a bpe split, or raw text from --input FILE or '-' = stdin)."""
     from mtpipe.decode import run
 
     run(cfg.decode, checkpoint=opts.checkpoint, tokens=opts.tokens, input=opts.input, out=opts.out)
@@ -264,7 +267,7 @@ def decode(cfg: SimpleNamespace, opts: SimpleNamespace, params: dict) -> None:
     ],
 )
 def score(cfg: SimpleNamespace, opts: SimpleNamespace, params: dict) -> None:
-    """BLEU, chrF2 and TER with sacreBLEU; exits non-zero when a gate fails."""
+    """BLEU, chrF2 and TER with sacreBLEU. Exit status: 0 ok, 1 bad input, 3 gate failed (metrics still written)."""
     from mtpipe.score import run
 
     run(cfg.score, hyp=opts.hyp, ref=opts.ref, baseline=opts.baseline, out=opts.out)

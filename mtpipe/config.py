@@ -172,6 +172,9 @@ class TrainConfig:
                                 default=1000)
     log_every_steps: int = _h("Log training metrics every this many updates.", default=10)
     max_bad_steps: int = _h("Stop with an error after this many non-finite losses in a row.", default=5)
+    device: str = _h("auto (cuda:LOCAL_RANK when a GPU is visible, else cpu), cpu or cuda.", default="auto")
+    max_restarts: int = _h("torchrun --max-restarts for the stages/train.py launcher: a crashed worker group is "
+                           "restarted and resumes from the last checkpoint.", default=0)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,322 @@
+"""``mtpipe score``: sacreBLEU BLEU, chrF2 and TER with their signatures, and the CI regression gate.
+
+The paper (section 6.1, Table 2) reports BLEU on newstest2014 as computed by tensor2tensor's ``get_ende_bleu.sh``:
+tokenised text, hyphenated compounds split, ``multi-bleu.perl``. Those numbers depend on the tokeniser and are not
+comparable across papers, which is why the headline metric here is sacreBLEU (Post, 2018): detokenised hypotheses
+against untouched references, 13a tokenisation, mixed case, reported with its signature. The paper-style number is
+offered with ``--paper-bleu`` and is always labelled as not comparable to sacreBLEU.
+
+Inputs:
+
+* hypotheses: a text file (one per line, ``.gz`` allowed), or decode's output directory (a ``hypotheses`` artifact,
+  see the contract in :mod:`mtpipe.artifacts`);
+* references: a text file, or the fetch artifact (``corpus``: ``{split}.parquet``, column ``tgt``). A hypotheses
+  artifact of a corpus split is paired with the references **by id**, so row order never matters; otherwise the
+  i-th hypothesis (in id order for an artifact) goes with the i-th reference (in id order for an artifact).
+
+Text files are read as sacreBLEU's command line reads them (lines split on ``\\n`` only, trailing whitespace
+removed), so ``mtpipe score`` and ``sacrebleu REF -i HYP`` agree on the same files.
+
+Output: a metrics JSON (written atomically) that DVC reads as metrics: ``bleu``, ``chrf``, ``ter``, BLEU's ``bp``,
+``ratio``, ``hyp_len``, ``ref_len``, ``p1``..``p4``, the number of segments ``n``, ``signatures``, the ``inputs``,
+the ``gate`` outcome, and ``paper_bleu`` when asked for.
+
+Exit status: 0 when scored (and every gate passed); 1 on bad input (nothing is written); 3 when a gate fails
+(``--min-bleu``, or ``--baseline`` with ``--max-drop``). On a gate failure the metrics JSON **is still written**, so
+CI keeps the numbers that failed; the error message says so.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from mtpipe import artifacts
+from mtpipe.config import ScoreConfig
+from mtpipe.console import info, table, warn
+from mtpipe.errors import MtpipeError
+
+GATE_EXIT_CODE = 3
+
+# tensor2tensor's get_ende_bleu.sh splits hyphenated compounds with perl's s{(\S)-(\S)}{$1 ##AT##-##AT## $2}g;
+# Python's re.sub scans non-overlapping matches left to right exactly like perl's /g, so "a-b-c" becomes
+# "a ##AT##-##AT## b-c" here as there.
+_COMPOUND = re.compile(r"(\S)-(\S)")
+PAPER_BLEU_NAME = "paper BLEU (not sacreBLEU)"
+PAPER_BLEU_NOTE = ("13a-tokenised, compound-split (##AT##-##AT##), multi-bleu.perl-style BLEU, the kind of number the "
+                   "paper reports (27.3 base / 28.4 big on newstest2014); NOT comparable to sacreBLEU scores")
+
+
+class GateFailed(MtpipeError):
+    """A regression gate failed. The CLI exits with :data:`GATE_EXIT_CODE`, not 1, so CI can tell a worse model
+    from a broken run."""
+
+    exit_code = GATE_EXIT_CODE
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reading hypotheses and references
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def read_lines(path: Path, what: str) -> list[str]:
+    """Lines of a UTF-8 text file (``.gz`` allowed), split on ``\\n`` only and right-stripped, as sacreBLEU does."""
+    if not path.exists():
+        raise MtpipeError(f"{path}: {what} file not found")
+    try:
+        opener = gzip.open if path.suffix == ".gz" else open
+        # newline="\n": a stray \r or \u2028 inside a sentence must not split it (sacreBLEU reads the same way).
+        with opener(path, "rt", encoding="utf-8", newline="\n") as f:
+            return [line.rstrip() for line in f]
+    except UnicodeDecodeError as e:
+        raise MtpipeError(f"{path}: {what} file is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except (OSError, EOFError) as e:
+        raise MtpipeError(f"{path}: cannot read {what} file ({e})") from None
+
+
+def _read_hypotheses(hyp: Path) -> tuple[dict[int, str] | list[str], str | None]:
+    """Hypotheses as ``{id: text}`` (an artifact of a corpus split) or a list (a text file / raw-text decode),
+    plus the artifact's corpus split (None for a list)."""
+    if not hyp.exists():
+        raise MtpipeError(f"{hyp}: hypotheses not found (a text file, or decode's output directory)")
+    if not hyp.is_dir():
+        return read_lines(hyp, "hypotheses"), None
+    m = artifacts.read_manifest(hyp, "hypotheses")
+    split = m.extra.get("split")
+    if split is not None:
+        name = f"{split}.parquet"
+    else:
+        parquets = sorted(n for n in m.files if n.endswith(".parquet"))
+        if len(parquets) != 1:
+            raise MtpipeError(f"{hyp}: manifest has no extra.split and {len(parquets)} Parquet files; cannot tell "
+                              "which one holds the hypotheses")
+        name = parquets[0]
+    t = artifacts.read_table(hyp, name, "hypotheses", columns=["id", "hypothesis"])
+    ids = t.column("id").to_pylist()
+    texts = [(h or "").rstrip() for h in t.column("hypothesis").to_pylist()]
+    by_id = dict(zip(ids, texts))
+    if len(by_id) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise MtpipeError(f"{hyp / name}: hypothesis id {dup} occurs more than once")
+    if split is None:
+        return [by_id[i] for i in sorted(by_id)], None
+    return by_id, str(split)
+
+
+def _read_reference_split(ref: Path, split: str) -> dict[int, str]:
+    """``{id: tgt}`` of one split of the fetch artifact."""
+    have = artifacts.splits_of(ref, "corpus")
+    if split not in have:
+        raise MtpipeError(f"{ref}: no split '{split}' in the reference artifact (it has: {', '.join(have) or 'none'})")
+    t = artifacts.read_table(ref, f"{split}.parquet", "corpus", columns=["id", "tgt"])
+    return {i: (s or "").rstrip() for i, s in zip(t.column("id").to_pylist(), t.column("tgt").to_pylist())}
+
+
+def load_pairs(cfg: ScoreConfig, hyp: Path, ref: Path) -> tuple[list[str], list[str], str | None]:
+    """Aligned (hypotheses, references, reference split) after every input check."""
+    hyps, hyp_split = _read_hypotheses(hyp)
+    if not hyps:
+        raise MtpipeError(f"{hyp}: no hypotheses (empty{' file' if not hyp.is_dir() else ''})")
+    if hyp_split is not None and cfg.split is not None and cfg.split != hyp_split:
+        raise MtpipeError(f"score.split: '{cfg.split}' given, but {hyp} holds hypotheses of split '{hyp_split}'")
+    split = hyp_split or cfg.split or "test"
+
+    if not ref.exists():
+        raise MtpipeError(f"{ref}: references not found (a text file, or the fetch artifact directory)")
+    if not ref.is_dir():
+        refs = read_lines(ref, "reference")
+        ref_desc, split = str(ref), None
+        if isinstance(hyps, dict):  # pair in id order: the corpus order the reference file was made from
+            hyps = [hyps[i] for i in sorted(hyps)]
+    else:
+        by_id = _read_reference_split(ref, split)
+        ref_desc = f"{ref} (split '{split}')"
+        if isinstance(hyps, dict):
+            missing = [i for i in hyps if i not in by_id]
+            if missing:
+                raise MtpipeError(f"{hyp}: {len(missing)} hypothesis ids are not in the references {ref_desc} "
+                                  f"(first: {sorted(missing)[0]}); were they decoded from another corpus?")
+            if len(hyps) != len(by_id):
+                raise MtpipeError(f"{hyp} has {len(hyps)} hypotheses but {ref_desc} has {len(by_id)} references")
+            order = sorted(hyps)
+            return [hyps[i] for i in order], [by_id[i] for i in order], split
+        refs = [by_id[i] for i in sorted(by_id)]
+    if len(hyps) != len(refs):
+        raise MtpipeError(f"{hyp} has {len(hyps)} hypotheses but {ref_desc} has {len(refs)} references")
+    return list(hyps), refs, split
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def compound_split(text: str) -> str:
+    """Split hyphenated compounds as tensor2tensor's get_ende_bleu.sh: ``a-b`` -> ``a ##AT##-##AT## b``."""
+    return _COMPOUND.sub(r"\1 ##AT##-##AT## \2", text)
+
+
+def paper_bleu(hyps: list[str], refs: list[str]) -> tuple[float, str]:
+    """The paper's kind of BLEU (section 6.1): tokenise both sides (sacreBLEU's 13a tokeniser stands in for Moses'
+    tokenizer.perl: both keep word-internal hyphens), split compounds, then corpus BLEU on whitespace tokens with no
+    smoothing and case kept, as multi-bleu.perl computes it. Returns (score, signature)."""
+    import sacrebleu
+    from sacrebleu.metrics import BLEU
+    from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
+
+    tok = Tokenizer13a()
+    h = [compound_split(tok(x)) for x in hyps]
+    r = [compound_split(tok(x)) for x in refs]
+    score = BLEU(tokenize="none", smooth_method="none").corpus_score(h, [r]).score
+    sig = f"nrefs:1|case:mixed|tok:13a+compound-split|smooth:none|version:{sacrebleu.__version__}|NOT-sacreBLEU"
+    return float(score), sig
+
+
+def compute(cfg: ScoreConfig, hyps: list[str], refs: list[str]) -> dict[str, Any]:
+    """BLEU (cfg.tokenize, cfg.lowercase), chrF2 and TER (sacreBLEU defaults) and, if asked, the paper's BLEU."""
+    from sacrebleu.metrics import BLEU, CHRF, TER
+
+    if cfg.tokenize not in BLEU.TOKENIZERS:
+        raise MtpipeError(f"score.tokenize: unknown sacreBLEU tokenizer '{cfg.tokenize}' "
+                          f"(choose from {', '.join(BLEU.TOKENIZERS)})")
+    try:
+        bleu_metric = BLEU(tokenize=cfg.tokenize, lowercase=cfg.lowercase)
+    except (ImportError, OSError, RuntimeError) as e:  # e.g. ja-mecab without its package, spm offline
+        raise MtpipeError(f"score.tokenize: sacreBLEU tokenizer '{cfg.tokenize}' is unavailable ({e})") from None
+    chrf_metric, ter_metric = CHRF(), TER()
+    info(f"scoring {len(hyps):,} segments")
+    bleu = bleu_metric.corpus_score(hyps, [refs])
+    chrf = chrf_metric.corpus_score(hyps, [refs])
+    ter = ter_metric.corpus_score(hyps, [refs])
+    metrics: dict[str, Any] = {
+        "bleu": float(bleu.score),
+        "chrf": float(chrf.score),
+        "ter": float(ter.score),
+        "n": len(hyps),
+        "bp": float(bleu.bp),
+        "ratio": float(bleu.ratio),
+        "hyp_len": int(bleu.sys_len),
+        "ref_len": int(bleu.ref_len),
+        **{f"p{i + 1}": float(p) for i, p in enumerate(bleu.precisions)},
+        "signatures": {
+            "bleu": str(bleu_metric.get_signature()),
+            "chrf": str(chrf_metric.get_signature()),
+            "ter": str(ter_metric.get_signature()),
+        },
+    }
+    if cfg.paper_bleu:
+        metrics["paper_bleu"], metrics["signatures"]["paper_bleu"] = paper_bleu(hyps, refs)
+    return metrics
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Gate
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def read_baseline(path: Path) -> dict[str, Any]:
+    """A previous metrics JSON with a numeric ``bleu``."""
+    if not path.exists():
+        raise MtpipeError(f"{path}: baseline metrics file not found")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MtpipeError(f"{path}: baseline is not a metrics JSON ({e})") from None
+    bleu = data.get("bleu") if isinstance(data, dict) else None
+    if isinstance(bleu, bool) or not isinstance(bleu, (int, float)) or not math.isfinite(bleu):
+        raise MtpipeError(f"{path}: baseline has no numeric 'bleu' (is it an `mtpipe score` metrics JSON?)")
+    return data
+
+
+def _strip_version(sig: str) -> str:
+    return "|".join(p for p in sig.split("|") if not p.startswith("version:"))
+
+
+def check_gates(cfg: ScoreConfig, metrics: dict[str, Any], baseline: Path | None,
+                base: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
+    """(the ``gate`` entry of the metrics JSON, the failure messages)."""
+    bleu = metrics["bleu"]
+    failures = []
+    if cfg.min_bleu is not None and bleu < cfg.min_bleu:
+        failures.append(f"BLEU {bleu:.2f} is below --min-bleu {cfg.min_bleu:.2f}")
+    base_bleu = None
+    if base is not None:
+        base_bleu = float(base["bleu"])
+        base_sig = (base.get("signatures") or {}).get("bleu")
+        if isinstance(base_sig, str) and _strip_version(base_sig) != _strip_version(metrics["signatures"]["bleu"]):
+            warn(f"baseline {baseline} was scored with BLEU signature {base_sig}, this run with "
+                 f"{metrics['signatures']['bleu']}: the comparison may be meaningless")
+        if bleu < base_bleu - cfg.max_drop:
+            failures.append(f"BLEU {bleu:.2f} is {base_bleu - bleu:.2f} below the baseline {base_bleu:.2f} of "
+                            f"{baseline} (--max-drop {cfg.max_drop:.2f}, so at least {base_bleu - cfg.max_drop:.2f} "
+                            "is needed)")
+    gate = {
+        "min_bleu": cfg.min_bleu,
+        "baseline": str(baseline) if baseline is not None else None,
+        "baseline_bleu": base_bleu,
+        "max_drop": cfg.max_drop if base is not None else None,
+        "passed": not failures,
+    }
+    return gate, failures
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Stage
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def run(cfg: ScoreConfig, hyp: Path, ref: Path, baseline: Path | None, out: Path) -> dict[str, Any]:
+    """Score ``hyp`` against ``ref``, write the metrics JSON to ``out``, apply the gates.
+
+    Raises :class:`MtpipeError` (exit 1, nothing written) on bad input, :class:`GateFailed` (exit 3, metrics JSON
+    written) when a gate fails. Returns the metrics.
+    """
+    hyp, ref, out = Path(hyp), Path(ref), Path(out)
+    # Bad input must fail before anything is written, so every check (baseline included) comes first.
+    if cfg.max_drop is not None and cfg.max_drop < 0:
+        raise MtpipeError(f"score.max_drop: {cfg.max_drop} must be >= 0")
+    if baseline is not None and cfg.max_drop is None:
+        raise MtpipeError(f"--baseline {baseline}: also give --max-drop (how many BLEU points below it fail)")
+    if cfg.max_drop is not None and baseline is None:
+        warn("score.max_drop is set but no --baseline was given: the drop gate is not applied")
+    for p in (hyp, ref):
+        if p.exists() and not p.is_dir() and out.exists() and out.resolve() == p.resolve():
+            raise MtpipeError(f"--out {out}: is the input {p}; choose another metrics path")
+    base = read_baseline(Path(baseline)) if baseline is not None else None
+
+    hyps, refs, split = load_pairs(cfg, hyp, ref)
+    metrics = compute(cfg, hyps, refs)
+    metrics["inputs"] = {"hyp": str(hyp), "ref": str(ref), "split": split}
+    metrics["gate"], failures = check_gates(cfg, metrics, baseline, base)
+
+    artifacts.atomic_write_text(out, json.dumps(metrics, indent=2) + "\n")
+
+    # Signatures go on their own lines: in a table a narrow terminal would truncate them, and they are meant to be
+    # copied into papers verbatim.
+    rows = [("BLEU", f"{metrics['bleu']:.2f}"), ("chrF2", f"{metrics['chrf']:.2f}"), ("TER", f"{metrics['ter']:.2f}")]
+    if "paper_bleu" in metrics:
+        rows.append((PAPER_BLEU_NAME, f"{metrics['paper_bleu']:.2f}"))
+    table(f"sacreBLEU, {metrics['n']:,} segments", ["metric", "score"], rows)
+    info(f"BLEU {' / '.join(f'{metrics[k]:.1f}' for k in ('p1', 'p2', 'p3', 'p4'))} (BP = {metrics['bp']:.3f}, "
+         f"ratio = {metrics['ratio']:.3f}, hyp_len = {metrics['hyp_len']:,}, ref_len = {metrics['ref_len']:,})")
+    for name, key in (("BLEU", "bleu"), ("chrF2", "chrf"), ("TER", "ter"), (PAPER_BLEU_NAME, "paper_bleu")):
+        if key in metrics["signatures"]:
+            info(f"{name} signature: {metrics['signatures'][key]}")
+    if "paper_bleu" in metrics:
+        info(f"{PAPER_BLEU_NAME}: {PAPER_BLEU_NOTE}")
+    info(f"metrics written to {out}")
+
+    if failures:
+        raise GateFailed("gate failed: " + "; ".join(failures) + f" (metrics still written to {out})")
+    if cfg.min_bleu is not None or base is not None:
+        checks = []
+        if cfg.min_bleu is not None:
+            checks.append(f">= --min-bleu {cfg.min_bleu:.2f}")
+        if base is not None:
+            checks.append(f">= baseline {metrics['gate']['baseline_bleu']:.2f} - --max-drop {cfg.max_drop:.2f}")
+        info(f"[green]gate passed[/green]: BLEU {metrics['bleu']:.2f} {' and '.join(checks)}")
+    return metrics
