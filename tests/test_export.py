@@ -1,0 +1,425 @@
+"""`mtpipe export`: a small trained model exported to CTranslate2 decodes like mtpipe (same log-probabilities, same
+greedy output, mtpipe's scores and length limits at beam 4), quantised and odd-shaped models export, the Hugging Face
+Marian export computes the same logits, and bad input fails with one line and writes nothing."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+import torch.nn.functional as F
+from typer.testing import CliRunner
+
+ctranslate2 = pytest.importorskip("ctranslate2")
+
+from mtpipe import artifacts  # noqa: E402
+from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: E402
+from mtpipe.cli import app  # noqa: E402
+from mtpipe.config import DecodeConfig, ModelConfig, to_dict  # noqa: E402
+from mtpipe.decode import translate  # noqa: E402
+from mtpipe.errors import MtpipeError  # noqa: E402
+from mtpipe.export import ct2_translate, export_ctranslate2, load_ct2  # noqa: E402
+from mtpipe.model import Transformer  # noqa: E402
+
+ALPHA = 0.6
+
+# --------------------------------------------------------------------------------------------------------------------
+# A real SentencePiece model and a tiny Transformer trained on 20 of 80 sentence pairs
+# --------------------------------------------------------------------------------------------------------------------
+
+SUBJECTS = [("the dog", "der hund"), ("the cat", "die katze"), ("a man", "ein mann"), ("a woman", "eine frau"),
+            ("the child", "das kind")]
+VERBS = [("sees", "sieht"), ("likes", "mag"), ("eats", "isst"), ("finds", "findet")]
+OBJECTS = [("an apple", "einen apfel"), ("a ball", "einen ball"), ("the house", "das haus"), ("a book", "ein buch")]
+ODD = ["the the the dog", "zebra", ".", "a", "the dog sees the dog sees the dog sees a book and an apple ."]
+
+
+def corpus() -> list[tuple[str, str]]:
+    return [(f"{s} {v} {o} .", f"{sd} {vd} {od} .") for (s, sd), (v, vd), (o, od)
+            in itertools.product(SUBJECTS, VERBS, OBJECTS)]
+
+
+def make_spm(root: Path, name: str, vocab_size: int):
+    import sentencepiece as spm
+
+    text = root / f"{name}.txt"
+    text.write_text("".join(f"{s}\n{t}\n" for s, t in corpus()), encoding="utf-8")
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(root / name), vocab_size=vocab_size,
+                                   model_type="bpe", pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+                                   hard_vocab_limit=False, minloglevel=2)
+    return spm.SentencePieceProcessor(model_file=str(root / f"{name}.model"))
+
+
+def make_tokens(root: Path, name: str, spm_file: Path, sp) -> Path:
+    """A minimal bpe artifact: spm.model, its hash and size in the manifest, and a test split."""
+    out = root / name
+    pairs = corpus()
+    with artifacts.ArtifactWriter(out, "tokens") as w:
+        w.write_table("test.parquet", pa.table({"id": list(range(len(pairs))),
+                                                "src": [sp.encode(s) for s, _ in pairs],
+                                                "tgt": [sp.encode(t) for _, t in pairs]}))
+        shutil.copy(spm_file, w.path("spm.model"))
+        w.extra.update({"spm_sha256": artifacts.file_hash(w.path("spm.model")), "vocab_size": sp.get_piece_size()})
+    return out
+
+
+def save(model: Transformer, out: Path, spm_file: Path, step: int = 300) -> Path:
+    artifacts.write_checkpoint(out, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
+                               vocab={"spm_sha256": artifacts.file_hash(spm_file), "size": model.vocab_size},
+                               step=step)
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread is faster, and the test shares 2 cores with others
+    root = tmp_path_factory.mktemp("export")
+    sp = make_spm(root, "spm", 90)
+    tokens = make_tokens(root, "tokens", root / "spm.model", sp)
+    pairs = corpus()
+    train = pairs[::4]  # 20 pairs; the other 60 are new combinations of the same words
+    src = [sp.encode(s) for s, _ in train]
+    tgt = [sp.encode(t) for _, t in train]
+    torch.manual_seed(0)
+    vocab = sp.get_piece_size()
+    model = Transformer(ModelConfig(preset="tiny", dropout=0.0, max_positions=64), vocab)
+    pad = lambda seqs: torch.nn.utils.rnn.pad_sequence([torch.tensor(s) for s in seqs], batch_first=True)  # noqa: E731
+    s = pad([x + [EOS_ID] for x in src])  # [B, S]
+    t_in, t_out = pad([[BOS_ID] + y for y in tgt]), pad([y + [EOS_ID] for y in tgt])  # [B, T]
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(300):
+        loss = F.cross_entropy(model(s, t_in).view(-1, vocab), t_out.view(-1), ignore_index=PAD_ID)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    ckpt = save(model, root / "ckpt", root / "spm.model")
+    ct2_dir = root / "ct2"
+    export_ctranslate2(ckpt, tokens, ct2_dir)
+    sources = [sp.encode(a) for a, _ in pairs] + [sp.encode(x) for x in ODD]
+    yield {"root": root, "sp": sp, "tokens": tokens, "checkpoint": ckpt, "model": model, "ct2_dir": ct2_dir,
+           "ct2": load_ct2(ct2_dir, threads=1), "sources": sources, "train_ids": list(range(0, 80, 4))}
+    torch.set_num_threads(threads)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Independent references computed with the mtpipe model
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def greedy(model: Transformer, src: list[int], max_len: int) -> list[int]:
+    """Argmax decoding with the model's incremental API; PAD and BOS are never chosen; at most max_len tokens."""
+    memory, mask = model.encode(torch.tensor([src + [EOS_ID]]))
+    state = model.start(memory, mask)
+    token, out = BOS_ID, []
+    while len(out) < max_len:
+        logp, state = model.step(torch.tensor([token]), state)
+        logp[0, [PAD_ID, BOS_ID]] = float("-inf")
+        token = int(logp[0].argmax())
+        if token == EOS_ID:
+            break
+        out.append(token)
+    return out
+
+
+@torch.no_grad()
+def logp_of(model: Transformer, src: list[int], hyp: list[int], renormalised: bool = False) -> float:
+    """log P(hyp + EOS | src) by teacher forcing. ``renormalised``: PAD and BOS masked before the log-softmax (how
+    CTranslate2 computes the log-probabilities of a search that suppresses them)."""
+    logits = model(torch.tensor([src + [EOS_ID]]), torch.tensor([[BOS_ID] + hyp]))[0]  # [T, V]
+    if renormalised:
+        logits[:, [PAD_ID, BOS_ID]] = float("-inf")
+    logp = F.log_softmax(logits.float(), dim=-1)
+    return sum(float(logp[t, y]) for t, y in enumerate(hyp + [EOS_ID]))
+
+
+def lp(kind: str, n: int) -> float:
+    return ((5 + n) / 6) ** ALPHA if kind == "gnmt" else n**ALPHA
+
+
+def limit(src: list[int], a: float, b: int, max_positions: int = 64) -> int:
+    return max(0, min(math.floor(a * len(src) + b), max_positions - 1))
+
+
+def expected_score(model: Transformer, src: list[int], hyp: list[int], kind: str, max_len: int) -> float:
+    """The score ct2_translate promises: mtpipe's formula; a hypothesis that ended with its own EOS carries
+    CTranslate2's renormalised log-probabilities, one cut at the limit is re-scored exactly (forced EOS)."""
+    cut = len(hyp) == max_len
+    return logp_of(model, src, hyp, renormalised=not cut) / lp(kind, len(hyp) + 1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The exported directory
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_export_is_a_ctranslate2_model_with_the_spm_model_and_lineage(world):
+    d = world["ct2_dir"]
+    m = artifacts.read_manifest(d, "export")
+    for name in ("model.bin", "config.json", "shared_vocabulary.json", "spm.model"):
+        assert (d / name).is_file() and name in m.files
+    assert (d / "spm.model").read_bytes() == (world["tokens"] / "spm.model").read_bytes()
+    assert m.upstream["checkpoint"] == artifacts.manifest_hash(world["checkpoint"])
+    assert m.upstream["tokens"] == artifacts.manifest_hash(world["tokens"])
+    assert m.extra["format"] == "ctranslate2" and m.extra["quantization"] == "none"
+    assert m.extra["checkpoint_step"] == 300 and m.extra["max_positions"] == 64
+    sp = world["sp"]
+    vocab = json.loads((d / "shared_vocabulary.json").read_text(encoding="utf-8"))
+    assert vocab == [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    assert vocab[:4] == ["<pad>", "<unk>", "<s>", "</s>"]
+    config = json.loads((d / "config.json").read_text(encoding="utf-8"))
+    assert config["decoder_start_token"] == "<s>" and config["eos_token"] == "</s>"
+    assert config["add_source_eos"] is True and config["add_source_bos"] is False
+    assert config["layer_norm_epsilon"] == pytest.approx(1e-5)
+
+
+def test_ctranslate2_log_probabilities_equal_mtpipe_teacher_forcing(world):
+    """The whole mapping at once: every target token's log-probability under CTranslate2 is the model's."""
+    sp, model = world["sp"], world["model"]
+    pairs = corpus()
+    src = [sp.encode(s, out_type=str) for s, _ in pairs]
+    tgt = [sp.encode(t, out_type=str) for _, t in pairs]
+    scored = world["ct2"].translator.score_batch(src, tgt)
+    worst = 0.0
+    for (s, t), r in zip(pairs, scored):
+        si, ti = sp.encode(s), sp.encode(t)
+        with torch.no_grad():
+            logp = F.log_softmax(model(torch.tensor([si + [EOS_ID]]), torch.tensor([[BOS_ID] + ti]))[0], -1)
+        ref = [float(logp[j, y]) for j, y in enumerate(ti + [EOS_ID])]
+        assert len(r.log_probs) == len(ref)
+        worst = max(worst, max(abs(a - b) for a, b in zip(ref, r.log_probs)))
+    assert worst < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["gnmt", "fairseq"])
+def test_greedy_output_equals_mtpipe_greedy(world, kind):
+    model, sources = world["model"], world["sources"]
+    got = ct2_translate(world["ct2"], sources, beam=1, alpha=ALPHA, length_penalty=kind, max_len_a=1.0, max_len_b=5)
+    for src, hyps in zip(sources, got):
+        max_len = limit(src, 1.0, 5)
+        ref = greedy(model, src, max_len)
+        assert hyps[0].ids == ref
+        assert hyps[0].pieces == [world["sp"].id_to_piece(t) for t in ref]
+        assert hyps[0].score == pytest.approx(expected_score(model, src, ref, kind, max_len), abs=1e-4)
+    # the test means something: new combinations are translated, some sources hit the length limit
+    assert len({tuple(h[0].ids) for h in got}) > 10
+    assert any(len(h[0].ids) == limit(s, 1.0, 5) for s, h in zip(sources, got))
+
+
+@pytest.mark.parametrize("kind", ["gnmt", "fairseq"])
+def test_beam_hypotheses_carry_mtpipe_scores_best_first(world, kind):
+    model, sources = world["model"], world["sources"]
+    got = ct2_translate(world["ct2"], sources, beam=4, nbest=4, alpha=ALPHA, length_penalty=kind, max_len_a=1.0,
+                        max_len_b=5)
+    for src, hyps in zip(sources, got):
+        assert 1 <= len(hyps) <= 4
+        assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+        assert len({tuple(h.ids) for h in hyps}) == len(hyps)
+        for h in hyps:
+            assert len(h.ids) <= limit(src, 1.0, 5)
+            assert h.score == pytest.approx(expected_score(model, src, h.ids, kind, limit(src, 1.0, 5)), abs=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["gnmt", "fairseq"])
+def test_beam_4_with_patience_2_equals_mtpipe_decode(world, kind):
+    """With patience 2 CTranslate2 waits for 8 finished hypotheses and finds mtpipe's best on every in-domain
+    source (patience 1, fairseq's stopping rule, returns worse ones on this memorising model: see ct2_translate)."""
+    model, sources = world["model"], world["sources"][:80]
+    cfg = DecodeConfig(beam=4, alpha=ALPHA, length_penalty=kind, max_len_a=1.0, max_len_b=5)
+    ref = translate(model, sources, cfg)
+    got = ct2_translate(world["ct2"], sources, beam=4, patience=2, alpha=ALPHA, length_penalty=kind,
+                        max_len_a=1.0, max_len_b=5)
+    for src, r, g in zip(sources, ref, got):
+        assert g[0].ids == r[0].tokens
+        # the same score up to CTranslate2's PAD/BOS renormalisation (~1e-5 per token here)
+        assert g[0].score == pytest.approx(expected_score(model, src, g[0].ids, kind, limit(src, 1.0, 5)), abs=1e-4)
+        assert g[0].score == pytest.approx(r[0].score, abs=1e-3)
+
+
+def test_max_length_is_a_times_source_plus_b_per_sentence(world):
+    model, sources = world["model"], world["sources"]
+    cfg = DecodeConfig(beam=1, alpha=ALPHA, length_penalty="gnmt", max_len_a=0.5, max_len_b=1)
+    ref = translate(model, sources, cfg)  # mtpipe forces EOS after floor(0.5 S + 1) tokens
+    got = ct2_translate(world["ct2"], sources, beam=1, alpha=ALPHA, max_len_a=0.5, max_len_b=1)
+    cut = 0
+    for src, r, g in zip(sources, ref, got):
+        assert len(g[0].ids) <= limit(src, 0.5, 1)
+        assert g[0].ids == r[0].tokens
+        if len(g[0].ids) == limit(src, 0.5, 1):
+            cut += 1
+            assert g[0].score == pytest.approx(r[0].score, abs=1e-4)  # re-scored with mtpipe's forced EOS
+    assert cut > len(sources) // 2
+    # limit 0: nothing may precede EOS, scored log P(EOS | X) / lp(1)
+    empty = ct2_translate(world["ct2"], sources[:5], beam=4, alpha=ALPHA, max_len_a=0.0, max_len_b=0)
+    for src, hyps in zip(sources[:5], empty):
+        assert [h.ids for h in hyps] == [[]]
+        assert hyps[0].score == pytest.approx(logp_of(model, src, []) / lp("gnmt", 1), abs=1e-5)
+
+
+def test_sources_as_ids_or_pieces_in_any_order(world):
+    sp, sources = world["sp"], world["sources"]
+    order = list(range(len(sources)))
+    random.Random(1).shuffle(order)
+    by_ids = ct2_translate(world["ct2"], sources, beam=4, max_len_b=5)
+    by_pieces = ct2_translate(world["ct2_dir"], [[sp.id_to_piece(t) for t in sources[i]] for i in order], beam=4,
+                              max_len_b=5, threads=1)
+    assert [by_ids[i] for i in order] == by_pieces
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Other shapes and weight types
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_int8_export_is_smaller_and_translates_the_memorised_pairs(world, tmp_path):
+    d = tmp_path / "int8"
+    extra = export_ctranslate2(world["checkpoint"], world["tokens"], d, "int8")
+    assert extra["quantization"] == "int8"
+    assert (d / "model.bin").stat().st_size < 0.6 * (world["ct2_dir"] / "model.bin").stat().st_size
+    train = [world["sources"][i] for i in world["train_ids"]]
+    fp32 = ct2_translate(world["ct2"], train, beam=1, max_len_b=5)
+    int8 = ct2_translate(load_ct2(d, threads=1), train, beam=1, max_len_b=5)
+    assert [h[0].ids for h in int8] == [h[0].ids for h in fp32]
+
+
+def test_head_size_other_than_d_model_over_heads_exports_exactly(world, tmp_path):
+    sp = world["sp"]
+    torch.manual_seed(3)
+    model = Transformer(ModelConfig(preset="tiny", d_k=16, d_v=16, dropout=0.0, max_positions=64),
+                        sp.get_piece_size()).eval()
+    ckpt = save(model, tmp_path / "ckpt", world["root"] / "spm.model")
+    export_ctranslate2(ckpt, world["tokens"], tmp_path / "ct2")
+    m = load_ct2(tmp_path / "ct2", threads=1)
+    pairs = corpus()[:10]
+    scored = m.translator.score_batch([sp.encode(s, out_type=str) for s, _ in pairs],
+                                      [sp.encode(t, out_type=str) for _, t in pairs])
+    for (s, t), r in zip(pairs, scored):
+        assert sum(r.log_probs) == pytest.approx(logp_of(model, sp.encode(s), sp.encode(t)), abs=1e-4)
+
+
+def test_unequal_d_k_and_d_v_fail_clearly(world, tmp_path):
+    model = Transformer(ModelConfig(preset="tiny", d_k=16, d_v=32), world["sp"].get_piece_size())
+    ckpt = save(model, tmp_path / "ckpt", world["root"] / "spm.model")
+    with pytest.raises(MtpipeError, match="d_k=16 != d_v=32"):
+        export_ctranslate2(ckpt, world["tokens"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# CLI and bad input
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, ["export", "--params", "/nonexistent-is-fine", *args])
+
+
+def test_cli_exports_and_replaces_the_output_atomically(world, tmp_path):
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    r = invoke("--checkpoint", str(world["checkpoint"]), "--tokens", str(world["tokens"]), "--out", str(out),
+               "--quantization", "int8_float32")
+    assert r.exit_code == 0, r.output
+    assert not (out / "stale.txt").exists()
+    m = artifacts.read_manifest(out, "export")
+    assert m.extra["quantization"] == "int8_float32" and m.params["export"]["format"] == "ctranslate2"
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temporary directory left behind
+
+
+@pytest.fixture(scope="module")
+def other_tokens(world):
+    """A bpe artifact with another SentencePiece model (the checkpoint was not trained with it)."""
+    root = world["root"]
+    sp = make_spm(root, "other", 70)
+    return make_tokens(root, "other_tokens", root / "other.model", sp)
+
+
+@pytest.mark.parametrize("case", ["not_a_checkpoint", "missing", "other_spm", "bad_quantization", "bad_format",
+                                  "marian_quantized"])
+def test_cli_bad_input_fails_with_one_line_and_writes_nothing(world, other_tokens, tmp_path, case):
+    ck, tok = str(world["checkpoint"]), str(world["tokens"])
+    args, want = {
+        "not_a_checkpoint": (["--checkpoint", tok, "--tokens", tok], "is a 'tokens' artifact, expected 'checkpoint'"),
+        "missing": (["--checkpoint", str(tmp_path / "nope"), "--tokens", tok], "artifact not found"),
+        "other_spm": (["--checkpoint", ck, "--tokens", str(other_tokens)], "another SentencePiece model"),
+        "bad_quantization": (["--checkpoint", ck, "--tokens", tok, "--quantization", "int3"], "unknown type 'int3'"),
+        "bad_format": (["--checkpoint", ck, "--tokens", tok, "--format", "onnx"], "unknown format 'onnx'"),
+        "marian_quantized": (["--checkpoint", ck, "--tokens", tok, "--format", "marian", "--quantization", "int8"],
+                             "applies to CTranslate2 only"),
+    }[case]
+    out = tmp_path / "out"
+    r = invoke(*args, "--out", str(out))
+    assert r.exit_code == 1
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and want in lines[0], r.output
+    assert not out.exists()
+
+
+def test_missing_ctranslate2_names_the_extra(world, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # makes `import ctranslate2` raise ImportError
+    with pytest.raises(MtpipeError, match=r"pip install 'mtpipe\[ctranslate2\]'"):
+        export_ctranslate2(world["checkpoint"], world["tokens"], tmp_path / "out")
+    with pytest.raises(MtpipeError, match=r"pip install 'mtpipe\[ctranslate2\]'"):
+        ct2_translate(world["ct2_dir"], [[4, 5]])
+    assert not (tmp_path / "out").exists()
+
+
+def test_ct2_translate_rejects_bad_settings(world, tmp_path):
+    for kwargs, want in [({"beam": 0}, "decode.beam"), ({"nbest": 5}, "decode.nbest"),
+                         ({"length_penalty": "wu"}, "unknown penalty"), ({"max_len_a": -1.0}, "must be >= 0"),
+                         ({"patience": 0.5}, "patience")]:
+        with pytest.raises(MtpipeError, match=want):
+            ct2_translate(world["ct2"], [[4, 5]], **kwargs)
+    with pytest.raises(MtpipeError, match="token id out of the vocabulary"):
+        ct2_translate(world["ct2"], [[4, 10_000]])
+    with pytest.raises(MtpipeError, match="is a 'checkpoint' artifact"):
+        load_ct2(world["checkpoint"])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Hugging Face Marian
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:Recommended. pip install sacremoses")
+def test_marian_export_computes_mtpipe_logits_and_greedy_output(world, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "marian"
+    r = invoke("--checkpoint", str(world["checkpoint"]), "--tokens", str(world["tokens"]), "--out", str(out),
+               "--format", "marian")
+    assert r.exit_code == 0, r.output
+    assert artifacts.read_manifest(out, "export").extra["format"] == "marian"
+    hf = transformers.MarianMTModel.from_pretrained(str(out)).eval()
+    tok = transformers.MarianTokenizer.from_pretrained(str(out))
+    sp, model = world["sp"], world["model"]
+    for s, t in corpus()[:6]:
+        src = sp.encode(s)
+        assert tok([s]).input_ids[0] == src + [EOS_ID]  # MarianTokenizer = our SentencePiece model + EOS
+        x, y = torch.tensor([src + [EOS_ID]]), torch.tensor([[BOS_ID] + sp.encode(t)])
+        with torch.no_grad():
+            assert torch.allclose(hf(input_ids=x, decoder_input_ids=y).logits, model(x, y), atol=1e-4)
+            gen = hf.generate(x, num_beams=1, do_sample=False, max_new_tokens=limit(src, 1.0, 5) + 1)[0].tolist()
+        assert gen[0] == BOS_ID  # decoder_start_token_id is our BOS
+        assert [t for t in gen[1:] if t != EOS_ID] == greedy(model, src, limit(src, 1.0, 5))
+
+
+def test_marian_refuses_shapes_it_cannot_hold(world, tmp_path):
+    pytest.importorskip("transformers")
+    from mtpipe.export import export_marian
+
+    model = Transformer(ModelConfig(preset="tiny", d_k=16, d_v=16), world["sp"].get_piece_size())
+    ckpt = save(model, tmp_path / "ckpt", world["root"] / "spm.model")
+    with pytest.raises(MtpipeError, match="does not map exactly onto Hugging Face Marian: d_k=16"):
+        export_marian(ckpt, world["tokens"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
