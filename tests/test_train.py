@@ -1,0 +1,623 @@
+"""`mtpipe train`: schedule, loss, batching, precision, checkpoints and exact resume, distributed equivalence.
+
+Tiny artifacts are written directly with ``ArtifactWriter`` (the contract's schemas and manifest extras) so these
+tests depend neither on SentencePiece nor on the bpe/bucket stages. The task is learnable: the target is the source
+reversed with every id shifted, so a tiny model can overfit it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mtpipe import artifacts
+from mtpipe.config import ModelConfig, TrainConfig
+from mtpipe.errors import MtpipeError
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 32
+SPM = "sha256:" + "ab" * 32
+# A tiny model: fast on 2 CPU cores, but every part of the architecture is there.
+TINY = dict(preset="tiny", encoder_layers=1, decoder_layers=1, d_model=32, d_ff=64, heads=2, max_positions=64)
+
+
+def _pairs(rng: np.random.Generator, n: int) -> tuple[list[list[int]], list[list[int]]]:
+    src = [rng.integers(4, VOCAB, int(rng.integers(2, 9))).tolist() for _ in range(n)]
+    tgt = [[(t - 4 + 3) % (VOCAB - 4) + 4 for t in s][::-1] for s in src]
+    return src, tgt
+
+
+def _pack(src: list[list[int]], tgt: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Length-sorted batches whose padded size per side (EOS/BOS included) stays within max_tokens."""
+    order = sorted(range(len(src)), key=lambda i: (len(src[i]), len(tgt[i]), i))
+    batches, cur, width = [], [], 0
+    for i in order:
+        w = max(width, len(src[i]) + 1, len(tgt[i]) + 1)
+        if cur and (len(cur) + 1) * w > max_tokens:
+            batches.append(cur)
+            cur, w = [], max(len(src[i]), len(tgt[i])) + 1
+        cur.append(i)
+        width = w
+    return batches + [cur]
+
+
+def make_artifacts(root: Path, n_train: int = 96, n_valid: int = 16, max_tokens: int = 48, seed: int = 0,
+                   spm: str = SPM, id_base: int = 0, long_valid: int = 0) -> tuple[Path, Path]:
+    """A bpe ("tokens") and a bucket ("batches") artifact of a synthetic corpus; ids start at ``id_base``;
+    ``long_valid`` > 0 adds a valid pair of that many tokens (the bucket stage keeps such pairs in a batch alone)."""
+    rng = np.random.default_rng(seed)
+    tokens, batches = root / "bpe", root / "bucket"
+    data = {"train": _pairs(rng, n_train), "valid": _pairs(rng, n_valid)}
+    if long_valid:
+        data["valid"][0].append([5] * long_valid)
+        data["valid"][1].append([6] * long_valid)
+    with artifacts.ArtifactWriter(tokens, "tokens", {"bpe": {"vocab_size": VOCAB}}) as w:
+        for split, (src, tgt) in data.items():
+            w.write_table(f"{split}.parquet", pa.table({"id": [id_base + i for i in range(len(src))], "src": src,
+                                                        "tgt": tgt}))
+        w.path("spm.model").write_bytes(b"not a real sentencepiece model")
+        w.extra.update(spm_sha256=spm, vocab_size=VOCAB)
+    with artifacts.ArtifactWriter(batches, "batches", {"bucket": {"max_tokens": max_tokens}},
+                                  upstream={"tokens": tokens}) as w:
+        for split, (src, tgt) in data.items():
+            bs = _pack(src, tgt, max_tokens)
+            w.write_table(f"{split}.parquet", pa.table({
+                "batch": list(range(len(bs))),
+                "ids": [[id_base + i for i in b] for b in bs],
+                "src_tokens": [sum(len(src[i]) + 1 for i in b) for b in bs],
+                "tgt_tokens": [sum(len(tgt[i]) + 1 for i in b) for b in bs],
+                "src_len": [max(len(src[i]) for i in b) + 1 for b in bs],
+                "tgt_len": [max(len(tgt[i]) for i in b) + 1 for b in bs],
+            }))
+    return tokens, batches
+
+
+def tcfg(**kw) -> TrainConfig:
+    """Test training settings: fp32 (bitwise comparisons), 1 thread, checkpoints by steps only, log every step."""
+    base = dict(max_steps=12, warmup=10, lr_scale=2.0, precision="fp32", threads=1, save_every_minutes=0.0,
+                save_every_steps=4, keep_last=20, valid_every_steps=6, log_every_steps=1, tokens_per_update=96)
+    return TrainConfig(**{**base, **kw})
+
+
+def mcfg(**kw) -> ModelConfig:
+    return ModelConfig(**{**TINY, **kw})
+
+
+def write_params(path: Path, model: dict, train: dict) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump({"model": model, "train": train}), encoding="utf-8")
+    return path
+
+
+def tsv(out: Path, name: str) -> list[tuple[int, str]]:
+    """(step, value as written) rows of a dvclive metric: the exact text, for bitwise comparisons."""
+    lines = (out / "live" / "plots" / "metrics" / f"{name}.tsv").read_text().splitlines()[1:]
+    return [(int(a), b) for a, b in (ln.split("\t") for ln in lines)]
+
+
+def weights(ck: Path) -> dict[str, torch.Tensor]:
+    return artifacts.load_checkpoint(ck).state_dict
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_artifacts(tmp_path_factory.mktemp("data"))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Pure functions: schedule, loss, batch size, batch order, collation
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_learning_rate_schedule_is_section_5_3() -> None:
+    from mtpipe.train import learning_rate
+
+    d, w = 512, 4000
+    assert learning_rate(1, d, w) == pytest.approx(d**-0.5 * 1 * w**-1.5, rel=1e-12)
+    assert learning_rate(w, d, w) == pytest.approx(d**-0.5 * w**-0.5, rel=1e-12)  # the peak: both terms meet
+    assert learning_rate(4 * w, d, w) == pytest.approx(d**-0.5 * (4 * w) ** -0.5, rel=1e-12)
+    assert learning_rate(4 * w, d, w) == pytest.approx(learning_rate(w, d, w) / 2, rel=1e-12)  # 1/sqrt decay
+    lrs = [learning_rate(s, d, w) for s in range(1, 3 * w)]
+    assert max(range(len(lrs)), key=lrs.__getitem__) + 1 == w  # linear warm-up, then decay
+    assert learning_rate(100, d, w, scale=2.0) == pytest.approx(2 * learning_rate(100, d, w), rel=1e-12)
+
+
+def test_label_smoothing_is_the_textbook_cross_entropy() -> None:
+    """Szegedy et al.'s q'(k) = (1 - eps) [k = y] + eps / V: the loss is H(q', p), computed here by hand."""
+    from mtpipe.loss import label_smoothed_nll
+
+    # V = 2, p = (1/4, 3/4), target 1, eps = 0.2: q' = (0.1, 0.9).
+    logits = torch.tensor([[0.0, math.log(3.0)]])
+    loss, nll = label_smoothed_nll(logits, torch.tensor([1]), 0.2)
+    assert loss.item() == pytest.approx(-(0.1 * math.log(0.25) + 0.9 * math.log(0.75)), rel=1e-6)
+    assert nll.item() == pytest.approx(-math.log(0.75), rel=1e-6)
+    # A uniform prediction costs log V whatever eps is (q' sums to 1).
+    loss, _ = label_smoothed_nll(torch.zeros(3, 7), torch.tensor([0, 3, 6]), 0.1)
+    assert loss.item() == pytest.approx(3 * math.log(7), rel=1e-6)
+    # Random case against the explicit distribution, and against torch's own label_smoothing (same convention).
+    g = torch.Generator().manual_seed(0)
+    logits, target, eps = torch.randn(5, 11, generator=g), torch.randint(0, 11, (5,), generator=g), 0.1
+    q = torch.full((5, 11), eps / 11).scatter_add_(1, target[:, None], torch.full((5, 1), 1 - eps))
+    want = -(q * torch.log_softmax(logits.double(), -1)).sum()
+    loss, nll = label_smoothed_nll(logits, target, eps)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    assert loss.item() == pytest.approx(F.cross_entropy(logits, target, label_smoothing=eps, reduction="sum").item(),
+                                        rel=1e-6)
+    assert nll.item() == pytest.approx(F.cross_entropy(logits, target, reduction="sum").item(), rel=1e-6)
+    # bf16 logits: the loss is still computed in float32.
+    loss16, _ = label_smoothed_nll(logits.bfloat16(), target, eps)
+    assert loss16.dtype == torch.float32
+
+
+def test_accumulation_keeps_the_global_batch() -> None:
+    from mtpipe.train import accumulation
+
+    assert accumulation(25000, 1, 4096) == 7
+    assert accumulation(25000, 8, 4096) == 1
+    assert accumulation(25000, 2, 4096) == 4
+    assert accumulation(100, 4, 4096) == 1
+    for world in (1, 2, 3, 8):
+        a = accumulation(25000, world, 3000)
+        assert world * a * 3000 >= 25000 > world * (a - 1) * 3000
+
+
+def test_ranks_take_disjoint_batches_and_epochs_reshuffle() -> None:
+    from mtpipe.train import epoch_order, rank_batches
+
+    n, world, accum = 23, 2, 3
+    order = epoch_order(n, seed=5, epoch=0)
+    assert sorted(order) == list(range(n))
+    np.testing.assert_array_equal(order, epoch_order(n, seed=5, epoch=0))  # recomputable: nothing to store
+    assert not np.array_equal(order, epoch_order(n, seed=5, epoch=1))
+    assert not np.array_equal(order, epoch_order(n, seed=6, epoch=0))
+    seen: list[int] = []
+    for pos in range(0, n - world * accum + 1, world * accum):
+        parts = [rank_batches(order, pos, world, accum, r) for r in range(world)]
+        assert all(len(p) == accum for p in parts)
+        assert not set(parts[0]) & set(parts[1])
+        # 2 ranks x 1 batch and 1 rank x 2 batches make the same update.
+        assert set(rank_batches(order, pos, 1, 2, 0)) == set(rank_batches(order, pos, 2, 1, 0)) | set(
+            rank_batches(order, pos, 2, 1, 1))
+        seen += [int(b) for p in parts for b in p]
+    assert len(seen) == len(set(seen)) == 18
+
+
+def test_collate_layout() -> None:
+    from mtpipe.train import TokenSplit, collate
+
+    split = TokenSplit("t", src=np.array([5, 6, 7], np.int32), src_off=np.array([0, 2, 3]),
+                       tgt=np.array([8, 9, 10, 11], np.int32), tgt_off=np.array([0, 1, 4]), ids=np.array([0, 1]))
+    src, tgt_in, tgt_out = collate(split, np.array([1, 0]))
+    E, B, P = artifacts.EOS_ID, artifacts.BOS_ID, artifacts.PAD_ID
+    assert src.tolist() == [[7, E, P], [5, 6, E]]
+    assert tgt_in.tolist() == [[B, 9, 10, 11], [B, 8, P, P]]
+    assert tgt_out.tolist() == [[9, 10, 11, E], [8, E, P, P]]
+    assert src.dtype == tgt_in.dtype == torch.int64
+
+
+def test_batches_map_ids_and_count_tokens(tmp_path: Path) -> None:
+    """Batch ids are values of the tokens' id column (not row numbers); token counts match the bucket's."""
+    from mtpipe.train import load_batches, load_split
+
+    tokens, batches = make_artifacts(tmp_path, n_train=40, id_base=1000)
+    split = load_split(tokens, "train")
+    table = load_batches(batches, "train", split)
+    want = artifacts.read_table(batches, "train.parquet", "batches")
+    np.testing.assert_array_equal(table.tgt_tokens, want.column("tgt_tokens").to_pylist())
+    np.testing.assert_array_equal(table.src_width, want.column("src_len").to_pylist())
+    assert sorted(table.rows.tolist()) == list(range(40))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Training in this process (world size 1)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_tiny_model_overfits_a_few_pairs(tmp_path: Path) -> None:
+    from mtpipe.train import run
+
+    tokens, batches = make_artifacts(tmp_path, n_train=8, n_valid=8, max_tokens=96)
+    s = run(mcfg(dropout=0.0, d_model=64, d_ff=128), tcfg(max_steps=150, warmup=30, lr_scale=1.0, label_smoothing=0.0,
+                                                        tokens_per_update=1, save_every_steps=0, valid_every_steps=0,
+                                                        log_every_steps=10), tokens, batches, tmp_path / "out")
+    assert s["steps"] == 150
+    assert s["train_loss"] < 0.05, s  # nll per target token (no smoothing): the 8 pairs are memorised
+
+
+@pytest.fixture(scope="module")
+def ws1_run(data: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """12 updates of 2 accumulated batches, checkpoints every 4 (2 kept), validation every 6."""
+    from mtpipe.train import run
+
+    out = tmp_path_factory.mktemp("ws1") / "out"
+    run(mcfg(), tcfg(keep_last=2), *data, out)
+    return out
+
+
+def test_outputs_checkpoints_and_metrics(ws1_run: Path) -> None:
+    from mtpipe.model import build_model
+    from mtpipe.train import learning_rate
+
+    out = ws1_run
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000008", "step_00000012"]  # keep_last
+    ck = artifacts.load_checkpoint(out / "checkpoints" / "step_00000012", trainer_state=True)
+    assert ck.step == 12 and ck.vocab == {"spm_sha256": SPM, "size": VOCAB}
+    ts = torch.load(out / "checkpoints" / "step_00000012" / "trainer.pt", weights_only=True)  # no pickle needed
+    assert ts["step"] == 12 and len(ts["rng"]) == 1 and ts["accum"] == 2
+    model = build_model(ck.model_config, ck.vocab["size"])
+    model.load_state_dict(ck.state_dict)  # the checkpoint alone rebuilds the model
+    summary = json.loads((out / "train.json").read_text())
+    assert summary["steps"] == 12 and summary["stopped_by"] == "max_steps" and summary["accumulation"] == 2
+    assert summary["valid_ppl"] == pytest.approx(math.exp(summary["valid_nll"]))
+    # dvclive curves: one train row per update, validation at 6 and 12, the schedule's lr.
+    assert [s for s, _ in tsv(out, "train/loss")] == list(range(1, 13))
+    assert [s for s, _ in tsv(out, "valid/ppl")] == [6, 12]
+    d = ck.model_config["d_model"]
+    for step, lr in tsv(out, "train/lr"):
+        assert float(lr) == pytest.approx(learning_rate(step, d, 10, 2.0), rel=1e-9)
+    assert all(float(v) > 0 for _, v in tsv(out, "train/tgt_tokens_per_s"))
+    assert json.loads((out / "live" / "metrics.json").read_text())["step"] == 12
+    assert not (out / "live" / "dvc.yaml").exists() and not (out / "dvc.yaml").exists()
+
+
+def test_finished_run_restarted_does_nothing_more(ws1_run: Path, data: tuple[Path, Path]) -> None:
+    from mtpipe.train import run
+
+    before = tsv(ws1_run, "train/loss")
+    s = run(mcfg(), tcfg(keep_last=2), *data, ws1_run)
+    assert s["steps"] == 12 and s["updates_this_run"] == 0 and s["resumed_from"].endswith("step_00000012")
+    assert tsv(ws1_run, "train/loss") == before
+
+
+def test_checkpoint_of_another_vocabulary_or_model_is_refused(ws1_run: Path, data: tuple[Path, Path],
+                                                              tmp_path: Path) -> None:
+    import shutil
+
+    from mtpipe.train import run
+
+    out = tmp_path / "out"
+    shutil.copytree(ws1_run, out)
+    other_tokens, other_batches = make_artifacts(tmp_path / "other", spm="sha256:" + "cd" * 32)
+    with pytest.raises(MtpipeError, match="another vocabulary"):
+        run(mcfg(), tcfg(max_steps=20), other_tokens, other_batches, out)
+    with pytest.raises(MtpipeError, match="model.d_ff=64 but the params give 96"):
+        run(mcfg(d_ff=96), tcfg(max_steps=20), *data, out)
+
+
+def test_nonfinite_loss_skips_the_update_then_stops(data: tuple[Path, Path], tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    import mtpipe.train as mt
+
+    real = mt.label_smoothed_nll
+    calls = {"n": 0, "bad": set()}
+
+    def flaky(logits, target, eps):
+        calls["n"] += 1
+        loss, nll = real(logits, target, eps)
+        if calls["n"] in calls["bad"]:
+            loss = loss * float("nan")
+        return loss, nll
+
+    monkeypatch.setattr(mt, "label_smoothed_nll", flaky)
+    calls["bad"] = {3}  # the first micro-batch of update 2 (2 micro-batches per update)
+    s = mt.run(mcfg(), tcfg(max_steps=4, valid_every_steps=0, save_every_steps=0), *data, tmp_path / "a")
+    assert s["steps"] == 4  # the skipped update does not count
+    assert "non-finite loss" in capsys.readouterr().err
+    calls["n"], calls["bad"] = 0, set(range(1, 100))
+    with pytest.raises(MtpipeError, match="diverged: 3 updates in a row"):
+        mt.run(mcfg(), tcfg(max_steps=10, max_bad_steps=3), *data, tmp_path / "b")
+    assert not (tmp_path / "b" / "checkpoints").exists()
+
+
+def test_out_of_memory_names_the_batch_and_the_fix(data: tuple[Path, Path], tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import mtpipe.train as mt
+
+    def oom(self, *args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(mt.LossModule, "forward", oom)
+    with pytest.raises(MtpipeError, match=r"out of memory .* sentences.*--max-tokens 24"):
+        mt.run(mcfg(), tcfg(), *data, tmp_path / "out")
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(precision="fp16"), "fp16 needs a CUDA GPU"),
+    (dict(precision="int8"), "not one of"),
+    (dict(max_steps=0, max_epochs=0, max_time=0.0), "at least one stopping criterion"),
+    (dict(warmup=0), "warmup"),
+    (dict(tokens_per_update=96 * 100), "fewer than one update"),
+])
+def test_bad_settings_are_clear_errors(data: tuple[Path, Path], tmp_path: Path, kw: dict, match: str) -> None:
+    from mtpipe.train import run
+
+    with pytest.raises(MtpipeError, match=match):
+        run(mcfg(), tcfg(**kw), *data, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_sequences_longer_than_the_model_allows(tmp_path: Path) -> None:
+    """Too-long train batches are a clear error up front; a too-long valid pair is left out of validation."""
+    from mtpipe.train import run
+
+    tokens, batches = make_artifacts(tmp_path, long_valid=30, max_tokens=64)
+    with pytest.raises(MtpipeError, match="max_positions=8; lower bucket.max_len"):
+        run(mcfg(max_positions=8), tcfg(), tokens, batches, tmp_path / "a")
+    s = run(mcfg(max_positions=20), tcfg(max_steps=2), tokens, batches, tmp_path / "b")
+    assert math.isfinite(s["valid_loss"])
+
+
+def test_batches_of_another_bpe_artifact_are_refused(data: tuple[Path, Path], tmp_path: Path) -> None:
+    from mtpipe.train import run
+
+    other_tokens, _ = make_artifacts(tmp_path, seed=3)
+    with pytest.raises(MtpipeError, match="another bpe artifact"):
+        run(mcfg(), tcfg(), other_tokens, data[1], tmp_path / "out")
+
+
+def test_bf16_autocast_and_epoch_stop(data: tuple[Path, Path], tmp_path: Path) -> None:
+    """bf16 autocast trains (weights stay float32); max_epochs stops at an epoch boundary."""
+    from mtpipe.train import run
+
+    s = run(mcfg(), tcfg(precision="bf16", max_steps=0, max_epochs=2, valid_every_steps=0), *data, tmp_path / "o")
+    assert s["stopped_by"] == "max_epochs" and s["epochs"] == 2.0 and s["precision"] == "bf16"
+    assert math.isfinite(s["train_loss"]) and math.isfinite(s["valid_loss"])
+    ck = artifacts.load_checkpoint(Path(s["checkpoints"][-1]))
+    assert all(t.dtype == torch.float32 for t in ck.state_dict.values())
+
+
+def test_no_dvc_side_effects_inside_a_git_checkout(data: tuple[Path, Path], tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """dvclive alone would `dvc init` (and `git add`) a git checkout that has no DVC repository: training must
+    leave the repository untouched and create no experiment."""
+    from mtpipe.train import run
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    monkeypatch.chdir(repo)
+    run(mcfg(), tcfg(max_steps=2, valid_every_steps=0), *data, repo / "out")
+    assert not (repo / ".dvc").exists() and not (repo / "dvc.yaml").exists()
+    staged = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True).stdout
+    assert staged.splitlines() == ["?? out/"]
+
+
+def test_time_limits_stop_and_checkpoint(data: tuple[Path, Path], tmp_path: Path) -> None:
+    """max_time (minutes of training) stops the run; save_every_minutes writes checkpoints on rank 0's clock."""
+    from mtpipe.train import list_checkpoints, run
+
+    s = run(mcfg(), tcfg(max_steps=0, max_time=0.02, save_every_steps=0, save_every_minutes=0.0002,
+                         valid_every_steps=0), *data, tmp_path / "out")
+    assert s["stopped_by"] == "max_time" and s["steps"] >= 1 and s["train_minutes"] >= 0.02
+    steps = [st for st, _ in list_checkpoints(tmp_path / "out")]
+    assert len(steps) >= 2 and steps[-1] == s["steps"]
+
+
+def test_precision_auto() -> None:
+    from mtpipe.train import cpu_supports_bf16, resolve_precision
+
+    assert resolve_precision("auto", torch.device("cpu")) == ("bf16" if cpu_supports_bf16() else "fp32")
+    assert resolve_precision("fp32", torch.device("cpu")) == "fp32"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The launcher
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_launcher_builds_the_torchrun_command() -> None:
+    from mtpipe.distributed import resolve_nproc, torchrun_command
+
+    if not torch.cuda.is_available():
+        assert resolve_nproc("auto") == 1
+    assert resolve_nproc("3") == 3
+    for bad in ("0", "two"):
+        with pytest.raises(MtpipeError, match="train.nproc"):
+            resolve_nproc(bad)
+    cmd = torchrun_command(2, ["--out", "x", "--nproc", "2", "--max-restarts=1"], env={}, max_restarts=1)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--standalone" in cmd
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and cmd[cmd.index("--max-restarts") + 1] == "1"
+    assert cmd[-5:] == ["-m", "mtpipe", "train", "--out", "x"]  # launcher-only flags are not passed on
+    multi = torchrun_command(8, [], env={"MTPIPE_NNODES": "2", "MTPIPE_NODE_RANK": "1",
+                                         "MTPIPE_RDZV_ENDPOINT": "node0:29400"})
+    assert "--standalone" not in multi
+    assert multi[multi.index("--nnodes") + 1] == "2" and multi[multi.index("--node-rank") + 1] == "1"
+    assert multi[multi.index("--rdzv-endpoint") + 1] == "node0:29400"
+    with pytest.raises(MtpipeError, match="MTPIPE_RDZV_ENDPOINT"):
+        torchrun_command(8, [], env={"MTPIPE_NNODES": "2"})
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Separate processes: SIGKILL and resume, torchrun at world size 2
+# --------------------------------------------------------------------------------------------------------------------
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc to find workers")
+RESUME_TRAIN = dict(max_steps=16, warmup=10, lr_scale=2.0, precision="fp32", threads=1, save_every_minutes=0,
+                    save_every_steps=3, keep_last=20, valid_every_steps=5, log_every_steps=1, tokens_per_update=96)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONFAULTHANDLER"] = "1"  # a hung worker killed with SIGABRT prints where it was
+    return env
+
+
+def _command(params: Path, data: tuple[Path, Path], out: Path, launcher: bool) -> list[str]:
+    head = [sys.executable, str(REPO / "stages" / "train.py")] if launcher else [sys.executable, "-m", "mtpipe",
+                                                                                "train"]
+    return head + ["--params", str(params), "--tokens", str(data[0]), "--batches", str(data[1]), "--out", str(out)]
+
+
+def _run(cmd: list[str], log: Path) -> None:
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=log.parent).returncode
+    assert rc == 0, log.read_text()[-3000:]
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        kids.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    return kids
+
+
+def _descendants(pid: int) -> list[int]:
+    kids, out, todo = _children(), [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += kids.get(p, [])
+    return out
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    t0 = time.monotonic()
+    while not path.exists():
+        assert proc.poll() is None, f"exited ({proc.returncode}) before {path.name}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() - t0 < timeout, f"{path} did not appear in {timeout} s"
+        time.sleep(0.005)
+
+
+def _kill_tree(proc: subprocess.Popen, out: Path) -> None:
+    """SIGKILL a launch and every process under it, parents first (torchrun's workers live in their own sessions),
+    then any stray process of this test (its command line names the test's own ``out``)."""
+    pids = _descendants(proc.pid)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(out).encode() in cmdline.read_bytes():
+                os.kill(int(cmdline.parent.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
+def _worker(proc: subprocess.Popen, rank: int) -> int:
+    """The pid of torchrun worker ``rank`` under a launch."""
+    for pid in _descendants(proc.pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"LOCAL_RANK=" + str(rank).encode() in env:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} found")
+
+
+def _assert_same_run(a: Path, b: Path, last: int) -> None:
+    """Bitwise: every logged train loss and valid loss, and the final weights."""
+    for name in ("train/loss", "train/grad_norm", "valid/loss"):
+        assert tsv(a, name) == tsv(b, name), name
+    assert [s for s, _ in tsv(b, "train/loss")] == list(range(1, last + 1))  # no step logged twice
+    wa, wb = weights(a / "checkpoints" / f"step_{last:08d}"), weights(b / "checkpoints" / f"step_{last:08d}")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@needs_proc
+def test_sigkill_and_rerun_continues_bitwise_at_world_size_1(data: tuple[Path, Path], tmp_path: Path) -> None:
+    """Kill -9 after a checkpoint, run the same command again: the loss curve equals the uninterrupted run's."""
+    # dropout 0.1: the RNG state matters. The reference runs `mtpipe train`; the killed run goes through the stage
+    # launcher, which runs one process in-process (the same code path).
+    params = write_params(tmp_path / "params.yaml", TINY, {**RESUME_TRAIN, "nproc": 1})
+    ref, killed = tmp_path / "ref", tmp_path / "killed"
+    _run(_command(params, data, ref, launcher=False), tmp_path / "ref.log")
+    log = tmp_path / "killed.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(_command(params, data, killed, launcher=True), stdout=f, stderr=subprocess.STDOUT,
+                                env=_env(), cwd=tmp_path)
+    try:
+        _wait_for(killed / "checkpoints" / "step_00000006", proc, log)
+    finally:
+        _kill_tree(proc, killed)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (killed / "checkpoints" / "step_00000016").exists()
+    _run(_command(params, data, killed, launcher=True), tmp_path / "resumed.log")
+    assert "resuming from" in (tmp_path / "resumed.log").read_text()
+    _assert_same_run(ref, killed, 16)
+
+
+@pytest.fixture(scope="module")
+def ws2_ref(data: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """An uninterrupted 2-process torchrun run (gloo) through the stage launcher; returns (params, out)."""
+    root = tmp_path_factory.mktemp("ws2")
+    params = write_params(root / "params.yaml", TINY, {**RESUME_TRAIN, "nproc": 2})
+    _run(_command(params, data, root / "ref", launcher=True), root / "ref.log")
+    return params, root / "ref"
+
+
+@pytest.mark.slow
+@needs_proc
+def test_world_size_2_equals_world_size_1_with_twice_the_accumulation(data: tuple[Path, Path],
+                                                                      tmp_path: Path) -> None:
+    """2 processes x 1 batch and 1 process x 2 batches make the same updates: same parameters after N updates."""
+    from mtpipe.train import run
+
+    train = {**RESUME_TRAIN, "max_steps": 8, "save_every_steps": 0, "valid_every_steps": 0}
+    params = write_params(tmp_path / "params.yaml", {**TINY, "dropout": 0.0}, {**train, "nproc": 2})
+    _run(_command(params, data, tmp_path / "ws2", launcher=True), tmp_path / "ws2.log")
+    s1 = run(mcfg(dropout=0.0), TrainConfig(**train), *data, tmp_path / "ws1")
+    s2 = json.loads((tmp_path / "ws2" / "train.json").read_text())
+    assert (s1["processes"], s1["accumulation"], s2["processes"], s2["accumulation"]) == (1, 2, 2, 1)
+    w1, w2 = weights(tmp_path / "ws1" / "checkpoints" / "step_00000008"), weights(
+        tmp_path / "ws2" / "checkpoints" / "step_00000008")
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6, msg=k)
+    losses1, losses2 = tsv(tmp_path / "ws1", "train/loss"), tsv(tmp_path / "ws2", "train/loss")
+    assert [s for s, _ in losses2] == list(range(1, 9))
+    for (_, a), (_, b) in zip(losses1, losses2):
+        assert float(a) == pytest.approx(float(b), rel=1e-5)
+    # Not trivially equal: 8 updates moved the weights well away from the shared initialisation.
+    from mtpipe.model import Transformer
+
+    torch.manual_seed(TrainConfig(**train).seed)  # the trainer seeds the initialisation with train.seed
+    init = Transformer(mcfg(dropout=0.0), VOCAB).state_dict()
+    assert max((w1[k] - init[k]).abs().max().item() for k in w1) > 1e-2
+
+
+@pytest.mark.slow
+@needs_proc
+def test_sigkill_and_worker_crash_resume_bitwise_at_world_size_2(ws2_ref: tuple[Path, Path],
+                                                                  data: tuple[Path, Path], tmp_path: Path) -> None:
+    """Under torchrun --max-restarts 1: a SIGKILLed worker makes torchrun restart the group, which resumes from the
+    last checkpoint; then the whole launch is SIGKILLed and the same command run again. The loss curve still equals
+    the uninterrupted 2-process run's, bitwise."""
+    params, ref = ws2_ref
+    out, log = tmp_path / "out", tmp_path / "run.log"
+    cmd = _command(params, data, out, launcher=True) + ["--max-restarts", "1"]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=tmp_path)
+    try:
+        _wait_for(out / "checkpoints" / "step_00000003", proc, log)
+        os.kill(_worker(proc, 1), signal.SIGKILL)  # a crashed worker: torchrun restarts both, they resume
+        _wait_for(out / "checkpoints" / "step_00000009", proc, log)
+    finally:
+        _kill_tree(proc, out)  # now the whole launch dies (or a failed test leaves nothing running)
+    assert not (out / "checkpoints" / "step_00000016").exists()
+    _run(cmd, tmp_path / "rerun.log")
+    assert "resuming from" in (tmp_path / "rerun.log").read_text()
+    _assert_same_run(ref, out, 16)
+    ts = torch.load(out / "checkpoints" / "step_00000016" / "trainer.pt", weights_only=True)
+    assert len(ts["rng"]) == 2 and not torch.equal(ts["rng"][0]["torch"], ts["rng"][1]["torch"])
