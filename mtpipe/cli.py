@@ -24,6 +24,7 @@ from mtpipe.config import (
     BpeConfig,
     BucketConfig,
     DecodeConfig,
+    ExportConfig,
     FetchConfig,
     ModelConfig,
     ScoreConfig,
@@ -271,3 +272,22 @@ def score(cfg: SimpleNamespace, opts: SimpleNamespace, params: dict) -> None:
     from mtpipe.score import run
 
     run(cfg.score, hyp=opts.hyp, ref=opts.ref, baseline=opts.baseline, out=opts.out)
+
+
+@stage_command(
+    "export",
+    [ExportConfig],
+    [
+        Opt("checkpoint", Path, Path(PATHS["average"]), "Checkpoint directory (trained or averaged).",
+            ("--checkpoint",)),
+        Opt("tokens", Path, Path(PATHS["bpe"]), "The bpe artifact whose SentencePiece model the checkpoint uses.",
+            ("--tokens",)),
+        Opt("out", Path, Path(PATHS["export"]), "Output model directory (replaced atomically).", ("--out",)),
+    ],
+)
+def export(cfg: SimpleNamespace, opts: SimpleNamespace, params: dict) -> None:
+    """Export a checkpoint to a CTranslate2 model directory (or a Hugging Face Marian model) with its SentencePiece
+    model beside it."""
+    from mtpipe.export import run
+
+    run(cfg.export, checkpoint=opts.checkpoint, tokens=opts.tokens, out=opts.out)

@@ -37,15 +37,16 @@ class FetchConfig:
     SECTION: typing.ClassVar[str] = "fetch"
 
     source: str = _h(
-        "Corpus: 'hf:REPO[:CONFIG]' (Hugging Face dataset), or a local directory / file "
-        "({split}.{lang}[.gz] parallel files, .tsv, .parquet, or a saved `datasets` directory).",
+        "Corpus: 'hf:REPO[:CONFIG]' (Hugging Face dataset, or 'hf:PATH' for a local one), or a local directory "
+        "({split}.{lang}[.gz] parallel files, {split}.tsv, {split}.parquet, or a saved `datasets` directory).",
         default="hf:bentrevett/multi30k",
     )
     src_lang: str = _h("Source language code (column / file suffix).", default="en")
     tgt_lang: str = _h("Target language code (column / file suffix).", default="de")
     splits: dict = _h(
         "Output split -> source split name, or a list of candidate names (the first that exists is used), e.g. "
-        "{train: train, valid: [validation, val], test: [test, test_2016_flickr]}.",
+        # Brackets escaped: the CLI help is rich markup, where '[...]' would vanish as a style tag.
+        "{train: train, valid: \\[validation, val], test: \\[test, test_2016_flickr]}.",
         default_factory=lambda: {
             "train": ["train"],
             "valid": ["validation", "valid", "val", "dev"],
@@ -194,16 +195,19 @@ class DecodeConfig:
 
     SECTION: typing.ClassVar[str] = "decode"
 
-    beam: int = _h("Beam size (1 = greedy).", default=4)
-    alpha: float = _h("Length penalty alpha.", default=0.6)
+    beam: int = _h("Beam size (1 = greedy search, exactly).", default=4)
+    alpha: float = _h("Length penalty alpha (0 = rank by log-probability alone).", default=0.6)
     length_penalty: str = _h("'gnmt': ((5+|Y|)/6)^alpha (tensor2tensor, the paper); 'fairseq': |Y|^alpha.",
                              default="gnmt")
-    max_len_a: float = _h("Max output length = a * source length + b: this is a.", default=1.0)
-    max_len_b: int = _h("Max output length = a * source length + b: this is b.", default=50)
+    max_len_a: float = _h("Max output length (pieces before EOS) = a * source pieces (without EOS) + b: this is a.",
+                          default=1.0)
+    max_len_b: int = _h("Max output length (pieces before EOS) = a * source pieces (without EOS) + b: this is b.",
+                        default=50)
     split: str = _h("Split of the bpe artifact to translate.", default="test")
-    max_tokens: int = _h("Source tokens per decoding batch.", default=8000)
-    nbest: int = _h("Hypotheses kept per sentence in the Parquet output.", default=1)
-    precision: str = _h("fp32 or bf16 (autocast).", default="fp32")
+    max_tokens: int = _h("Padded source tokens (EOS included) per decoding batch; the decoder holds beam x this.",
+                         default=8000)
+    nbest: int = _h("Hypotheses kept per sentence in the Parquet output (1 <= nbest <= beam).", default=1)
+    precision: str = _h("fp32 or bf16 (autocast, CPU and GPU).", default="fp32")
     threads: int = _h("CPU threads (0 = torch's default).", default=0)
 
 
@@ -228,9 +232,23 @@ class ScoreConfig:
                           default=False)
 
 
+@dataclass(frozen=True)
+class ExportConfig:
+    """``export``: a checkpoint as a model for another inference engine."""
+
+    SECTION: typing.ClassVar[str] = "export"
+
+    format: str = _h("ctranslate2 (a CTranslate2 model directory; needs the optional ctranslate2 package) or marian "
+                     "(a Hugging Face MarianMTModel directory; needs the optional transformers package).",
+                     default="ctranslate2")
+    quantization: str = _h("CTranslate2 weight type: none (float32), int8, int8_float32, int8_float16, int8_bfloat16, "
+                           "int16, float16, bfloat16 or float32.", default="none")
+
+
 SECTIONS: dict[str, type] = {
     c.SECTION: c
-    for c in (FetchConfig, BpeConfig, BucketConfig, ModelConfig, TrainConfig, AverageConfig, DecodeConfig, ScoreConfig)
+    for c in (FetchConfig, BpeConfig, BucketConfig, ModelConfig, TrainConfig, AverageConfig, DecodeConfig, ScoreConfig,
+              ExportConfig)
 }
 
 
@@ -336,4 +354,5 @@ PATHS: dict[str, str] = {
     "average": "artifacts/average",
     "decode": "artifacts/decode",
     "score": "metrics/score.json",
+    "export": "artifacts/export",
 }

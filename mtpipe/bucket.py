@@ -1,0 +1,230 @@
+"""``mtpipe bucket``: token-based batches (paper section 5.1).
+
+"Sentence pairs were batched together by approximate sequence length. Each training batch contained a set of sentence
+pairs containing approximately 25000 source tokens and 25000 target tokens." This stage fixes that batching once, as
+data: the train stage shuffles the batch order per epoch and accumulates batches up to its ``tokens_per_update``.
+
+* Lengths are positions the model sees: token count + 1 for EOS, on both sides (the decoder input is BOS + target,
+  the same length). They come from the Arrow list offsets, vectorised; the token values are never touched.
+* Train pairs with a side longer than ``max_len`` positions are dropped and counted (they could not be embedded or
+  would dominate memory); valid pairs are never dropped: an over-long one gets a batch of its own, with a warning.
+* Pairs are sorted by (source length, target length) with a stable sort, so ties keep the tokens split's order and the
+  result is deterministic. Batches are packed greedily along that order: a batch grows while
+  ``n_sentences * longest_length`` stays within ``max_tokens`` on each side (the padded token count one process
+  allocates), then is cut back to a multiple of ``multiple_of`` sentences (tensor-core friendly shapes). The only
+  batches that are not a multiple are those smaller than ``multiple_of``: where ``max_tokens`` cannot hold
+  ``multiple_of`` sentences of that length (fewer sentences rather than exceeding the budget), and the tail of the
+  sorted order.
+* Output: a ``batches`` artifact with ``{train,valid}.parquet`` in ``BATCHES_SCHEMA``. ``ids`` holds values of the
+  tokens split's ``id`` column (the corpus line index), not row positions; every kept train id is in exactly one
+  batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from mtpipe import console
+from mtpipe.artifacts import (
+    BATCHES_SCHEMA,
+    ArtifactWriter,
+    from_numpy,
+    open_parquet,
+    read_manifest,
+    splits_of,
+    to_numpy,
+)
+from mtpipe.config import BucketConfig, to_dict
+from mtpipe.errors import MtpipeError
+
+SPLITS = ("train", "valid")
+
+
+def read_lengths(tokens: Path, split: str, bar: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(ids, src_len, tgt_len)`` of a tokens split; lengths include EOS. Streams the file in batches; lengths come
+    from the list offsets (``list_value_length``), so no token is ever touched in Python."""
+    pf = open_parquet(tokens, f"{split}.parquet", "tokens")
+    n = pf.metadata.num_rows
+    ids = np.empty(n, np.int64)
+    src = np.empty(n, np.int32)
+    tgt = np.empty(n, np.int32)
+    task = bar.add_task(f"read {split} (pairs)", total=n)
+    i = 0
+    for b in pf.iter_batches(batch_size=65536, columns=["id", "src", "tgt"]):
+        k = b.num_rows
+        ids[i:i + k] = to_numpy(b.column(0))
+        src[i:i + k] = to_numpy(pc.list_value_length(b.column(1))) + 1
+        tgt[i:i + k] = to_numpy(pc.list_value_length(b.column(2))) + 1
+        i += k
+        bar.update(task, completed=i)
+    return ids, src, tgt
+
+
+def length_order(src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
+    """Indices sorting by (src_len, tgt_len); stable, so equal pairs keep their input order."""
+    key = (src.astype(np.int64) << 32) | tgt.astype(np.int64)
+    return np.argsort(key, kind="stable")
+
+
+def pack(src: np.ndarray, tgt: np.ndarray, max_tokens: int, multiple_of: int) -> np.ndarray:
+    """Batch boundaries over pairs already sorted by source length: ``bounds[b]:bounds[b + 1]`` is batch ``b``.
+
+    Greedy: each batch takes the longest prefix of the remaining pairs whose padded size ``n * max(len)`` fits
+    ``max_tokens`` on both sides, then rounds its count down to a multiple of ``multiple_of`` when it has at least
+    that many. Each pair must fit alone (``max(src, tgt) <= max_tokens``).
+    """
+    n = len(src)
+    bounds = [0]
+    i = 0
+    while i < n:
+        # Sources are sorted, and a running maximum only grows: no batch from i can hold more than this.
+        k = min(n - i, max_tokens // max(int(src[i]), int(tgt[i])))
+        m = np.arange(1, k + 1, dtype=np.int64)
+        fits = (m * src[i:i + k] <= max_tokens) & (m * np.maximum.accumulate(tgt[i:i + k]) <= max_tokens)
+        size = k if fits[-1] else int(np.argmin(fits))  # fits is True then False: both products are monotone
+        if size >= multiple_of:
+            size -= size % multiple_of
+        i += size
+        bounds.append(i)
+    return np.asarray(bounds, np.int64)
+
+
+@dataclass
+class SplitBatches:
+    pairs_in: int
+    dropped: int
+    batches: int
+    pairs: int
+    src_tokens: int
+    tgt_tokens: int
+    src_padded: int
+    tgt_padded: int
+    min_size: int
+    max_size: int
+
+    @property
+    def padding(self) -> float:
+        """Share of the padded positions (both sides) that are padding."""
+        padded = self.src_padded + self.tgt_padded
+        return 1.0 - (self.src_tokens + self.tgt_tokens) / padded if padded else 0.0
+
+
+def batch_table(ids: np.ndarray, src: np.ndarray, tgt: np.ndarray, bounds: np.ndarray) -> pa.Table:
+    """The BATCHES_SCHEMA table of batches ``bounds`` over the (sorted) pairs, all vectorised."""
+    starts = bounds[:-1]
+    if len(starts) == 0:
+        return BATCHES_SCHEMA.empty_table()
+    return pa.Table.from_arrays(
+        [
+            from_numpy(np.arange(len(starts), dtype=np.int64)),
+            pa.ListArray.from_arrays(from_numpy(bounds.astype(np.int32)), from_numpy(ids.astype(np.int64))),
+            from_numpy(np.add.reduceat(src.astype(np.int64), starts)),
+            from_numpy(np.add.reduceat(tgt.astype(np.int64), starts)),
+            from_numpy(np.maximum.reduceat(src, starts).astype(np.int32)),
+            from_numpy(np.maximum.reduceat(tgt, starts).astype(np.int32)),
+        ],
+        schema=BATCHES_SCHEMA,
+    )
+
+
+def make_batches(cfg: BucketConfig, split: str, ids: np.ndarray, src: np.ndarray, tgt: np.ndarray,
+                 where: str) -> tuple[pa.Table, SplitBatches]:
+    """Drop (train) or isolate (valid) over-long pairs, sort, pack."""
+    n = len(ids)
+    long = (src > cfg.max_len) | (tgt > cfg.max_len)
+    dropped = 0
+    if long.any():
+        if split == "train":
+            dropped = int(long.sum())
+        else:
+            console.warn(f"{where}: {int(long.sum()):,} {split} pairs are longer than bucket.max_len={cfg.max_len} "
+                         "positions; each gets a batch of its own (valid is never filtered)")
+    ok = ~long
+    order = np.flatnonzero(ok)[length_order(src[ok], tgt[ok])]
+    bounds = pack(src[order], tgt[order], cfg.max_tokens, cfg.multiple_of)
+    if split != "train" and long.any():
+        extra = np.flatnonzero(long)
+        order = np.concatenate([order, extra])
+        bounds = np.concatenate([bounds, bounds[-1] + np.arange(1, len(extra) + 1)])
+    s_ids, s_src, s_tgt = ids[order], src[order], tgt[order]
+    table = batch_table(s_ids, s_src, s_tgt, bounds)
+    sizes = np.diff(bounds)
+    sl = to_numpy(table.column("src_len")).astype(np.int64)
+    tl = to_numpy(table.column("tgt_len")).astype(np.int64)
+    stats = SplitBatches(
+        pairs_in=n, dropped=dropped, batches=len(sizes), pairs=int(sizes.sum()),
+        src_tokens=int(s_src.sum()), tgt_tokens=int(s_tgt.sum()),
+        src_padded=int((sizes * sl).sum()), tgt_padded=int((sizes * tl).sum()),
+        min_size=int(sizes.min()) if len(sizes) else 0, max_size=int(sizes.max()) if len(sizes) else 0,
+    )
+    return table, stats
+
+
+def _check_cfg(cfg: BucketConfig) -> None:
+    if cfg.max_len < 2:
+        raise MtpipeError(f"bucket.max_len={cfg.max_len}: must be >= 2 (one token plus EOS)")
+    if cfg.multiple_of < 1:
+        raise MtpipeError(f"bucket.multiple_of={cfg.multiple_of}: must be >= 1")
+    if cfg.max_tokens < cfg.max_len:
+        raise MtpipeError(
+            f"bucket.max_tokens={cfg.max_tokens} is smaller than bucket.max_len={cfg.max_len}: the longest allowed "
+            f"pair would not fit in any batch; raise --max-tokens to at least {cfg.max_len} or lower --max-len"
+        )
+
+
+def run(cfg: BucketConfig, tokens: Path, out: Path) -> dict[str, SplitBatches]:
+    """Batch the train and valid splits of the ``tokens`` artifact into the ``batches`` artifact ``out``."""
+    _check_cfg(cfg)
+    tokens, out = Path(tokens), Path(out)
+    read_manifest(tokens, "tokens")
+    have = splits_of(tokens, "tokens")
+    if "train" not in have:
+        raise MtpipeError(f"{tokens}: has no train split (it has: {', '.join(have) or 'nothing'})")
+    splits = [s for s in SPLITS if s in have]
+    if "valid" not in have:
+        console.warn(f"{tokens}: has no valid split; only train is batched")
+    stats: dict[str, SplitBatches] = {}
+    with ArtifactWriter(out, "batches", {"bucket": to_dict(cfg)}, upstream={"tokens": tokens}) as w:
+        with console.progress() as bar:
+            for split in splits:
+                ids, src, tgt = read_lengths(tokens, split, bar)
+                table, stats[split] = make_batches(cfg, split, ids, src, tgt, f"{tokens}/{split}.parquet")
+                w.write_table(f"{split}.parquet", table)
+        if stats["train"].pairs == 0:
+            raise MtpipeError(f"{tokens}/train.parquet: every pair is longer than bucket.max_len={cfg.max_len}")
+        w.extra.update({
+            "ids": "values of the tokens split's id column",
+            "pairs_in": {s: b.pairs_in for s, b in stats.items()},
+            "dropped_too_long": stats["train"].dropped,
+            "pairs": {s: b.pairs for s, b in stats.items()},
+            "batches": {s: b.batches for s, b in stats.items()},
+            "tokens": {s: {"src": b.src_tokens, "tgt": b.tgt_tokens} for s, b in stats.items()},
+            "padded_tokens": {s: {"src": b.src_padded, "tgt": b.tgt_padded} for s, b in stats.items()},
+            "padding_ratio": {s: round(b.padding, 6) for s, b in stats.items()},
+        })
+    _summary(cfg, stats, out)
+    return stats
+
+
+def _summary(cfg: BucketConfig, stats: dict[str, SplitBatches], out: Path) -> None:
+    splits = list(stats)
+    rows: list[list[Any]] = [
+        ["pairs in", *[stats[s].pairs_in for s in splits]],
+        [f"  - longer than {cfg.max_len}", *[stats[s].dropped if s == "train" else "" for s in splits]],
+        ["pairs batched", *[stats[s].pairs for s in splits]],
+        ["batches", *[stats[s].batches for s in splits]],
+        ["sentences / batch (min-max)", *[f"{stats[s].min_size}-{stats[s].max_size}" for s in splits]],
+        ["src tokens", *[stats[s].src_tokens for s in splits]],
+        ["tgt tokens", *[stats[s].tgt_tokens for s in splits]],
+        ["padding ratio", *[f"{stats[s].padding:.2%}" for s in splits]],
+        ["padded tokens / batch / side", *[(stats[s].src_padded + stats[s].tgt_padded) / 2 / max(1, stats[s].batches)
+                                           for s in splits]],
+    ]
+    console.table(f"bucket: max_tokens {cfg.max_tokens:,}, multiple of {cfg.multiple_of} -> {out}", ["", *splits],
+                  rows)
