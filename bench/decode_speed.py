@@ -1,0 +1,381 @@
+#!/usr/bin/env python3
+"""Decoding speed: mtpipe's incremental beam search vs a naive beam search that re-decodes the whole prefix.
+
+Issue 4 "Benchmark". Beam 4, GNMT length penalty alpha 0.6, max length source + 50, on the 1,000 sentences of
+Multi30k ``test_2016_flickr.en.gz``, CPU with 2 threads (default), fp32 and bf16 autocast:
+
+* **mtpipe**: :func:`mtpipe.decode.translate` as ``mtpipe decode`` runs it (encoder once per batch, cross-attention
+  keys/values projected once, per-layer self-attention cache, finished sentences leave the batch);
+* **naive**: the same search (same batches, same hypotheses) with :func:`mtpipe.decode.uncached_step`, which re-runs
+  the decoder over the whole prefix every step (no cache; cross-attention keys/values re-projected each step).
+
+All four (decoder, precision) runs happen in the same process, interleaved batch by batch (every batch is decoded
+by each in turn, in rotating order), since this machine's speed drifts by up to 40 % over minutes and other
+processes may share its CPUs: only the same-run ratios mean anything. Reported: sentences/s and target
+tokens/s (hypothesis pieces without EOS, as ``/work/shared/anchors`` counts them), the speed-up over naive, and
+how many outputs are identical between the two (the fp32 runs must agree; bf16 may differ in near ties).
+Target: mtpipe >= 4x naive at fp32.
+
+A trained model: pass ``--checkpoint DIR --tokens DIR`` (a checkpoint and the bpe artifact it was trained with).
+Without them the bench makes its own, once, under ``--workdir`` (default ``bench/out/decode_speed``): a joint 8k
+SentencePiece BPE on Multi30k train and a ``small``-preset model (d256, 3+3 layers, the anchors' size) trained for
+``--train-minutes`` with a minimal loop (label smoothing 0.1, Adam, inverse-sqrt schedule, bf16 autocast).
+Its BLEU is printed so the lengths of its outputs can be judged; a few minutes of CPU training gives a weak model.
+
+    python bench/decode_speed.py --wait-quiet 900                 # trains 20 min once, then decodes (~10 min)
+    python bench/decode_speed.py --threads 1 --clock cpu          # steadier while other processes share the CPUs
+    python bench/decode_speed.py --checkpoint artifacts/average --tokens artifacts/bpe
+    python bench/decode_speed.py --sentences 200 --markdown /tmp/table.md
+    python bench/decode_speed.py --profile                        # torch.profiler table of mtpipe's decode
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gzip
+import math
+import os
+import platform
+import random
+import shutil
+import sys
+import time
+import unicodedata
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mtpipe import artifacts  # noqa: E402
+from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: E402
+from mtpipe.config import DecodeConfig, ModelConfig, to_dict  # noqa: E402
+from mtpipe.console import console, fmt, progress, table  # noqa: E402
+from mtpipe.decode import Hypothesis, make_batches, translate  # noqa: E402
+from mtpipe.model import Transformer, build_model  # noqa: E402
+
+DATA = REPO.parent / "shared" / "data" / "multi30k"
+
+
+def read_gz(path: Path) -> list[str]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [unicodedata.normalize("NFC", line.rstrip("\n")).strip() for line in f]
+
+
+def cpu_ticks() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, from the first line of /proc/stat (0, 0 if absent)."""
+    try:
+        values = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = values[3] + (values[4] if len(values) > 4 else 0.0)  # idle + iowait
+    return (sum(values) - idle) / hz, sum(values) / hz
+
+
+def others_share(since: tuple[float, float], own_since: float) -> float:
+    """Share of the machine's CPU time used by *other* processes since ``since`` (``cpu_ticks()``) and
+    ``own_since`` (``own_cpu()``)."""
+    busy, total = cpu_ticks()
+    if total <= since[1]:
+        return 0.0
+    return max(0.0, (busy - since[0]) - (own_cpu() - own_since)) / (total - since[1])
+
+
+def own_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def wait_quiet(max_seconds: float, share: float = 0.15, window: float = 3.0) -> float:
+    """Wait up to ``max_seconds`` until other processes use less than ``share`` of the CPUs over ``window`` s."""
+    deadline = time.time() + max_seconds
+    while True:
+        ticks, own = cpu_ticks(), own_cpu()
+        time.sleep(window)
+        now = others_share(ticks, own)
+        if now < share or time.time() >= deadline:
+            return now
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Fallback: a tokens artifact and a small trained model, made once
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def make_tokens(workdir: Path, vocab_size: int) -> Path:
+    """A bpe-like artifact: joint SentencePiece BPE on Multi30k train, train and test splits encoded."""
+    import pyarrow as pa
+    import sentencepiece as spm
+
+    out = workdir / "tokens"
+    if (out / artifacts.MANIFEST).exists():
+        return out
+    src, tgt = read_gz(DATA / "train.en.gz"), read_gz(DATA / "train.de.gz")
+    tmp = workdir / "spm"
+    tmp.mkdir(parents=True, exist_ok=True)
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(src + tgt), model_prefix=str(tmp / "spm"),
+                                   vocab_size=vocab_size, model_type="bpe", character_coverage=1.0, pad_id=PAD_ID,
+                                   unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp / "spm.model"))
+    with artifacts.ArtifactWriter(out, "tokens") as w:
+        for split, prefix in (("train", "train"), ("test", "test_2016_flickr")):
+            s, t = read_gz(DATA / f"{prefix}.en.gz"), read_gz(DATA / f"{prefix}.de.gz")
+            w.write_table(f"{split}.parquet", pa.table({"id": list(range(len(s))), "src": sp.encode(s),
+                                                        "tgt": sp.encode(t)}))
+        shutil.copy(tmp / "spm.model", w.path("spm.model"))
+        w.extra.update({"spm_sha256": artifacts.file_hash(w.path("spm.model")), "vocab_size": sp.get_piece_size()})
+    shutil.rmtree(tmp)
+    return out
+
+
+def train_small(workdir: Path, tokens: Path, minutes: float, threads: int, batch_tokens: int) -> Path:
+    """The ``small`` preset trained for ``minutes`` on Multi30k train (fallback when no checkpoint is given)."""
+    import sentencepiece as spm
+
+    out = workdir / "checkpoint"
+    if (out / artifacts.MANIFEST).exists():
+        return out
+    torch.manual_seed(1)
+    random.seed(1)
+    sp = spm.SentencePieceProcessor(model_file=str(tokens / "spm.model"))
+    vocab = sp.get_piece_size()
+    t = artifacts.read_table(tokens, "train.parquet", "tokens")
+    pairs = [(s, g) for s, g in zip(t.column("src").to_pylist(), t.column("tgt").to_pylist()) if s and g]
+    pairs.sort(key=lambda p: (len(p[0]), len(p[1])))
+    batches, cur, width = [], [], 0
+    for p in pairs:  # token budget on the padded longer side (+ EOS/BOS), sorted by length
+        w = max(width, len(p[0]) + 1, len(p[1]) + 1)
+        if cur and (len(cur) + 1) * w > batch_tokens:
+            batches.append(cur)
+            cur, w = [], max(len(p[0]), len(p[1])) + 1
+        cur.append(p)
+        width = w
+    batches.append(cur)
+
+    def pad(seqs: list[list[int]]) -> torch.Tensor:
+        return torch.nn.utils.rnn.pad_sequence([torch.tensor(s) for s in seqs], batch_first=True,
+                                               padding_value=PAD_ID)
+
+    model = Transformer(ModelConfig(preset="small"), vocab).train()
+    opt = torch.optim.Adam(model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
+    warmup, peak = 400, 1e-3  # the anchors' reference trainer: inverse-sqrt schedule peaking at 1e-3
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: peak * min((s + 1) / warmup, math.sqrt(warmup / (s + 1))))
+    torch.set_num_threads(threads)
+    deadline = time.monotonic() + minutes * 60
+    step = 0
+    with progress() as bar:
+        task = bar.add_task(f"train small ({minutes:g} min)", total=int(minutes * 60))
+        start = time.monotonic()
+        while time.monotonic() < deadline:
+            random.shuffle(batches)
+            for b in batches:
+                src = pad([s + [EOS_ID] for s, _ in b])  # [B, S]
+                tgt_in, tgt_out = pad([[BOS_ID] + g for _, g in b]), pad([g + [EOS_ID] for _, g in b])  # [B, T]
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    h = model.features(src, tgt_in)  # [B, T, D]
+                    real = tgt_out != PAD_ID
+                    logits = model.logits(h[real]).float()  # [N, V] non-pad positions only
+                loss = F.cross_entropy(logits, tgt_out[real], label_smoothing=0.1)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+                step += 1
+                bar.update(task, completed=int(time.monotonic() - start),
+                           description=f"train small: step {step} loss {loss.item():.2f}")
+                if time.monotonic() >= deadline:
+                    break
+    artifacts.write_checkpoint(out, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
+                               vocab={"spm_sha256": artifacts.file_hash(tokens / "spm.model"), "size": vocab},
+                               step=step, params={"bench": {"train_minutes": minutes, "batch_tokens": batch_tokens}},
+                               upstream={"tokens": tokens})
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Decoding runs
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def interleaved(model: Transformer, sources: list[list[int]], cfgs: dict[str, DecodeConfig], rounds: int,
+                clock: str) -> tuple[dict[tuple[str, str], list[float]], dict[tuple[str, str], list[list[Hypothesis]]]]:
+    """Seconds per round and outputs of every (decoder, precision), interleaved batch by batch.
+
+    ``clock``: ``wall`` (elapsed time) or ``cpu`` (this process's CPU time, all threads: less sensitive to other
+    processes taking the CPUs, but it counts threads spinning at barriers).
+
+    The batches are the ones ``translate`` makes (length-sorted, ``max_tokens``); each batch is decoded by every
+    (decoder, precision) in turn, the order rotating from batch to batch, so load from other processes and speed
+    drift fall on all of them alike instead of on whichever ran during a slow minute.
+    """
+    precisions = list(cfgs)
+    keys = [(name, p) for p in precisions for name in ("naive", "mtpipe")]
+    max_tokens = cfgs[precisions[0]].max_tokens
+    batches = make_batches([len(s) + 1 for s in sources], max_tokens)
+    seconds = {key: [0.0] * rounds for key in keys}
+    outputs: dict[tuple[str, str], list[list[Hypothesis]]] = {key: [[] for _ in sources] for key in keys}
+    with progress() as bar:
+        task = bar.add_task("decode, interleaved", total=rounds * len(batches) * len(keys))
+        for r in range(rounds):
+            for b, batch in enumerate(batches):
+                shift = (b + r) % len(keys)
+                for name, p in keys[shift:] + keys[:shift]:
+                    sub = [sources[i] for i in batch]
+                    now = time.perf_counter if clock == "wall" else own_cpu
+                    start = now()
+                    out = translate(model, sub, cfgs[p], "cpu", cache=name == "mtpipe")
+                    seconds[(name, p)][r] += now() - start
+                    for i, hyps in zip(batch, out):
+                        outputs[(name, p)][i] = hyps
+                    bar.update(task, advance=1)
+            console.print("round " + str(r + 1) + ": " + ", ".join(
+                f"{name} {p} {seconds[(name, p)][r]:.1f} s" for name, p in keys))
+    return seconds, outputs
+
+
+def profile(model: Transformer, sources: list[list[int]], cfg: DecodeConfig) -> None:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    translate(model, sources[:32], cfg, "cpu")  # warm-up
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        translate(model, sources, cfg, "cpu")
+    console.print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", type=Path, help="A trained (or averaged) mtpipe checkpoint.")
+    ap.add_argument("--tokens", type=Path, help="The bpe artifact the checkpoint was trained with (spm.model).")
+    ap.add_argument("--workdir", type=Path, default=REPO / "bench" / "out" / "decode_speed",
+                    help="Where the fallback tokens artifact and model are made (once) when not given.")
+    ap.add_argument("--train-minutes", type=float, default=20.0, help="Fallback model's training time.")
+    ap.add_argument("--train-batch-tokens", type=int, default=2048,
+                    help="Fallback model's batch size in padded tokens (small: more updates in the time).")
+    ap.add_argument("--source", type=Path, default=DATA / "test_2016_flickr.en.gz")
+    ap.add_argument("--reference", type=Path, default=DATA / "test_2016_flickr.de.gz")
+    ap.add_argument("--sentences", type=int, default=1000, help="First N sentences of --source.")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--beam", type=int, default=4)
+    ap.add_argument("--alpha", type=float, default=0.6)
+    ap.add_argument("--max-tokens", type=int, default=DecodeConfig().max_tokens)
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--rounds", type=int, default=2, help="Rounds over the sentences (reported: the mean).")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="wall: elapsed time; cpu: this process's CPU time (steadier when other processes run).")
+    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                    help="First wait up to this long for other processes to leave the CPUs (< 15%% busy).")
+    ap.add_argument("--markdown", type=Path, help="Also write the result table as Markdown here.")
+    ap.add_argument("--profile", action="store_true", help="Profile mtpipe's fp32 decode instead of benchmarking.")
+    args = ap.parse_args()
+
+    import sentencepiece as spm
+
+    console.width = max(console.width, 150)  # the result table has 9 columns; logs are often not a terminal
+    torch.set_num_threads(args.threads)
+    if (args.checkpoint is None) != (args.tokens is None):
+        ap.error("give both --checkpoint and --tokens, or neither (the bench then trains its own model)")
+    if args.checkpoint is None:
+        tokens = make_tokens(args.workdir, 8000)
+        checkpoint = train_small(args.workdir, tokens, args.train_minutes, args.threads, args.train_batch_tokens)
+    else:
+        tokens, checkpoint = args.tokens, args.checkpoint
+    torch.set_num_threads(args.threads)
+    ck = artifacts.load_checkpoint(checkpoint)
+    model = build_model(ck.model_config, ck.vocab["size"])
+    model.load_state_dict(ck.state_dict)
+    model.eval()
+    sp = spm.SentencePieceProcessor(model_file=str(artifacts.verify_file(tokens, "spm.model")))
+    lines = read_gz(args.source)[: args.sentences]
+    refs = read_gz(args.reference)[: args.sentences] if args.reference.exists() else None
+    sources = [s[: model.cfg.max_positions - 1] for s in sp.encode(lines)]
+    precisions = args.precisions.split(",")
+    cfgs = {p: DecodeConfig(beam=args.beam, alpha=args.alpha, max_tokens=args.max_tokens, precision=p)
+            for p in precisions}
+    console.print(f"model {checkpoint} (step {ck.step:,}, d_model {model.cfg.d_model}, "
+                  f"{model.cfg.encoder_layers}+{model.cfg.decoder_layers} layers, vocab {ck.vocab['size']:,}); "
+                  f"{len(sources):,} sentences, {sum(map(len, sources)):,} source pieces; {args.threads} threads; "
+                  f"beam {args.beam}, alpha {args.alpha}")
+    if args.profile:
+        profile(model, sources, cfgs[precisions[0]])
+        return
+
+    if args.wait_quiet > 0:
+        console.print(f"waiting up to {args.wait_quiet:.0f} s for other processes to leave the CPUs ...")
+        console.print(f"other processes' CPU share now {100 * wait_quiet(args.wait_quiet):.0f} %")
+    load_before = os.getloadavg()[0]
+    ticks0, own0 = cpu_ticks(), own_cpu()
+    for p in precisions:  # warm-up: allocator, oneDNN kernels, autocast
+        translate(model, sources[:48], cfgs[p], "cpu")
+    runs, outputs = interleaved(model, sources, cfgs, args.rounds, args.clock)
+    others = others_share(ticks0, own0)
+    console.print(f"other processes used {100 * others:.0f} % of the machine's CPU time during the run")
+
+    def best(key: tuple[str, str]) -> list[list[int]]:
+        return [h[0].tokens for h in outputs[key]]
+
+    rows, md_rows = [], []
+    ref_tokens = best(("mtpipe", precisions[0]))
+    for p in precisions:
+        naive_s = sum(runs[("naive", p)]) / args.rounds
+        for name in ("naive", "mtpipe"):
+            secs = sum(runs[(name, p)]) / args.rounds
+            hyps = best((name, p))
+            ntok = sum(len(h) for h in hyps)
+            same_naive = sum(a == b for a, b in zip(hyps, best(("naive", p)))) / len(hyps)
+            same_ref = sum(a == b for a, b in zip(hyps, ref_tokens)) / len(hyps)
+            bleu = ""
+            if refs is not None:
+                import sacrebleu
+
+                bleu = f"{sacrebleu.corpus_bleu(sp.decode(hyps), [refs]).score:.1f}"
+            row = [name, p, round(secs, 1), len(hyps) / secs, ntok / secs, f"{naive_s / secs:.2f}x",
+                   f"{100 * same_naive:.1f}%", f"{100 * same_ref:.1f}%", bleu]
+            rows.append(row)
+            md_rows.append([fmt(v) for v in row])
+    header = ["decoder", "precision", "seconds", "sentences/s", "tgt tokens/s", "vs naive", "same as naive",
+              f"same as mtpipe {precisions[0]}", "BLEU"]
+    table(f"decode speed: beam {args.beam}, alpha {args.alpha}, {len(sources):,} sentences, {args.threads} threads",
+          header, rows)
+    fp32 = [float(r[5][:-1]) for r in rows if r[0] == "mtpipe" and r[1] == "fp32"]
+    if fp32:
+        verdict = "met" if fp32[0] >= 4.0 else "MISSED"
+        console.print(f"target mtpipe >= 4x naive at fp32: {fp32[0]:.2f}x, {verdict}")
+    if args.markdown:
+        mean_len = sum(len(h) for h in ref_tokens) / max(len(ref_tokens), 1)
+        text = [
+            f"Decoding speed, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+            f"`{' '.join(sys.argv[1:]) or '(defaults)'}`",
+            "",
+            f"CPU: {cpu_model()}, {args.threads} threads, torch {torch.__version__}. Model: {checkpoint} "
+            f"(step {ck.step:,}, d_model {model.cfg.d_model}, {model.cfg.encoder_layers}+"
+            f"{model.cfg.decoder_layers} layers, vocab {ck.vocab['size']:,}). {len(sources):,} sentences, "
+            f"{sum(map(len, sources)):,} source pieces, mean output {mean_len:.1f} pieces. Beam {args.beam}, GNMT "
+            f"alpha {args.alpha}, max length source + 50, max_tokens {args.max_tokens}. Mean of "
+            f"{args.rounds} round(s), interleaved batch by batch, {args.clock}-clock seconds; tokens = hypothesis "
+            f"pieces without EOS. Other processes used {100 * others:.0f} % of the machine's CPU time during the run "
+            f"(1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after).",
+            "",
+            "| " + " | ".join(header) + " |",
+            "| " + " | ".join("---" for _ in header) + " |",
+            *("| " + " | ".join(r) + " |" for r in md_rows),
+            "",
+        ]
+        args.markdown.write_text("\n".join(text), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,521 @@
+"""``mtpipe decode``: batched beam search with a length penalty, as the paper decodes (section 6.1).
+
+"We used beam search with a beam size of 4 and length penalty alpha = 0.6 ... We set the maximum output length during
+inference to input length + 50, but terminate early when possible." The paper's numbers come from tensor2tensor,
+whose length penalty is GNMT's (Wu et al. 2016, section 7)::
+
+    gnmt:     lp(Y) = ((5 + |Y|) / 6) ^ alpha          (the paper, tensor2tensor; the default)
+    fairseq:  lp(Y) = |Y| ^ alpha                       (fairseq's --lenpen)
+
+and a finished hypothesis is ranked by ``log P(Y | X) / lp(Y)``. ``|Y|`` counts the generated tokens including the
+final EOS (as tensor2tensor and fairseq both count).
+
+The search (:func:`beam_search`), per sentence:
+
+* the beam at step t is the ``beam`` best one-token extensions (by log-probability) of the live hypotheses; the ones
+  that end in EOS leave the beam as *finished* hypotheses, the others stay *live* (the next step refills the beam to
+  ``beam`` from their extensions). PAD and BOS are never generated.
+* the output may hold at most ``max_len = max_len_a * S + max_len_b`` tokens before EOS (S = source tokens without
+  EOS; capped so that the positions fit the model); at that length only EOS may follow.
+* **early stopping** -- a sentence is done when no live hypothesis can still beat the finished ones. Log-probabilities
+  only decrease as tokens are added, and ``lp`` is monotonic in ``|Y|``, so a live hypothesis with log-probability
+  ``s <= 0`` that has ``t`` tokens now can finish with a score of at most ``s / max(lp(t + 1), lp(max_len + 1))``
+  (for alpha >= 0 that is ``s / lp(max_len + 1)``, tensor2tensor's bound). When the best live bound is no higher than
+  the ``nbest``-th best finished score, nothing better can appear and the sentence stops; it also stops when no
+  hypothesis is live. (Stopping as soon as ``beam`` hypotheses have finished, as fairseq does, can miss a better,
+  longer hypothesis under a length penalty.) The best result therefore does not depend on ``nbest``.
+* **beam 1 is greedy search**: the single best extension is taken each step, and when it is EOS the beam is empty.
+
+The search works on any ``step(tokens [N], state) -> (log_probs [N, V], state)`` whose state has
+``select(index)`` (:class:`mtpipe.model.DecoderState`, :class:`PrefixState`, or a hand-made one in the tests). Speed:
+sentences are sorted by length and packed into batches of at most ``max_tokens`` padded source tokens; the encoder
+runs once per batch and its keys/values are projected once (:meth:`Transformer.start`) and shared by the beams; each
+step computes the new position only (per-layer self-attention cache, :meth:`Transformer.step`); sentences that are
+done leave the batch at once (``state.select``); ``torch.inference_mode`` and optional bf16 autocast (CPU and GPU).
+
+Blank input lines are not decoded: they give blank output lines (so paragraph breaks survive). Sources longer than
+the model's ``max_positions`` are truncated (with a warning naming how many and the first id):
+one output line per input line matters more for scoring than failing the whole run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mtpipe import artifacts
+from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID
+from mtpipe.config import PATHS, DecodeConfig, to_dict
+from mtpipe.errors import MtpipeError
+
+PENALTIES = ("gnmt", "fairseq")
+PRECISIONS = ("fp32", "bf16")
+INPUT_SPLIT = "input"  # file name ({INPUT_SPLIT}.parquet / .txt) of the output when translating --input text
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Length penalty (section 6.1; GNMT section 7)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LengthPenalty:
+    """``lp(|Y|)``: ``gnmt`` = ((5 + |Y|) / 6) ^ alpha (tensor2tensor, the paper), ``fairseq`` = |Y| ^ alpha."""
+
+    kind: str = "gnmt"
+    alpha: float = 0.6
+
+    def __post_init__(self) -> None:
+        if self.kind not in PENALTIES:
+            raise MtpipeError(f"decode.length_penalty: unknown penalty {self.kind!r} "
+                              f"(choose from {', '.join(PENALTIES)})")
+
+    def __call__(self, length: int) -> float:
+        if self.kind == "gnmt":
+            return ((5.0 + length) / 6.0) ** self.alpha
+        return float(length) ** self.alpha
+
+
+@dataclass
+class Hypothesis:
+    """A finished translation: ``tokens`` without EOS, ``score`` = ``logprob / lp(len(tokens) + 1)``."""
+
+    tokens: list[int]
+    score: float
+    logprob: float
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Beam search over any step function
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class State(Protocol):
+    def select(self, index: Tensor) -> "State": ...
+
+
+StepFn = Callable[[Tensor, Any], "tuple[Tensor, Any]"]
+
+
+def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, penalty: LengthPenalty,
+                nbest: int = 1, device: torch.device | str = "cpu",
+                on_done: Callable[[int], None] | None = None,
+                reorder: Callable[[Any, Tensor], Any] | None = None) -> list[list[Hypothesis]]:
+    """Beam search for ``len(max_lens)`` sentences at once; returns each sentence's ``nbest`` best, best first.
+
+    ``state`` has one row per sentence; ``step(tokens [N], state)`` gives the log-probabilities ``[N, V]`` of the
+    next token after ``tokens`` (BOS first; a new tensor each call, which the search overwrites) and the advanced
+    state. ``max_lens[b]``: the most tokens sentence b may have before its EOS. ``on_done(n)`` is called as n
+    sentences finish. ``reorder(state, index)``, when given, is used instead of ``state.select(index)`` on the
+    steps where ``index`` only permutes rows *within* each sentence's beam (no sentence left, beam width unchanged):
+    per-sentence data shared by its beams can then stay where it is (:func:`reorder_beams`). See the module
+    docstring for the search rules.
+    """
+    if beam < 1:
+        raise MtpipeError(f"decode.beam: {beam} is not >= 1")
+    n_sent = len(max_lens)
+    finished: list[list[Hypothesis]] = [[] for _ in range(n_sent)]
+    if n_sent == 0:
+        return finished
+    neg_inf = float("-inf")
+    active = list(range(n_sent))  # the sentences still in the batch, in the order of their row blocks
+    limits = torch.tensor(list(max_lens), dtype=torch.long, device=device)  # [n]
+    k = 1  # slots per active sentence: 1 at the start, since every beam would hold the same BOS prefix
+    tokens = torch.full((n_sent,), BOS_ID, dtype=torch.long, device=device)  # [n*k] the last token of each row
+    scores = torch.zeros(n_sent, 1, device=device)  # [n, k] log-probabilities of the live hypotheses (-inf: empty)
+    history = torch.zeros(n_sent, 0, dtype=torch.long, device=device)  # [n*k, t] tokens after BOS
+    banned = torch.tensor([PAD_ID, BOS_ID], device=device)
+    t = 0
+    while active:
+        logp, state = step(tokens, state)  # [n*k, V], a fresh tensor: updated in place below (saves 2 copies)
+        n, vocab = len(active), logp.size(-1)
+        logp = logp.float().index_fill_(1, banned, neg_inf)
+        forced = limits == t  # [n] sentences at their length limit: only EOS may follow
+        if bool(forced.any()):
+            only_eos = torch.full_like(logp, neg_inf)
+            only_eos[:, EOS_ID] = logp[:, EOS_ID]
+            logp = torch.where(forced.repeat_interleave(k)[:, None], only_eos, logp)
+        cand = logp.view(n, k, vocab).add_(scores.unsqueeze(2)).view(n, k * vocab)  # [n*k, V] -> [n, k*V]
+        width = min(beam, k * vocab)
+        top, idx = cand.topk(width, dim=1)  # [n, width], best first
+        parent, token = idx // vocab, idx % vocab
+        ends = (token == EOS_ID) & torch.isfinite(top)
+        live = top.masked_fill((token == EOS_ID) | ~torch.isfinite(top), neg_inf)  # [n, width]
+
+        # Finished hypotheses: a little Python per EOS candidate (at most `width` per sentence and step).
+        where = ends.nonzero().tolist()
+        if where:
+            parents = parent.tolist()
+            rows = torch.tensor([i * k + parents[i][j] for i, j in where], device=device)
+            prefixes = history.index_select(0, rows).tolist()
+            logprobs = top[ends].tolist()  # row-major, the same order as `where`
+            lp = penalty(t + 1)
+            for (i, _), prefix, lprob in zip(where, prefixes, logprobs):
+                pool = finished[active[i]]
+                pool.append(Hypothesis(tokens=prefix, score=lprob / lp, logprob=lprob))
+                pool.sort(key=lambda h: -h.score)
+                del pool[nbest:]
+
+        # Which sentences are done: nothing live, or no live hypothesis can beat the nbest-th finished one.
+        best_live = live[:, 0] if width == 1 else live.max(dim=1).values
+        best_live_l, limits_l = best_live.tolist(), limits.tolist()
+        keep = []
+        lp_next = penalty(t + 2)  # a live hypothesis has t+1 tokens now, so at least t+2 with its EOS
+        for i, (s, lim) in enumerate(zip(best_live_l, limits_l)):
+            pool = finished[active[i]]
+            if s == neg_inf:
+                continue
+            if len(pool) >= nbest and s / max(lp_next, penalty(lim + 1)) <= pool[-1].score:
+                continue
+            keep.append(i)
+        if on_done is not None and len(keep) < n:
+            on_done(n - len(keep))
+        if not keep:
+            break
+
+        # Reorder the beams and drop the finished sentences from the batch in one select.
+        keep_t = torch.tensor(keep, device=device)
+        rows = (keep_t[:, None] * k + parent.index_select(0, keep_t)).view(-1)  # [n', width] -> [n'*width]
+        if reorder is not None and len(keep) == n and width == k:
+            state = reorder(state, rows)
+        else:
+            state = state.select(rows)
+        tokens = token.index_select(0, keep_t).view(-1)  # [n'*width]
+        history = torch.cat([history.index_select(0, rows), tokens[:, None]], dim=1)  # [n'*width, t+1]
+        scores = live.index_select(0, keep_t)
+        limits = limits.index_select(0, keep_t)
+        active = [active[i] for i in keep]
+        k = width
+        t += 1
+    return finished
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Step functions: incremental (the model's cache) and the no-cache reference
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def reorder_beams(state: Any, index: Tensor) -> Any:
+    """``DecoderState.select`` for a permutation inside each sentence's beam: only the self-attention caches move.
+
+    Every beam of a sentence holds the same source, so its rows of ``src_mask`` and of the cross-attention keys/values
+    are identical and any permutation among them leaves those tensors unchanged: copying them each step (the
+    largest part of the state for short outputs) is skipped.
+    """
+    from mtpipe.model import DecoderState
+
+    return DecoderState(
+        src_mask=state.src_mask,
+        cross=state.cross,
+        self_kv=[None if kv is None else (kv[0].index_select(0, index), kv[1].index_select(0, index))
+                 for kv in state.self_kv],
+        length=state.length,
+    )
+
+
+@dataclass
+class PrefixState:
+    """Decoding state without a cache: the encoder output and the whole target prefix ``[N, t]``."""
+
+    memory: Tensor
+    src_mask: Tensor
+    prefix: Tensor
+
+    def select(self, index: Tensor) -> "PrefixState":
+        return PrefixState(self.memory.index_select(0, index), self.src_mask.index_select(0, index),
+                           self.prefix.index_select(0, index))
+
+
+def uncached_step(model: Any) -> StepFn:
+    """A step function that re-runs the whole decoder over the prefix each step (cross-attention keys/values
+    included): the naive reference that the tests check the incremental path against and that
+    ``bench/decode_speed.py`` measures against."""
+
+    def step(tokens: Tensor, state: PrefixState) -> tuple[Tensor, PrefixState]:
+        prefix = torch.cat([state.prefix, tokens[:, None]], dim=1)  # [N, t] -> [N, t+1]
+        x = model.embed_tokens(prefix)
+        for layer in model.decoder:
+            mk, mv = layer.cross_attn.project_kv(state.memory)
+            x, _ = layer(x, mk, mv, state.src_mask)
+        logp = F.log_softmax(model.logits(x[:, -1]).float(), dim=-1)  # [N, t+1, D] -> [N, D] -> [N, V]
+        return logp, PrefixState(state.memory, state.src_mask, prefix)
+
+    return step
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Batching and translation
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def make_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices grouped into batches of at most ``max_tokens`` padded tokens, longest sentences first (a longer
+    sentence alone over the budget gets a batch of its own). Sorting by length keeps padding, and so wasted
+    encoder and cross-attention work, small."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        width = lengths[cur[0]] if cur else lengths[i]  # sorted longest first: the first one sets the padded width
+        if cur and (len(cur) + 1) * width > max_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def precision_context(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """bf16 autocast (matmuls in bf16, softmax/log-softmax in fp32) or nothing for fp32."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def max_output_len(src_len: int, cfg: DecodeConfig, max_positions: int) -> int:
+    """``max_len_a * S + max_len_b`` tokens before EOS (S without EOS), capped so BOS + tokens fit the positions."""
+    return max(0, min(int(math.floor(cfg.max_len_a * src_len + cfg.max_len_b)), max_positions - 1))
+
+
+def translate(model: Any, sources: Sequence[Sequence[int]], cfg: DecodeConfig, device: torch.device | str = "cpu",
+              cache: bool = True, on_done: Callable[[int], None] | None = None) -> list[list[Hypothesis]]:
+    """Translate token-id sources (without EOS; at most ``max_positions - 1`` tokens) with beam search.
+
+    Returns the ``cfg.nbest`` best hypotheses of every source, in input order. An empty source (a blank input line)
+    is not decoded: its translation is empty, with score 0. ``cache=False`` re-decodes the whole prefix each step
+    (:func:`uncached_step`; for tests and the benchmark).
+    """
+    device = torch.device(device)
+    penalty = LengthPenalty(cfg.length_penalty, cfg.alpha)
+    max_positions = model.cfg.max_positions
+    lengths = [len(s) + 1 for s in sources]  # + EOS
+    results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] if not s else [] for s in sources]
+    todo = [i for i, s in enumerate(sources) if s]
+    step = model.step if cache else uncached_step(model)
+    model.eval()
+    if on_done is not None and len(todo) < len(sources):
+        on_done(len(sources) - len(todo))
+    with torch.inference_mode(), precision_context(device, cfg.precision):
+        for sub in make_batches([lengths[i] for i in todo], cfg.max_tokens):
+            batch = [todo[j] for j in sub]
+            width = lengths[batch[0]]
+            src = torch.full((len(batch), width), PAD_ID, dtype=torch.long)  # [B, S] right-padded
+            for row, i in enumerate(batch):
+                src[row, : lengths[i]] = torch.tensor([*sources[i], EOS_ID], dtype=torch.long)
+            src = src.to(device)
+            memory, src_mask = model.encode(src)  # once per batch; the beams share it
+            if cache:
+                state: Any = model.start(memory, src_mask)  # cross-attention keys/values projected once
+            else:
+                state = PrefixState(memory, src_mask, torch.zeros(len(batch), 0, dtype=torch.long, device=device))
+            max_lens = [max_output_len(lengths[i] - 1, cfg, max_positions) for i in batch]
+            hyps = beam_search(step, state, max_lens, cfg.beam, penalty, cfg.nbest, device, on_done,
+                               reorder_beams if cache else None)
+            for i, h in zip(batch, hyps):
+                results[i] = h
+    return results
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The stage
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def validate(cfg: DecodeConfig) -> None:
+    """Every decode param checked before anything is read or written."""
+    if cfg.beam < 1:
+        raise MtpipeError(f"decode.beam: {cfg.beam} is not >= 1")
+    if not 1 <= cfg.nbest <= cfg.beam:
+        raise MtpipeError(f"decode.nbest: {cfg.nbest} is not between 1 and decode.beam ({cfg.beam})")
+    if cfg.length_penalty not in PENALTIES:
+        raise MtpipeError(f"decode.length_penalty: unknown penalty {cfg.length_penalty!r} "
+                          f"(choose from {', '.join(PENALTIES)})")
+    if not math.isfinite(cfg.alpha):
+        raise MtpipeError(f"decode.alpha: {cfg.alpha} is not a finite number")
+    if cfg.precision not in PRECISIONS:
+        raise MtpipeError(f"decode.precision: unknown precision {cfg.precision!r} "
+                          f"(choose from {', '.join(PRECISIONS)})")
+    if cfg.max_len_a < 0 or cfg.max_len_b < 0:
+        raise MtpipeError(f"decode.max_len_a / max_len_b: {cfg.max_len_a} / {cfg.max_len_b} must be >= 0")
+    if cfg.max_tokens < 1:
+        raise MtpipeError(f"decode.max_tokens: {cfg.max_tokens} is not >= 1")
+    if cfg.threads < 0:
+        raise MtpipeError(f"decode.threads: {cfg.threads} is not >= 0")
+
+
+def _bare_sha(value: Any) -> str:
+    text = str(value).strip().lower()
+    return text.split(":", 1)[1] if text.startswith("sha256:") else text
+
+
+def read_lines(path: Path) -> list[str]:
+    """Raw text lines of a file or of stdin ('-'), NFC-normalised and stripped as ``fetch`` cleans text.
+
+    Lines are split on ``\\n`` only (a trailing ``\\r`` is stripped), so the output has one line per input line.
+    """
+    name = "stdin" if str(path) == "-" else str(path)
+    if str(path) == "-":
+        stream = getattr(sys.stdin, "buffer", None)
+        data = stream.read() if stream is not None else sys.stdin.read().encode("utf-8")
+    else:
+        if not path.is_file():
+            raise MtpipeError(f"{path}: input file not found")
+        data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise MtpipeError(f"{name}: line {line} is not valid UTF-8") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the newline that ends the last line
+    if not lines:
+        raise MtpipeError(f"{name}: empty input (no lines to translate)")
+    return [unicodedata.normalize("NFC", line).strip() for line in lines]
+
+
+def run(cfg: DecodeConfig, checkpoint: Path, tokens: Path, input: Path | None = None,
+        out: Path | None = None) -> None:
+    """Translate a split of the bpe artifact (``cfg.split``) or raw text (``input``; '-' = stdin).
+
+    A split is written to ``out`` (default ``artifacts/decode``) as a ``hypotheses`` artifact. Raw text is written
+    to stdout, one line per input line, and also as an artifact (``input.parquet`` / ``input.txt``) when ``out``
+    is given. All checks run before any output is written.
+    """
+    import sentencepiece as spm
+
+    from mtpipe.console import info, progress, table, warn
+    from mtpipe.model import build_model
+
+    from rich.progress import TextColumn
+
+    validate(cfg)
+    if input is None and out is None:
+        out = Path(PATHS["decode"])
+
+    # -- inputs, all checked before any work --------------------------------------------------------------------
+    ck = artifacts.load_checkpoint(checkpoint)
+    tm = artifacts.read_manifest(tokens, "tokens")
+    spm_path = artifacts.verify_file(tokens, "spm.model", tm)
+    spm_sha = _bare_sha(tm.files["spm.model"])
+    if _bare_sha(ck.vocab.get("spm_sha256")) != spm_sha:
+        raise MtpipeError(f"{checkpoint}: trained with another SentencePiece model than {spm_path} "
+                          f"(checkpoint vocab sha256 {_bare_sha(ck.vocab.get('spm_sha256'))[:12]}..., "
+                          f"spm.model {spm_sha[:12]}...)")
+    sp = spm.SentencePieceProcessor(model_file=str(spm_path))
+    if int(ck.vocab.get("size", -1)) != sp.get_piece_size():
+        raise MtpipeError(f"{checkpoint}: vocabulary size {ck.vocab.get('size')} does not match {spm_path} "
+                          f"({sp.get_piece_size()} pieces)")
+
+    if input is None:
+        split = cfg.split
+        available = artifacts.splits_of(tokens, "tokens")
+        if split not in available:
+            raise MtpipeError(f"{tokens}: has no split '{split}' (decode.split; available: {', '.join(available)})")
+        t = artifacts.read_table(tokens, f"{split}.parquet", "tokens", columns=["id", "src"])
+        ids = t.column("id").to_pylist()
+        sources = t.column("src").to_pylist()
+        source_desc = f"{tokens}/{split}.parquet"
+    else:
+        split = None
+        lines = read_lines(input)
+        sources = sp.encode(lines, out_type=int)
+        ids = list(range(len(lines)))
+        source_desc = "stdin" if str(input) == "-" else str(input)
+
+    try:
+        model = build_model(ck.model_config, int(ck.vocab["size"]))
+        model.load_state_dict(ck.state_dict)
+    except (TypeError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise MtpipeError(f"{checkpoint}: weights do not fit the checkpoint's model config ({first})") from None
+
+    limit = model.cfg.max_positions - 1  # room for EOS
+    long_rows = [i for i, s in enumerate(sources) if len(s) > limit]
+    if long_rows:
+        warn(f"{len(long_rows)} source(s) longer than the model's {limit} tokens (max_positions "
+             f"{model.cfg.max_positions} with EOS) truncated, the first with id {ids[long_rows[0]]}")
+        sources = [s[:limit] for s in sources]
+
+    # -- decode --------------------------------------------------------------------------------------------------
+    threads_before = torch.get_num_threads()
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device)
+    info(f"decoding {len(sources):,} sentences of {source_desc} with {checkpoint} (step {ck.step:,}) on {device}, "
+         f"beam {cfg.beam}, {cfg.length_penalty} alpha {cfg.alpha}, {cfg.precision}")
+    start = time.perf_counter()
+    with progress(TextColumn("{task.fields[rate]}")) as bar:
+        task = bar.add_task("decode", total=len(sources), rate="")
+        done = 0
+
+        def on_done(n: int) -> None:
+            nonlocal done
+            done += n
+            rate = done / max(time.perf_counter() - start, 1e-9)
+            bar.update(task, advance=n, rate=f"{rate:,.1f} sent/s")
+
+        try:
+            results = translate(model, sources, cfg, device, on_done=on_done)
+        finally:
+            torch.set_num_threads(threads_before)  # run() may be called in-process (tests, notebooks)
+    seconds = time.perf_counter() - start
+
+    # -- write ---------------------------------------------------------------------------------------------------
+    def detok(hyp_tokens: list[list[int]]) -> list[str]:
+        # One line per hypothesis no matter what the model emits.
+        return [s.replace("\r", " ").replace("\n", " ") for s in sp.decode(hyp_tokens)]
+
+    best = [r[0] for r in results]
+    texts = detok([h.tokens for h in best])
+    nbest_texts = [detok([h.tokens for h in r]) if cfg.nbest > 1 else [] for r in results]
+    rows = {
+        "id": ids,
+        "hypothesis": texts,
+        "tokens": [h.tokens for h in best],
+        "score": [h.score for h in best],
+        "nbest": nbest_texts,
+        "nbest_scores": [[h.score for h in r] if cfg.nbest > 1 else [] for r in results],
+    }
+    out_tokens = sum(len(h.tokens) + 1 for h in best)
+    if out is not None:
+        import pyarrow as pa
+
+        name = split if split is not None else INPUT_SPLIT
+        with artifacts.ArtifactWriter(out, "hypotheses", {"decode": to_dict(cfg)},
+                                      upstream={"checkpoint": checkpoint, "tokens": tokens}) as w:
+            w.write_table(f"{name}.parquet", pa.table(rows, schema=artifacts.HYPOTHESES_SCHEMA))
+            w.path(f"{name}.txt").write_text("".join(s + "\n" for s in texts), encoding="utf-8")
+            w.extra.update({
+                "split": split,
+                "input": None if input is None else source_desc,
+                "checkpoint": str(checkpoint),
+                "checkpoint_step": ck.step,
+                "decode": to_dict(cfg),
+                "device": str(device),
+                "truncated_sources": len(long_rows),
+            })
+    if input is not None:
+        sys.stdout.write("".join(s + "\n" for s in texts))
+        sys.stdout.flush()
+    table("decode", ["", "value"], [
+        ["sentences", len(sources)],
+        ["output tokens (with EOS)", out_tokens],
+        ["seconds", round(seconds, 2)],
+        ["sentences/s", len(sources) / max(seconds, 1e-9)],
+        ["tokens/s", out_tokens / max(seconds, 1e-9)],
+        ["mean score", sum(h.score for h in best) / max(len(best), 1)],
+        ["written to", str(out) if out is not None else "stdout"],
+    ])

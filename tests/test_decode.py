@@ -1,0 +1,480 @@
+"""`mtpipe decode`: beam search properties (greedy, exhaustive optimum, early stopping, length penalty), the
+incremental path against full re-decoding, batching and order, and the CLI end to end on a tiny trained model."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+import torch.nn.functional as F
+from typer.testing import CliRunner
+
+from mtpipe import artifacts
+from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from mtpipe.cli import app
+from mtpipe.config import DecodeConfig, ModelConfig, to_dict
+from mtpipe.decode import LengthPenalty, beam_search, make_batches, max_output_len, translate
+from mtpipe.errors import MtpipeError
+from mtpipe.model import Transformer
+
+# --------------------------------------------------------------------------------------------------------------------
+# Helpers: a hand-made step function, a random peaked model, an independent greedy decoder
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PrefixRows:
+    """State of a hand-made step function: the prefix of every row (after BOS)."""
+
+    prefixes: list[tuple[int, ...]]
+    calls: list[int]  # rows per step call, shared by every state of one search
+
+    def select(self, index: torch.Tensor) -> "PrefixRows":
+        return PrefixRows([self.prefixes[i] for i in index.tolist()], self.calls)
+
+
+def table_step(table):
+    """``step`` over a function prefix -> {token: probability}; unlisted tokens get probability 0."""
+
+    def step(tokens: torch.Tensor, state: PrefixRows):
+        state.calls.append(len(tokens))
+        prefixes = [p + (t,) if t != BOS_ID else p for p, t in zip(state.prefixes, tokens.tolist())]
+        logp = torch.full((len(prefixes), 8), float("-inf"))
+        for row, p in enumerate(prefixes):
+            for tok, prob in table(p).items():
+                logp[row, tok] = math.log(prob)
+        return logp, PrefixRows(prefixes, state.calls)
+
+    return step
+
+
+def start(n: int) -> PrefixRows:
+    return PrefixRows([() for _ in range(n)], [])
+
+
+def random_table(seed: int, real=(4, 5, 6)):
+    """A random but deterministic next-token distribution over ``real`` tokens + EOS for every prefix."""
+
+    def table(prefix):
+        g = torch.Generator().manual_seed(hash((seed, prefix)) % (2**31))
+        probs = torch.softmax(torch.randn(len(real) + 1, generator=g) * 2.0, 0).tolist()
+        return dict(zip((*real, EOS_ID), probs))
+
+    return table
+
+
+def exhaustive(table, max_len: int, penalty: LengthPenalty, real=(4, 5, 6)) -> list[tuple[float, tuple]]:
+    """Every output up to max_len tokens (EOS forced after max_len), scored, best first."""
+    out = []
+    for n in range(max_len + 1):
+        for seq in itertools.product(real, repeat=n):
+            lp, prefix = 0.0, ()
+            for tok in (*seq, EOS_ID):
+                probs = table(prefix)
+                lp += math.log(probs[tok]) if tok in probs else float("-inf")
+                prefix += (tok,)
+            out.append((lp / penalty(n + 1), seq))
+    return sorted(out, key=lambda x: -x[0])
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    """A random tiny model with peaked output distributions (scaled embeddings), so argmax has no near ties."""
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(preset="tiny", dropout=0.0, max_positions=128), 40).eval()
+    with torch.no_grad():
+        m.embed.weight.mul_(6.0)
+    return m
+
+
+def sources(n: int, seed: int, lo: int = 1, hi: int = 14, vocab: int = 40) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(4, vocab, (k,), generator=g).tolist() for k in lengths]
+
+
+def greedy(model: Transformer, src: list[int], max_len: int, penalty: LengthPenalty) -> tuple[list[int], float]:
+    """Reference greedy search, independent of decode.py: the full forward pass over the whole prefix each step,
+    argmax over every token but PAD/BOS, EOS forced after max_len tokens."""
+    s = torch.tensor([src + [EOS_ID]])
+    out: list[int] = []
+    total = 0.0
+    with torch.no_grad():
+        while True:
+            logits = model(s, torch.tensor([[BOS_ID] + out]))[0, -1]
+            logp = F.log_softmax(logits.float(), dim=-1)
+            logp[[PAD_ID, BOS_ID]] = float("-inf")
+            tok = EOS_ID if len(out) == max_len else int(logp.argmax())
+            total += float(logp[tok])
+            if tok == EOS_ID:
+                return out, total / penalty(len(out) + 1)
+            out.append(tok)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Length penalty and search rules
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_length_penalty_known_values():
+    gnmt = LengthPenalty("gnmt", 0.6)
+    assert gnmt(1) == pytest.approx(1.0)  # ((5 + 1) / 6) ^ a
+    assert gnmt(7) == pytest.approx(2.0**0.6)  # ((5 + 7) / 6) = 2
+    assert gnmt(25) == pytest.approx(5.0**0.6)
+    assert LengthPenalty("gnmt", 1.0)(13) == pytest.approx(3.0)
+    fairseq = LengthPenalty("fairseq", 0.5)
+    assert fairseq(4) == pytest.approx(2.0)  # |Y| ^ a
+    assert fairseq(9) == pytest.approx(3.0)
+    assert LengthPenalty("fairseq", 0.0)(50) == 1.0 and LengthPenalty("gnmt", 0.0)(50) == 1.0
+    with pytest.raises(MtpipeError, match="length_penalty"):
+        LengthPenalty("average", 1.0)
+
+
+def test_max_output_len_is_a_times_source_plus_b_capped_by_positions():
+    cfg = DecodeConfig(max_len_a=1.5, max_len_b=10)
+    assert max_output_len(4, cfg, 1024) == 16
+    assert max_output_len(4, DecodeConfig(), 1024) == 54  # paper: input length + 50
+    assert max_output_len(100, cfg, 64) == 63  # BOS + 63 tokens fill 64 positions
+
+
+def test_beam_finds_a_better_output_than_greedy():
+    # Greedy takes 'a' (0.6), after which every continuation is unlikely; 'b' (0.4) is followed by EOS (0.99).
+    def table(p):
+        if p == ():
+            return {4: 0.6, 5: 0.4}
+        if p[0] == 5:
+            return {EOS_ID: 0.99, 6: 0.01}
+        return {4: 0.3, 5: 0.25, 6: 0.25, EOS_ID: 0.2}
+
+    lp = LengthPenalty("gnmt", 0.0)
+    greedy_hyp = beam_search(table_step(table), start(1), [5], 1, lp)[0][0]
+    beam_hyp = beam_search(table_step(table), start(1), [5], 4, lp)[0][0]
+    assert greedy_hyp.tokens[0] == 4
+    assert beam_hyp.tokens == [5]
+    assert beam_hyp.score == pytest.approx(math.log(0.4 * 0.99))
+    assert beam_hyp.score > greedy_hyp.score + 0.5
+
+
+@pytest.mark.parametrize("kind,alpha", [("gnmt", 0.6), ("gnmt", 2.0), ("fairseq", 1.0), ("gnmt", 0.0)])
+def test_wide_beam_with_early_stopping_finds_the_exhaustive_optimum(kind, alpha):
+    # A beam wider than every possible prefix explores everything, so the result can only differ from exhaustive
+    # search if the early-stopping rule stops too soon; the n-best list must be the exhaustive top n.
+    # (2 real tokens, at most 6 before EOS: at most 2^5 live prefixes, so 2^5 * 3 extensions per step < 128.)
+    lp = LengthPenalty(kind, alpha)
+    steps = []
+    for seed in range(8):
+        table = random_table(seed, real=(4, 5))
+        truth = exhaustive(table, 6, lp, real=(4, 5))
+        state = start(1)
+        hyps = beam_search(table_step(table), state, [6], 128, lp, nbest=3)[0]
+        assert [tuple(h.tokens) for h in hyps] == [seq for _, seq in truth[:3]]
+        assert [h.score for h in hyps] == pytest.approx([s for s, _ in truth[:3]])
+        steps.append(len(state.calls))
+    assert min(steps) < 7  # early stopping did stop some searches before the length limit, and lost nothing
+
+
+def test_early_stopping_keeps_a_live_hypothesis_that_can_still_win_by_length():
+    # EOS first is likely (0.6), but under a strong length penalty the almost-certain continuation 'a a a a' wins:
+    # (log 0.4 + 3 log 0.999) / lp(5) > log 0.6 / lp(1). After step 1 the live 'a' has log-prob log 0.4, whose bound
+    # with the *next* length only, log 0.4 / lp(2), is below log 0.6: a search bounding by the next length (or
+    # stopping once a hypothesis finished) returns the empty output.
+    def table(p):
+        if p == ():
+            return {EOS_ID: 0.6, 4: 0.4}
+        return {4: 0.999, EOS_ID: 0.001} if len(p) < 4 else {EOS_ID: 1.0}
+
+    lp = LengthPenalty("gnmt", 2.0)
+    assert math.log(0.4) / lp(2) < math.log(0.6) / lp(1)
+    hyp = beam_search(table_step(table), start(1), [10], 2, lp)[0][0]
+    assert hyp.tokens == [4, 4, 4, 4]
+    assert hyp.score == pytest.approx((math.log(0.4) + 3 * math.log(0.999)) / lp(5))
+    assert beam_search(table_step(table), start(1), [10], 2, LengthPenalty("gnmt", 0.0))[0][0].tokens == []
+
+
+def test_early_stopping_stops_before_the_length_limit():
+    # EOS is almost certain after one token: the long hypotheses' bound falls below the finished score quickly.
+    def table(p):
+        return {4: 0.5, 5: 0.5} if p == () else {EOS_ID: 0.98, 4: 0.01, 5: 0.01}
+
+    state = start(1)
+    hyp = beam_search(table_step(table), state, [200], 4, LengthPenalty("gnmt", 0.6))[0][0]
+    assert len(hyp.tokens) == 1
+    assert len(state.calls) < 10  # far fewer steps than the 200-token limit
+
+
+def test_length_limit_forces_eos_and_nbest_is_sorted():
+    def table(p):  # EOS is never likely: every hypothesis runs to the limit
+        return {4: 0.7, 5: 0.29, EOS_ID: 0.01}
+
+    hyps = beam_search(table_step(table), start(2), [3, 0], 4, LengthPenalty("gnmt", 0.6), nbest=4)
+    assert hyps[0][0].tokens == [4, 4, 4]
+    assert all(len(h.tokens) <= 3 for h in hyps[0])
+    assert [h.score for h in hyps[0]] == sorted((h.score for h in hyps[0]), reverse=True)
+    assert len(hyps[1]) == 1 and hyps[1][0].tokens == []  # limit 0: EOS at once
+
+
+def test_pad_and_bos_are_never_generated():
+    def table(p):
+        return {PAD_ID: 0.5, BOS_ID: 0.3, 4: 0.1, EOS_ID: 0.1} if len(p) < 2 else {EOS_ID: 1.0}
+
+    for beam in (1, 3):
+        hyp = beam_search(table_step(table), start(1), [10], beam, LengthPenalty("gnmt", 0.6))[0][0]
+        assert PAD_ID not in hyp.tokens and BOS_ID not in hyp.tokens
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The real model
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_beam_1_equals_greedy(model, alpha):
+    cfg = DecodeConfig(beam=1, alpha=alpha, max_len_b=12, max_tokens=40)
+    srcs = sources(12, seed=3)
+    lp = LengthPenalty("gnmt", alpha)
+    got = translate(model, srcs, cfg)
+    for src, hyps in zip(srcs, got):
+        tokens, score = greedy(model, src, max_output_len(len(src), cfg, 128), lp)
+        assert hyps[0].tokens == tokens
+        assert hyps[0].score == pytest.approx(score, abs=1e-4)
+    assert len({len(h[0].tokens) for h in got}) > 1  # outputs of several lengths, some before the limit
+
+
+def test_incremental_decoding_matches_full_re_decoding(model):
+    # Step level: the cached step's log-probabilities equal the full teacher-forced forward pass.
+    src = torch.tensor([[5, 9, 12, 7, EOS_ID], [8, 21, EOS_ID, PAD_ID, PAD_ID]])  # [B, S]
+    tgt = torch.tensor([[BOS_ID, 4, 11, 30, 6, 17], [BOS_ID, 22, 13, 9, 5, 8]])  # [B, T]
+    with torch.no_grad():
+        full = F.log_softmax(model(src, tgt).float(), dim=-1)  # [B, T, V]
+        state = model.start(*model.encode(src))
+        for t in range(tgt.size(1)):
+            logp, state = model.step(tgt[:, t], state)
+            torch.testing.assert_close(logp, full[:, t], atol=1e-4, rtol=1e-4)
+    # Search level: the same hypotheses and scores with the cache and without it.
+    cfg = DecodeConfig(beam=4, max_len_b=10, nbest=3)
+    srcs = sources(10, seed=5)
+    cached = translate(model, srcs, cfg)
+    uncached = translate(model, srcs, cfg, cache=False)
+    for a, b in zip(cached, uncached):
+        assert [h.tokens for h in a] == [h.tokens for h in b]
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
+
+
+def test_make_batches_respects_the_budget_and_covers_every_sentence():
+    lengths = [3, 17, 5, 5, 9, 1, 30, 12, 2, 8]
+    batches = make_batches(lengths, 24)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 24
+        assert [lengths[i] for i in b] == sorted((lengths[i] for i in b), reverse=True)
+    assert [30] in [[lengths[i] for i in b] for b in batches]  # over the budget alone: a batch of its own
+
+
+def test_batched_decoding_keeps_input_order_and_equals_one_at_a_time(model):
+    srcs = sources(16, seed=7, lo=1, hi=20)
+    cfg = DecodeConfig(beam=4, max_len_b=8, max_tokens=60)  # several batches of mixed lengths
+    assert len(make_batches([len(s) + 1 for s in srcs], cfg.max_tokens)) > 2
+    rows_per_step: list[int] = []
+    step = model.step
+
+    def recording_step(tokens, state):
+        rows_per_step.append(len(tokens))
+        return step(tokens, state)
+
+    model.step = recording_step  # instance attribute: translate() looks up model.step
+    try:
+        batched = translate(model, srcs, cfg)
+    finally:
+        del model.step
+    # Sentences leave the batch as they finish: the row count falls within a batch (not only at batch ends).
+    assert any(b < a and b > 0 for a, b in zip(rows_per_step, rows_per_step[1:]))
+    one_by_one = [translate(model, [s], cfg)[0] for s in srcs]
+    for a, b in zip(batched, one_by_one):
+        assert a[0].tokens == b[0].tokens
+        assert a[0].score == pytest.approx(b[0].score, abs=1e-4)
+
+
+def test_bf16_autocast_decodes(model):
+    srcs = sources(6, seed=9)
+    out = translate(model, srcs, DecodeConfig(beam=2, max_len_b=6, precision="bf16"))
+    assert len(out) == len(srcs)
+    for hyps in out:
+        assert math.isfinite(hyps[0].score) and all(4 <= t < 40 or t == UNK_ID for t in hyps[0].tokens)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# CLI end to end: a real SentencePiece model and a tiny model trained to memorise 20 pairs
+# --------------------------------------------------------------------------------------------------------------------
+
+SUBJECTS = [("the dog", "der hund"), ("the cat", "die katze"), ("a man", "ein mann"), ("a woman", "eine frau"),
+            ("the child", "das kind")]
+VERBS = [("sees", "sieht"), ("likes", "mag"), ("eats", "isst"), ("finds", "findet")]
+OBJECTS = [("an apple", "einen apfel"), ("a ball", "einen ball"), ("the house", "das haus"), ("a book", "ein buch")]
+
+
+def corpus() -> list[tuple[str, str]]:
+    return [(f"{s} {v} {o} .", f"{sd} {vd} {od} .") for (s, sd), (v, vd), (o, od)
+            in itertools.product(SUBJECTS, VERBS, OBJECTS)]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    """A bpe-like tokens artifact (SentencePiece model + test split) and a checkpoint that memorised the split."""
+    import sentencepiece as spm
+
+    root = tmp_path_factory.mktemp("decode_e2e")
+    pairs = corpus()
+    text = root / "spm_train.txt"
+    text.write_text("".join(f"{s}\n{t}\n" for s, t in pairs), encoding="utf-8")
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(root / "spm"), vocab_size=90, model_type="bpe",
+                                   pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+                                   hard_vocab_limit=False, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(root / "spm.model"))
+    test_pairs = pairs[::4][:20]
+    src = [sp.encode(s) for s, _ in test_pairs]
+    tgt = [sp.encode(t) for _, t in test_pairs]
+    tokens = root / "tokens"
+    with artifacts.ArtifactWriter(tokens, "tokens") as w:
+        w.write_table("test.parquet", pa.table({"id": list(range(100, 100 + len(src))), "src": src, "tgt": tgt}))
+        shutil.copy(root / "spm.model", w.path("spm.model"))
+        w.extra.update({"spm_sha256": artifacts.file_hash(w.path("spm.model")), "vocab_size": sp.get_piece_size()})
+
+    torch.manual_seed(0)
+    vocab = sp.get_piece_size()
+    model = Transformer(ModelConfig(preset="tiny", dropout=0.0, max_positions=40), vocab)
+    pad = lambda seqs: torch.nn.utils.rnn.pad_sequence([torch.tensor(s) for s in seqs], batch_first=True)  # noqa: E731
+    s = pad([x + [EOS_ID] for x in src])  # [B, S]
+    t_in, t_out = pad([[BOS_ID] + y for y in tgt]), pad([y + [EOS_ID] for y in tgt])  # [B, T]
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(400):
+        loss = F.cross_entropy(model(s, t_in).view(-1, vocab), t_out.view(-1), ignore_index=PAD_ID)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 0.01:
+            break
+    vocab_info = {"spm_sha256": artifacts.file_hash(root / "spm.model"), "size": vocab}
+    ckpt = root / "ckpt"
+    artifacts.write_checkpoint(ckpt, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
+                               vocab=vocab_info, step=400)
+    return {"root": root, "tokens": tokens, "checkpoint": ckpt, "pairs": test_pairs, "model": model,
+            "vocab": vocab_info}
+
+
+def cli(trained, *args: str, input: str | None = None):
+    """``mtpipe decode ARGS`` with an empty params file (defaults), not the repository's params.yaml."""
+    params = trained["root"] / "params.yaml"
+    params.write_text("", encoding="utf-8")
+    return CliRunner().invoke(app, ["decode", "--params", str(params), *args], input=input)
+
+
+def decode_args(trained, out: Path, *extra: str) -> list[str]:
+    return ["--checkpoint", str(trained["checkpoint"]), "--tokens", str(trained["tokens"]), "--out", str(out),
+            "--threads", "1", *extra]
+
+
+def test_cli_decodes_a_split(trained):
+    out = trained["root"] / "out_split"
+    r = cli(trained, *decode_args(trained, out, "--split", "test", "--nbest", "2"))
+    assert r.exit_code == 0, r.output
+    m = artifacts.read_manifest(out, "hypotheses")
+    assert m.extra["split"] == "test" and m.extra["checkpoint_step"] == 400
+    assert m.extra["decode"]["beam"] == 4 and m.extra["decode"]["nbest"] == 2
+    assert set(m.upstream) == {"checkpoint", "tokens"}
+    t = artifacts.read_table(out, "test.parquet", "hypotheses").to_pylist()
+    lines = (out / "test.txt").read_text(encoding="utf-8").splitlines()
+    refs = [tgt for _, tgt in trained["pairs"]]
+    assert [row["id"] for row in t] == list(range(100, 100 + len(refs)))  # the tokens split's ids, input order
+    assert lines == [row["hypothesis"] for row in t]
+    assert sum(h == ref for h, ref in zip(lines, refs)) >= 0.9 * len(refs)  # it memorised the pairs
+    for row in t:
+        assert len(row["nbest"]) == 2 and row["nbest"][0] == row["hypothesis"]
+        assert row["nbest_scores"][0] == row["score"] >= row["nbest_scores"][1]
+
+
+def test_cli_input_file_and_stdin(trained, tmp_path, monkeypatch):
+    src = [s for s, _ in trained["pairs"][:5]]
+    infile = trained["root"] / "input.en"
+    infile.write_text("".join(f"  {s}\r\n" for s in src), encoding="utf-8")  # stripped like fetch does
+    out = trained["root"] / "out_input"
+    r = cli(trained, *decode_args(trained, out, "--input", str(infile)))
+    assert r.exit_code == 0, r.output
+    m = artifacts.read_manifest(out, "hypotheses")
+    assert m.extra["split"] is None and sorted(m.files) == ["input.parquet", "input.txt"]
+    lines = (out / "input.txt").read_text(encoding="utf-8").splitlines()
+    assert r.stdout.splitlines() == lines
+    assert lines == [t for _, t in trained["pairs"][:5]]
+    rows = artifacts.read_table(out, "input.parquet", "hypotheses").to_pylist()
+    assert [row["id"] for row in rows] == list(range(5))  # input line numbers
+    assert [row["hypothesis"] for row in rows] == lines and all(row["nbest"] == [] for row in rows)
+
+    # stdin -> stdout only: without --out no artifact is written (the pipeline's artifacts/decode is not touched).
+    # A blank line gives a blank line (not decoded), so paragraph breaks and line alignment survive.
+    monkeypatch.chdir(tmp_path)
+    r = cli(trained, "--checkpoint", str(trained["checkpoint"]), "--tokens", str(trained["tokens"]), "--input", "-",
+            input="\n".join(src[:2] + ["   "] + src[2:]) + "\n")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines() == lines[:2] + [""] + lines[2:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_truncates_sources_longer_than_the_model(trained):
+    long_line = " ".join(["the dog sees a ball ."] * 30)  # far more than max_positions = 40 tokens
+    out = trained["root"] / "out_long"
+    infile = trained["root"] / "long.en"
+    infile.write_text(f"{long_line}\nthe cat eats a book .\n", encoding="utf-8")
+    r = cli(trained, *decode_args(trained, out, "--input", str(infile)))
+    assert r.exit_code == 0, r.output
+    assert "truncated" in r.stderr
+    assert len((out / "input.txt").read_text(encoding="utf-8").splitlines()) == 2
+
+
+@pytest.mark.parametrize("case", ["not_checkpoint", "tokens_as_checkpoint", "vocab_sha", "vocab_size", "beam0",
+                                  "nbest_over_beam", "missing_split", "missing_input", "penalty"])
+def test_cli_bad_input_fails_cleanly(trained, case):
+    root = trained["root"]
+    out = root / f"out_bad_{case}"
+    ckpt, extra = trained["checkpoint"], []
+    if case == "not_checkpoint":
+        ckpt = root / "plain_dir"
+        ckpt.mkdir(exist_ok=True)
+    elif case == "tokens_as_checkpoint":
+        ckpt = trained["tokens"]
+    elif case in ("vocab_sha", "vocab_size"):
+        model = trained["model"]
+        vocab = dict(trained["vocab"])
+        if case == "vocab_sha":
+            vocab["spm_sha256"] = "sha256:" + "0" * 64
+        else:
+            vocab["size"] += 1
+        ckpt = root / f"ckpt_{case}"
+        artifacts.write_checkpoint(ckpt, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
+                                   vocab=vocab, step=1)
+    elif case == "beam0":
+        extra = ["--beam", "0"]
+    elif case == "nbest_over_beam":
+        extra = ["--beam", "2", "--nbest", "3"]
+    elif case == "missing_split":
+        extra = ["--split", "valid"]
+    elif case == "missing_input":
+        extra = ["--input", str(root / "no-such-file.txt")]
+    elif case == "penalty":
+        extra = ["--length-penalty", "average"]
+    args = ["--checkpoint", str(ckpt), "--tokens", str(trained["tokens"]), "--out", str(out), *extra]
+    r = cli(trained, *args)
+    assert r.exit_code == 1, r.output
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, r.stderr
+    expected = {"not_checkpoint": "plain_dir", "tokens_as_checkpoint": "expected 'checkpoint'",
+                "vocab_sha": "SentencePiece", "vocab_size": "vocabulary size", "beam0": "decode.beam",
+                "nbest_over_beam": "decode.nbest", "missing_split": "valid", "missing_input": "no-such-file",
+                "penalty": "length_penalty"}[case]
+    assert expected in errors[0]
+    assert not out.exists()
+    assert not [p for p in root.iterdir() if p.name.startswith(f".{out.name}")]  # no temporary leftovers
