@@ -453,6 +453,10 @@ def run(cfg: DecodeConfig, checkpoint: Path, tokens: Path, input: Path | None = 
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        from mtpipe import distributed
+
+        distributed.tune_cpu_allocator()
     model.to(device)
     info(f"decoding {len(sources):,} sentences of {source_desc} with {checkpoint} (step {ck.step:,}) on {device}, "
          f"beam {cfg.beam}, {cfg.length_penalty} alpha {cfg.alpha}, {cfg.precision}")

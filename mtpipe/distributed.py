@@ -118,6 +118,29 @@ def init(device: str = "auto") -> Context:
     return _ctx
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # mallopt parameters, <malloc.h>
+
+
+@functools.cache
+def tune_cpu_allocator() -> bool:
+    """Keep freed memory in the process for reuse (glibc only; False elsewhere). Process-wide, called once.
+
+    Why: glibc serves every allocation above its mmap threshold (at most 32 MB: logits, their gradients, large
+    activations) with a fresh ``mmap`` and unmaps it on free, so a CPU training step page-faults its large tensors in
+    again every time (~170k minor faults per step of the small model). With ``M_MMAP_MAX = 0`` and a huge
+    ``M_TRIM_THRESHOLD`` freed blocks are reused: +46-56 % tokens/s for bf16 training of the small model on 2 threads
+    (bench/train_throughput.py). GPU memory is not affected (CUDA has its own caching allocator).
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    except (OSError, AttributeError):
+        return False
+
+
 def context() -> Context:
     """The current context (``init()`` with defaults if nobody called it yet)."""
     return _ctx if _ctx is not None else init()

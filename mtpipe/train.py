@@ -948,7 +948,9 @@ class Trainer:
 def run(model_cfg: ModelConfig, cfg: TrainConfig, tokens: Path, batches: Path, out: Path) -> dict[str, Any]:
     """``mtpipe train``: train (or resume training) into ``out``; returns the summary written to ``out/train.json``."""
     _validate_config(cfg)
-    distributed.init(cfg.device)
+    ctx = distributed.init(cfg.device)
+    if ctx.device.type == "cpu":
+        distributed.tune_cpu_allocator()
     try:
         return Trainer(model_cfg, cfg, Path(tokens), Path(batches), Path(out)).run()
     finally:

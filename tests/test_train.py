@@ -162,6 +162,27 @@ def test_label_smoothing_is_the_textbook_cross_entropy() -> None:
     assert loss16.dtype == torch.float32
 
 
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_loss_gradient_equals_autograd_of_the_formula(eps: float, dtype: torch.dtype) -> None:
+    """The hand-written backward of label_smoothed_nll equals autograd through the textbook formula, for any mix of
+    upstream gradients on (loss, nll), and comes back in the logits' dtype."""
+    from mtpipe.loss import label_smoothed_nll, reference_label_smoothed_nll
+
+    g = torch.Generator().manual_seed(1)
+    base = (3 * torch.randn(9, 13, generator=g)).to(dtype)
+    target = torch.randint(0, 13, (9,), generator=g)
+    grads = []
+    for fn in (label_smoothed_nll, reference_label_smoothed_nll):
+        logits = base.clone().requires_grad_(True)
+        loss, nll = fn(logits, target, eps)
+        (0.7 * loss + 0.3 * nll).backward()
+        grads.append(logits.grad)
+        assert logits.grad.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(grads[0].float(), grads[1].float(), atol=tol, rtol=tol)
+
+
 def test_accumulation_keeps_the_global_batch() -> None:
     from mtpipe.train import accumulation
 
