@@ -13,8 +13,9 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# The stages call `mtpipe` and `python`: put the venv first on PATH (no need to activate it).
 pipeline: install
-	$(VENV)/bin/dvc repro
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc repro
 
 test: install
 	$(VENV)/bin/python -m pytest -q tests

@@ -24,6 +24,21 @@ def test_repo_params_yaml_is_valid():
     assert resolve(ModelConfig, params).resolved().d_model > 0
 
 
+@pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
+def test_paper_recipes_are_valid_and_hold_the_papers_numbers(recipe: Path):
+    params = load_params(recipe, required=True)
+    cfg = {name: resolve(cls, params, where=str(recipe)) for name, cls in SECTIONS.items()}
+    model = cfg["model"].resolved()
+    big = "big" in recipe.stem
+    assert (model.d_model, model.d_ff, model.heads) == ((1024, 4096, 16) if big else (512, 2048, 8))
+    assert model.encoder_layers == model.decoder_layers == 6 and model.d_k == model.d_v == 64
+    assert model.dropout == (0.1 if "en-fr" in recipe.stem or not big else 0.3)
+    assert cfg["train"].max_steps == (300_000 if big else 100_000) and cfg["train"].warmup == 4000
+    assert cfg["average"].last == (20 if big else 5)
+    assert (cfg["decode"].beam, cfg["decode"].alpha, cfg["decode"].max_len_b) == (4, 0.6, 50)
+    assert cfg["bpe"].vocab_size == (32000 if "en-fr" in recipe.stem else 37000)
+
+
 def test_unknown_key_fails_with_its_name(tmp_path: Path):
     p = tmp_path / "params.yaml"
     p.write_text("bpe:\n  vocab_size: 100\n  vocab_sise: 3\n")
