@@ -30,7 +30,7 @@ def tiny_params(corpus: Path) -> dict:
     params["bucket"].update(max_tokens=512)
     params["model"] = dict(preset="tiny", encoder_layers=1, decoder_layers=1, d_model=32, d_ff=64, heads=2)
     params["train"].update(max_steps=8, max_epochs=0, max_time=0, warmup=4, tokens_per_update=512, threads=1,
-                           save_every_steps=2, save_every_minutes=0, valid_every_steps=4, nproc="1")
+                           save_every_steps=2, save_every_minutes=0, valid_every_steps=4, log_every_steps=2, nproc="1")
     params["average"].update(last=2)
     params["decode"].update(beam=2, threads=1)
     return params
@@ -71,6 +71,10 @@ def test_dvc_repro_runs_the_seven_stages_then_only_what_changed(tmp_path: Path, 
     assert 0.0 <= metrics["bleu"] <= 100.0 and "chrf" in metrics and "ter" in metrics
     assert "up to date" in run(repo, *dvc, "status")
     assert "bleu" in run(repo, *dvc, "metrics", "show")
+    run(repo, *dvc, "plots", "show", "-o", "plots")  # the training curves, rendered to HTML
+    html = (repo / "plots" / "index.html").read_text(encoding="utf-8")
+    for curve in ("train_loss", "train_lr", "train_tgt_tokens_per_s", "valid_ppl"):
+        assert f"metrics_{curve}_tsv" in html, curve
 
     # A second repro does nothing.
     assert ran_stages(run(repo, *dvc, "repro")) == []
