@@ -332,7 +332,7 @@ def tune_allocator() -> bool:
     (~170k minor faults per small-model step). ``M_MMAP_MAX = 0`` and a huge ``M_TRIM_THRESHOLD`` make freed blocks
     reusable: measured +18-24 % tokens/s for the reference and +46-56 % for mtpipe bf16 (small, 2 threads). It is
     process-wide, so here it speeds up the reference as well (the ratios measure the training code, not the
-    allocator); ``mtpipe train`` should do the same on CPU (/work/notes/train_bench.md).
+    allocator); ``mtpipe train`` should do the same on CPU (BENCHMARKS.md).
     """
     import ctypes
     import ctypes.util

@@ -19,6 +19,10 @@ back to the stored dtype. Non-floating tensors (counters, masks) are not average
 Output: a weights-only checkpoint (no ``trainer.pt``: it cannot be resumed, only decoded or fine-tuned) at the
 largest input step, whose manifest lists the inputs in ``extra["averaged"]`` (path, step, manifest hash) and their
 manifest hashes under ``upstream``.
+
+``average.prune`` (LayerDrop, Fan et al. 2019; :func:`mtpipe.model.prune_plan`) then removes layers from the average:
+the output's model config has the reduced layer counts (``layerdrop`` kept as a record), so ``mtpipe decode`` runs
+the smaller model without any flag; ``extra["pruned"]`` lists the kept layers (0-based, of the inputs' stacks).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 import torch
 
 from mtpipe import artifacts
-from mtpipe.config import AverageConfig, to_dict
+from mtpipe.config import AverageConfig, ModelConfig, to_dict, with_model_defaults
 from mtpipe.console import info, progress, table, warn
 from mtpipe.errors import MtpipeError
 
@@ -111,7 +115,8 @@ def _check_same(what: str, a: dict[str, Any], b: dict[str, Any], ref_path: Path,
 
 def check_compatible(ref: artifacts.Checkpoint, other: artifacts.Checkpoint) -> None:
     """Fail, naming the first differing key, unless ``other`` has ``ref``'s config, vocabulary and tensors."""
-    _check_same("model_config", ref.model_config, other.model_config, ref.path, other.path)
+    _check_same("model_config", with_model_defaults(ref.model_config), with_model_defaults(other.model_config),
+                ref.path, other.path)
     _check_same("vocab", ref.vocab, other.vocab, ref.path, other.path)
     names_a, names_b = set(ref.state_dict), set(other.state_dict)
     for name in sorted(names_a | names_b):
@@ -134,7 +139,10 @@ def _check_manifests(inputs: list[tuple[int, Path]]) -> None:
     for _, d in inputs[1:]:
         m = artifacts.read_manifest(d, "checkpoint")
         for what in ("model_config", "vocab"):
-            _check_same(what, first.extra.get(what) or {}, m.extra.get(what) or {}, inputs[0][1], d)
+            a, b = first.extra.get(what) or {}, m.extra.get(what) or {}
+            if what == "model_config":  # checkpoints written before a variant field existed have its default
+                a, b = with_model_defaults(a), with_model_defaults(b)
+            _check_same(what, a, b, inputs[0][1], d)
 
 
 def average_state_dicts(inputs: list[tuple[int, Path]]) -> tuple[artifacts.Checkpoint, dict[str, torch.Tensor]]:
@@ -181,6 +189,7 @@ def run(cfg: AverageConfig, run_dir: Path, checkpoints: list[Path] | None, out: 
         if d.resolve() == out.resolve():
             raise MtpipeError(f"--out {out}: is one of the checkpoints being averaged; choose another directory")
     _check_manifests(inputs)
+    plan, model_config = _prune_plan(cfg, inputs[0][1])
     hashes = [artifacts.manifest_hash(d) for _, d in inputs]
     ck_dir = run_dir / "checkpoints"
     table(f"averaging {len(inputs)} checkpoint{'s' if len(inputs) != 1 else ''}"
@@ -195,9 +204,36 @@ def run(cfg: AverageConfig, run_dir: Path, checkpoints: list[Path] | None, out: 
     averaged = [{"path": str(d), "step": step, "sha256": h} for (step, d), h in zip(inputs, hashes)]
     params = {**ref.manifest.params, "average": to_dict(cfg)}
     upstream = {f"checkpoint_{i}": d for i, (_, d) in enumerate(inputs)}  # explicit inputs may share a step
-    artifacts.write_checkpoint(out, state_dict=state, model_config=ref.model_config, vocab=ref.vocab, step=max_step,
-                               trainer_state=None, params=params, upstream=upstream, extra={"averaged": averaged})
+    extra: dict[str, Any] = {"averaged": averaged}
+    if plan is not None:
+        from mtpipe.model import prune_state_dict
+
+        state = prune_state_dict(state, plan)
+        extra["pruned"] = {"spec": cfg.prune, "encoder_kept": list(plan.encoder), "decoder_kept": list(plan.decoder)}
+    else:
+        model_config = ref.model_config
+    artifacts.write_checkpoint(out, state_dict=state, model_config=model_config, vocab=ref.vocab, step=max_step,
+                               trainer_state=None, params=params, upstream=upstream, extra=extra)
     n_params = sum(t.numel() for t in state.values())
     info(f"averaged {len(inputs)} checkpoints (steps {inputs[0][0]:,}..{max_step:,}, {n_params:,} values) "
-         f"-> {out} (weights only, step {max_step:,})")
+         f"-> {out} (weights only, step {max_step:,}"
+         + (f", pruned to {len(plan.encoder)} + {len(plan.decoder)} layers)" if plan is not None else ")"))
     return out
+
+
+def _prune_plan(cfg: AverageConfig, first: Path) -> tuple[Any, dict[str, Any]]:
+    """``(plan, pruned model config)`` for ``average.prune`` from the first input's manifest (every input has its
+    config), before any weights are read; ``(None, {})`` without pruning."""
+    if not cfg.prune.strip():
+        return None, {}
+    from mtpipe.model import prune_plan, pruned_config
+
+    m = artifacts.read_manifest(first, "checkpoint")
+    try:
+        model_cfg = ModelConfig(**(m.extra.get("model_config") or {})).resolved()
+    except TypeError as e:
+        raise MtpipeError(f"{first}: checkpoint model config does not fit this mtpipe ({e})") from None
+    plan = prune_plan(model_cfg, cfg.prune, where="average.prune")
+    assert plan is not None
+    info(f"pruning (average.prune={cfg.prune!r}): {plan.describe(model_cfg)}")
+    return plan, to_dict(pruned_config(model_cfg, plan))

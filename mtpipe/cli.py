@@ -239,8 +239,8 @@ def average(cfg: SimpleNamespace, opts: SimpleNamespace, params: dict) -> None:
     "decode",
     [DecodeConfig],
     [
-        Opt("checkpoint", Path, Path(PATHS["average"]), "Checkpoint directory (trained or averaged).",
-            ("--checkpoint",)),
+        Opt("checkpoint", Path, Path(PATHS["average"]), "Checkpoint directory (trained or averaged); with --engine "
+            "ctranslate2 also a CTranslate2 export (`mtpipe export`).", ("--checkpoint",)),
         Opt("tokens", Path, Path(PATHS["bpe"]), "The bpe artifact (SentencePiece model and encoded splits).",
             ("--tokens",)),
         Opt("input", Optional[Path], None, "Translate raw text from this file ('-' = stdin) instead of --split.",
@@ -251,7 +251,8 @@ def average(cfg: SimpleNamespace, opts: SimpleNamespace, params: dict) -> None:
     ],
 )
 def decode(cfg: SimpleNamespace, opts: SimpleNamespace, params: dict) -> None:
-    """Translate with batched beam search (a bpe split, or raw text from --input FILE or '-' = stdin)."""
+    """Translate with batched beam search (a bpe split, or raw text from --input FILE or '-' = stdin); --engine
+    ctranslate2 decodes through CTranslate2 instead."""
     from mtpipe.decode import run
 
     run(cfg.decode, checkpoint=opts.checkpoint, tokens=opts.tokens, input=opts.input, out=opts.out)

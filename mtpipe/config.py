@@ -104,6 +104,18 @@ class ModelConfig:
     attention_dropout: Optional[float] = _h("Dropout on attention weights (paper: 0).", default=None)
     relu_dropout: Optional[float] = _h("Dropout after the FFN ReLU (paper: 0).", default=None)
     max_positions: Optional[int] = _h("Longest sequence the model accepts (positions table size).", default=None)
+    # Variants (mtpipe.model's docstring; off by default: the paper's model).
+    norm_position: str = _h("post: LayerNorm(x + F(x)) (the paper); pre: x + F(Norm(x)) with a final norm on each "
+                            "stack (Nguyen & Salazar 2019).", default="post")
+    norm: str = _h("layer: LayerNorm (the paper); scale: ScaleNorm g * x / ||x||, one learned g per norm, "
+                   "initialised to sqrt(d_model) (Nguyen & Salazar 2019).", default="layer")
+    fixnorm: bool = _h("FixNorm: word embeddings normalised to unit length, times one learned g (initialised to "
+                       "sqrt(d_model), replacing the fixed sqrt(d_model)); the output projection uses the same "
+                       "unit-length rows.", default=False)
+    positions: str = _h("sinusoidal (the paper, section 3.5) or learned (Table 3 row E), max_positions of them.",
+                        default="sinusoidal")
+    layerdrop: float = _h("LayerDrop p (Fan et al. 2019): in training each encoder and decoder layer is skipped with "
+                          "probability p (paper: 0.2); `--prune` removes layers at inference.", default=0.0)
 
     def resolved(self) -> "ModelConfig":
         """Fill every ``None`` from the preset; derive d_k/d_v; validate."""
@@ -121,10 +133,29 @@ class ModelConfig:
         for k in ("d_k", "d_v"):
             if values[k] is None:
                 values[k] = values["d_model"] // values["heads"]
-        for k in ("dropout", "attention_dropout", "relu_dropout"):
+        for k in ("dropout", "attention_dropout", "relu_dropout", "layerdrop"):
             if not 0.0 <= values[k] < 1.0:
                 raise MtpipeError(f"model.{k}: {values[k]} is not in [0, 1)")
+        for k, choices in MODEL_CHOICES.items():
+            if values[k] not in choices:
+                raise MtpipeError(f"model.{k}: unknown value {values[k]!r} (choose from {', '.join(choices)})")
         return ModelConfig(**values)
+
+
+# The variants' choices; the first is the default (the paper's model).
+MODEL_CHOICES: dict[str, tuple[str, ...]] = {
+    "norm_position": ("post", "pre"),
+    "norm": ("layer", "scale"),
+    "positions": ("sinusoidal", "learned"),
+}
+
+
+def with_model_defaults(model_config: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's model config with the fields it predates (the variants) at their defaults, so checkpoints
+    written before a field existed compare equal to new ones of the same model (resume, averaging)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)
+                if f.default not in (None, dataclasses.MISSING)}
+    return {**{k: v for k, v in defaults.items() if k not in model_config}, **model_config}
 
 
 # Paper Table 3 rows "base" and "big"; small/tiny are sized for a laptop CPU.
@@ -176,6 +207,16 @@ class TrainConfig:
     device: str = _h("auto (cuda:LOCAL_RANK when a GPU is visible, else cpu), cpu or cuda.", default="auto")
     max_restarts: int = _h("torchrun --max-restarts for the stages/train.py launcher: a crashed worker group is "
                            "restarted and resumes from the last checkpoint.", default=0)
+    drophead_start: float = _h("Scheduled DropHead (Zhou et al. 2020): probability of dropping a whole attention head "
+                               "at step 0; it falls linearly to 0 at train.warmup, then rises to drophead_end at the "
+                               "last step. 0 = off.", default=0.0)
+    drophead_end: Optional[float] = _h("DropHead probability at the last step (null = drophead_start).", default=None)
+
+
+PRUNE_HELP = ("LayerDrop pruning (Fan et al. 2019) of the model, without fine-tuning: '' = none; 'every_other' = drop "
+              "the layers at 1-based depth d with d % floor(1/p) == 0, p = the model's layerdrop; 'every_other:R' = "
+              "the same with pruning rate R (0.5 = half depth); or the 0-based layers to keep, e.g. "
+              "'enc:0,2,4;dec:0,2,4' (a side left out keeps every layer).")
 
 
 @dataclass(frozen=True)
@@ -187,6 +228,7 @@ class AverageConfig:
     last: int = _h("Average the last N checkpoints by step (paper: base 5, big 20).", default=5)
     up_to_step: Optional[int] = _h("Only consider checkpoints at or before this step.", default=None)
     allow_fewer: bool = _h("Warn instead of failing when fewer checkpoints than asked exist.", default=False)
+    prune: str = _h(PRUNE_HELP, default="")
 
 
 @dataclass(frozen=True)
@@ -209,6 +251,29 @@ class DecodeConfig:
     nbest: int = _h("Hypotheses kept per sentence in the Parquet output (1 <= nbest <= beam).", default=1)
     precision: str = _h("fp32 or bf16 (autocast, CPU and GPU).", default="fp32")
     threads: int = _h("CPU threads (0 = torch's default).", default=0)
+    prune: str = _h(PRUNE_HELP, default="")
+    engine: str = _h(
+        "mtpipe (this package's beam search) or ctranslate2 (CTranslate2, `pip install 'mtpipe\\[ctranslate2]'`). "
+        "With ctranslate2, --checkpoint is a CTranslate2 export (`mtpipe export`; decoded as is, and with --input "
+        "its own spm.model is used when --tokens does not exist) or an mtpipe checkpoint (exported to float32 in a "
+        "temporary directory first). Beam, alpha, both length penalties, max_len_a/b, nbest and max_tokens are "
+        "honoured, scores use mtpipe's formula, greedy output is mtpipe's. At beam > 1 the search differs: "
+        "CTranslate2 stops a sentence once beam x ct2_patience hypotheses have finished (fairseq's rule), mtpipe "
+        "when no live hypothesis can beat the finished ones; CTranslate2's own penalty is |Y|^alpha (= fairseq), "
+        "so gnmt is applied by re-ranking the hypotheses CTranslate2 finished.",
+        default="mtpipe",
+    )
+    ct2_compute_type: str = _h(
+        "engine ctranslate2: CTranslate2 compute type: default (the export's weight type), auto, float32, int8, "
+        "int8_float32, int8_float16, int8_bfloat16, int16, float16, bfloat16 (precision applies to engine mtpipe "
+        "only).",
+        default="default",
+    )
+    ct2_patience: float = _h(
+        "engine ctranslate2: stop a sentence once round(beam x this) hypotheses have finished (1 = CTranslate2's "
+        "and fairseq's default; 2 finds mtpipe's best output more often, at some cost in speed).",
+        default=1.0,
+    )
 
 
 @dataclass(frozen=True)

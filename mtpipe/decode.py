@@ -36,6 +36,16 @@ done leave the batch at once (``state.select``); ``torch.inference_mode`` and op
 Blank input lines are not decoded: they give blank output lines (so paragraph breaks survive). Sources longer than
 the model's ``max_positions`` are truncated (with a warning naming how many and the first id):
 one output line per input line matters more for scoring than failing the whole run.
+
+``decode.prune`` decodes a LayerDrop-trained model with fewer layers (:func:`mtpipe.model.prune_plan`: ``every_other``,
+``every_other:RATE`` or ``enc:0,2,4;dec:0,2,4``), pruned on the fly; ``mtpipe average --prune`` writes such a model
+as a checkpoint instead, which decodes with no flag.
+
+``decode.engine=ctranslate2`` decodes through CTranslate2 (:func:`translate_ct2`, :func:`mtpipe.export.ct2_translate`)
+with the same inputs, outputs and settings: ``--checkpoint`` is a ``mtpipe export`` directory or a checkpoint
+(exported to a temporary directory first). Greedy output is mtpipe's; at beam > 1 CTranslate2 stops a sentence once
+``beam x ct2_patience`` hypotheses have finished (fairseq's rule) instead of the bound above, and its own length
+penalty is |Y|^alpha, so ``gnmt`` is applied by re-ranking the hypotheses it finished (scores are mtpipe's).
 """
 
 from __future__ import annotations
@@ -60,6 +70,7 @@ from mtpipe.errors import MtpipeError
 
 PENALTIES = ("gnmt", "fairseq")
 PRECISIONS = ("fp32", "bf16")
+ENGINES = ("mtpipe", "ctranslate2")
 INPUT_SPLIT = "input"  # file name ({INPUT_SPLIT}.parquet / .txt) of the output when translating --input text
 
 
@@ -243,10 +254,7 @@ def uncached_step(model: Any) -> StepFn:
 
     def step(tokens: Tensor, state: PrefixState) -> tuple[Tensor, PrefixState]:
         prefix = torch.cat([state.prefix, tokens[:, None]], dim=1)  # [N, t] -> [N, t+1]
-        x = model.embed_tokens(prefix)
-        for layer in model.decoder:
-            mk, mv = layer.cross_attn.project_kv(state.memory)
-            x, _ = layer(x, mk, mv, state.src_mask)
+        x = model.decode(prefix, state.memory, state.src_mask)  # [N, t+1, D]
         logp = F.log_softmax(model.logits(x[:, -1]).float(), dim=-1)  # [N, t+1, D] -> [N, D] -> [N, V]
         return logp, PrefixState(state.memory, state.src_mask, prefix)
 
@@ -327,6 +335,45 @@ def translate(model: Any, sources: Sequence[Sequence[int]], cfg: DecodeConfig, d
     return results
 
 
+def translate_ct2(model: Any, sources: Sequence[Sequence[int]], cfg: DecodeConfig,
+                  on_done: Callable[[int], None] | None = None) -> list[list[Hypothesis]]:
+    """:func:`translate` through CTranslate2 (``decode.engine=ctranslate2``; ``model``: a loaded
+    :class:`mtpipe.export.Ct2Model`): the same inputs and outputs -- each source's ``nbest`` hypotheses in input
+    order with mtpipe's scores, blank sources give the empty output. :func:`mtpipe.export.ct2_translate` states
+    where CTranslate2's search differs (only at beam > 1: its stopping rule).
+
+    Sentences are sorted by length and handed over in blocks of about 4 x ``max_tokens`` source tokens: the progress
+    bar moves, and each block still fills CTranslate2's ``max_tokens`` batches with sentences of similar lengths.
+    """
+    from mtpipe.export import ct2_translate
+
+    penalty = LengthPenalty(cfg.length_penalty, cfg.alpha)
+    results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] if not s else [] for s in sources]
+    todo = sorted((i for i, s in enumerate(sources) if s), key=lambda i: (len(sources[i]), i))
+    if on_done is not None and len(todo) < len(sources):
+        on_done(len(sources) - len(todo))
+    blocks: list[list[int]] = [[]]
+    size = 0
+    for i in todo:
+        if blocks[-1] and size + len(sources[i]) + 1 > 4 * cfg.max_tokens:
+            blocks.append([])
+            size = 0
+        blocks[-1].append(i)
+        size += len(sources[i]) + 1
+    for block in blocks:
+        if not block:
+            continue
+        hyps = ct2_translate(model, [sources[i] for i in block], beam=cfg.beam, alpha=cfg.alpha,
+                             length_penalty=cfg.length_penalty, max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b,
+                             nbest=cfg.nbest, patience=cfg.ct2_patience, max_tokens=cfg.max_tokens)
+        for i, hs in zip(block, hyps):
+            # logprob back from mtpipe's score: score = log P(Y + EOS | X) / lp(|Y| + 1)
+            results[i] = [Hypothesis(list(h.ids), h.score, h.score * penalty(len(h.ids) + 1)) for h in hs]
+        if on_done is not None:
+            on_done(len(block))
+    return results
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The stage
 # --------------------------------------------------------------------------------------------------------------------
@@ -352,6 +399,22 @@ def validate(cfg: DecodeConfig) -> None:
         raise MtpipeError(f"decode.max_tokens: {cfg.max_tokens} is not >= 1")
     if cfg.threads < 0:
         raise MtpipeError(f"decode.threads: {cfg.threads} is not >= 0")
+    if cfg.engine not in ENGINES:
+        raise MtpipeError(f"decode.engine: unknown engine {cfg.engine!r} (choose from {', '.join(ENGINES)})")
+    if cfg.engine == "ctranslate2":
+        from mtpipe.export import COMPUTE_TYPES
+
+        if cfg.precision != "fp32":
+            raise MtpipeError(f"decode.precision: {cfg.precision} applies to engine mtpipe; with engine ctranslate2 "
+                              "set decode.ct2_compute_type (e.g. bfloat16, int8)")
+        if cfg.ct2_compute_type not in COMPUTE_TYPES:
+            raise MtpipeError(f"decode.ct2_compute_type: unknown type {cfg.ct2_compute_type!r} "
+                              f"(choose from {', '.join(COMPUTE_TYPES)})")
+        if not (math.isfinite(cfg.ct2_patience) and cfg.ct2_patience >= 1):
+            raise MtpipeError(f"decode.ct2_patience: {cfg.ct2_patience} must be >= 1")
+        if cfg.prune:
+            raise MtpipeError("decode.prune: not available with engine ctranslate2; write a pruned checkpoint with "
+                              "`mtpipe average --prune` and decode (or export) that")
 
 
 def _bare_sha(value: Any) -> str:
@@ -396,7 +459,7 @@ def run(cfg: DecodeConfig, checkpoint: Path, tokens: Path, input: Path | None = 
     import sentencepiece as spm
 
     from mtpipe.console import info, progress, table, warn
-    from mtpipe.model import build_model
+    from mtpipe.model import build_model, prune, prune_plan
 
     from rich.progress import TextColumn
 
@@ -405,17 +468,39 @@ def run(cfg: DecodeConfig, checkpoint: Path, tokens: Path, input: Path | None = 
         out = Path(PATHS["decode"])
 
     # -- inputs, all checked before any work --------------------------------------------------------------------
-    ck = artifacts.load_checkpoint(checkpoint)
-    tm = artifacts.read_manifest(tokens, "tokens")
-    spm_path = artifacts.verify_file(tokens, "spm.model", tm)
-    spm_sha = _bare_sha(tm.files["spm.model"])
-    if _bare_sha(ck.vocab.get("spm_sha256")) != spm_sha:
+    ct2 = cfg.engine == "ctranslate2"
+    ck: artifacts.Checkpoint | None = None
+    source_manifest: artifacts.Manifest | None = None
+    if ct2:
+        from mtpipe.export import decode_source
+
+        source_manifest = decode_source(checkpoint)  # a CTranslate2 export or a checkpoint, else one error line
+        vocab = source_manifest.extra["vocab"]
+        step = int(source_manifest.extra["checkpoint_step" if source_manifest.kind == "export" else "step"])
+    else:
+        if (Path(checkpoint) / artifacts.MANIFEST).is_file() and artifacts.read_manifest(checkpoint).kind == "export":
+            raise MtpipeError(f"{checkpoint}: is an `mtpipe export` model; decode it with --engine ctranslate2 "
+                              "(or give the checkpoint it was exported from)")
+        ck = artifacts.load_checkpoint(checkpoint)
+        vocab, step = ck.vocab, ck.step
+    # An export carries its spm.model: raw text can be translated with the export alone (no bpe artifact at hand).
+    export_spm = (source_manifest is not None and source_manifest.kind == "export" and input is not None
+                  and not Path(tokens).exists())
+    if export_spm:
+        assert source_manifest is not None
+        spm_path = artifacts.verify_file(checkpoint, "spm.model", source_manifest)
+        spm_sha = _bare_sha(source_manifest.files["spm.model"])
+    else:
+        tm = artifacts.read_manifest(tokens, "tokens")
+        spm_path = artifacts.verify_file(tokens, "spm.model", tm)
+        spm_sha = _bare_sha(tm.files["spm.model"])
+    if _bare_sha(vocab.get("spm_sha256")) != spm_sha:
         raise MtpipeError(f"{checkpoint}: trained with another SentencePiece model than {spm_path} "
-                          f"(checkpoint vocab sha256 {_bare_sha(ck.vocab.get('spm_sha256'))[:12]}..., "
+                          f"(checkpoint vocab sha256 {_bare_sha(vocab.get('spm_sha256'))[:12]}..., "
                           f"spm.model {spm_sha[:12]}...)")
     sp = spm.SentencePieceProcessor(model_file=str(spm_path))
-    if int(ck.vocab.get("size", -1)) != sp.get_piece_size():
-        raise MtpipeError(f"{checkpoint}: vocabulary size {ck.vocab.get('size')} does not match {spm_path} "
+    if int(vocab.get("size", -1)) != sp.get_piece_size():
+        raise MtpipeError(f"{checkpoint}: vocabulary size {vocab.get('size')} does not match {spm_path} "
                           f"({sp.get_piece_size()} pieces)")
 
     if input is None:
@@ -434,32 +519,60 @@ def run(cfg: DecodeConfig, checkpoint: Path, tokens: Path, input: Path | None = 
         ids = list(range(len(lines)))
         source_desc = "stdin" if str(input) == "-" else str(input)
 
-    try:
-        model = build_model(ck.model_config, int(ck.vocab["size"]))
-        model.load_state_dict(ck.state_dict)
-    except (TypeError, RuntimeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise MtpipeError(f"{checkpoint}: weights do not fit the checkpoint's model config ({first})") from None
+    plan = None
+    if ct2:
+        from mtpipe.export import open_for_decode
 
-    limit = model.cfg.max_positions - 1  # room for EOS
+        assert source_manifest is not None
+        if source_manifest.kind == "checkpoint":
+            info(f"exporting {checkpoint} to CTranslate2 (float32) for this run; `mtpipe export` does it once")
+        ct2_model = open_for_decode(checkpoint, source_manifest, tokens, compute_type=cfg.ct2_compute_type,
+                                    threads=cfg.threads or torch.get_num_threads())
+        max_positions = ct2_model.max_positions
+    else:
+        assert ck is not None
+        try:
+            model = build_model(ck.model_config, int(ck.vocab["size"]))
+            model.load_state_dict(ck.state_dict)
+        except (TypeError, RuntimeError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise MtpipeError(f"{checkpoint}: weights do not fit the checkpoint's model config ({first})") from None
+        plan = prune_plan(model.cfg, cfg.prune, where="decode.prune")
+        if plan is not None:
+            info(f"pruned (decode.prune={cfg.prune!r}): {plan.describe(model.cfg)}")
+            model = prune(model, plan)
+        max_positions = model.cfg.max_positions
+
+    limit = max_positions - 1  # room for EOS
     long_rows = [i for i, s in enumerate(sources) if len(s) > limit]
     if long_rows:
         warn(f"{len(long_rows)} source(s) longer than the model's {limit} tokens (max_positions "
-             f"{model.cfg.max_positions} with EOS) truncated, the first with id {ids[long_rows[0]]}")
+             f"{max_positions} with EOS) truncated, the first with id {ids[long_rows[0]]}")
         sources = [s[:limit] for s in sources]
 
     # -- decode --------------------------------------------------------------------------------------------------
     threads_before = torch.get_num_threads()
-    if cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu":
-        from mtpipe import distributed
+    if ct2:
+        device_desc = f"{ct2_model.translator.device} (CTranslate2, compute type {cfg.ct2_compute_type})"
+        numbers = f"ct2_patience {cfg.ct2_patience:g}"
+    else:
+        if cfg.threads > 0:
+            torch.set_num_threads(cfg.threads)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if device.type == "cpu":
+            from mtpipe import distributed
 
-        distributed.tune_cpu_allocator()
-    model.to(device)
-    info(f"decoding {len(sources):,} sentences of {source_desc} with {checkpoint} (step {ck.step:,}) on {device}, "
-         f"beam {cfg.beam}, {cfg.length_penalty} alpha {cfg.alpha}, {cfg.precision}")
+            distributed.tune_cpu_allocator()
+        model.to(device)
+        device_desc, numbers = str(device), cfg.precision
+    info(f"decoding {len(sources):,} sentences of {source_desc} with {checkpoint} (step {step:,}) on {device_desc}, "
+         f"beam {cfg.beam}, {cfg.length_penalty} alpha {cfg.alpha}, {numbers}")
+    if ct2 and cfg.beam > 1:
+        info("note: CTranslate2 stops a sentence once beam x ct2_patience hypotheses have finished (fairseq's rule; "
+             "mtpipe's search stops when none can improve), so at beam > 1 outputs can differ from --engine mtpipe; "
+             f"the {cfg.length_penalty} length penalty and the scores are mtpipe's"
+             + (" (CTranslate2's own is |Y|^alpha: its finished hypotheses are re-ranked with GNMT)"
+                if cfg.length_penalty == "gnmt" else ""))
     start = time.perf_counter()
     with progress(TextColumn("{task.fields[rate]}")) as bar:
         task = bar.add_task("decode", total=len(sources), rate="")
@@ -472,7 +585,10 @@ def run(cfg: DecodeConfig, checkpoint: Path, tokens: Path, input: Path | None = 
             bar.update(task, advance=n, rate=f"{rate:,.1f} sent/s")
 
         try:
-            results = translate(model, sources, cfg, device, on_done=on_done)
+            if ct2:
+                results = translate_ct2(ct2_model, sources, cfg, on_done=on_done)
+            else:
+                results = translate(model, sources, cfg, device, on_done=on_done)
         finally:
             torch.set_num_threads(threads_before)  # run() may be called in-process (tests, notebooks)
     seconds = time.perf_counter() - start
@@ -498,23 +614,26 @@ def run(cfg: DecodeConfig, checkpoint: Path, tokens: Path, input: Path | None = 
         import pyarrow as pa
 
         name = split if split is not None else INPUT_SPLIT
-        with artifacts.ArtifactWriter(out, "hypotheses", {"decode": to_dict(cfg)},
-                                      upstream={"checkpoint": checkpoint, "tokens": tokens}) as w:
+        upstream = {"checkpoint": checkpoint} if export_spm else {"checkpoint": checkpoint, "tokens": tokens}
+        with artifacts.ArtifactWriter(out, "hypotheses", {"decode": to_dict(cfg)}, upstream=upstream) as w:
             w.write_table(f"{name}.parquet", pa.table(rows, schema=artifacts.HYPOTHESES_SCHEMA))
             w.path(f"{name}.txt").write_text("".join(s + "\n" for s in texts), encoding="utf-8")
             w.extra.update({
                 "split": split,
                 "input": None if input is None else source_desc,
                 "checkpoint": str(checkpoint),
-                "checkpoint_step": ck.step,
+                "checkpoint_step": step,
                 "decode": to_dict(cfg),
-                "device": str(device),
+                "device": device_desc,
                 "truncated_sources": len(long_rows),
+                "pruned": None if plan is None else {"encoder_kept": list(plan.encoder),
+                                                     "decoder_kept": list(plan.decoder)},
             })
     if input is not None:
         sys.stdout.write("".join(s + "\n" for s in texts))
         sys.stdout.flush()
     table("decode", ["", "value"], [
+        ["engine", cfg.engine],
         ["sentences", len(sources)],
         ["output tokens (with EOS)", out_tokens],
         ["seconds", round(seconds, 2)],

@@ -141,6 +141,22 @@ def tune_cpu_allocator() -> bool:
         return False
 
 
+def trim_cpu_memory() -> None:
+    """Hand the free pages of the glibc heap back to the OS (``malloc_trim(0)``); a no-op unless
+    ``tune_cpu_allocator()`` took effect.
+
+    Why: with trimming off, blocks freed by one batch shape are reused only where the next shapes fit, and the heap's
+    resident size creeps up over thousands of steps of varying batch shapes. Trimming every few hundred steps keeps
+    the resident size near the live peak, while the per-step page faults stay gone.
+    """
+    if not tune_cpu_allocator.cache_info().currsize or not tune_cpu_allocator():
+        return
+    import ctypes
+    import ctypes.util
+
+    ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+
+
 def context() -> Context:
     """The current context (``init()`` with defaults if nobody called it yet)."""
     return _ctx if _ctx is not None else init()
@@ -233,8 +249,9 @@ def broadcast_object(obj: T) -> T:
     return box[0]
 
 
-def wrap(module: torch.nn.Module) -> torch.nn.Module:
-    """``DistributedDataParallel(module)`` when there are several processes, else ``module`` itself."""
+def wrap(module: torch.nn.Module, find_unused_parameters: bool = False) -> torch.nn.Module:
+    """``DistributedDataParallel(module)`` when there are several processes, else ``module`` itself.
+    ``find_unused_parameters``: some parameters may get no gradient in a step (LayerDrop)."""
     if not _active():
         return module
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -243,7 +260,7 @@ def wrap(module: torch.nn.Module) -> torch.nn.Module:
 
     ctx = context()
     kw: dict[str, Any] = dict(device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-                              gradient_as_bucket_view=True)
+                              gradient_as_bucket_view=True, find_unused_parameters=find_unused_parameters)
     # No buffer sync on every forward: the model's only buffer (the positional table) is a constant rebuilt from the
     # config. (Newer torch calls the flag forward_sync_buffers and deprecates broadcast_buffers.)
     if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:

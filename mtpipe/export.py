@@ -20,6 +20,11 @@ The mapping (paper section -> CTranslate2 variable):
   written when ``h * d_k != d_model``).
 * 3.1 post-norm: ``pre_norm=False``; ``norm1/2/3`` -> the ``layer_norm`` of the self-attention, cross-attention and
   feed-forward sub-layers (CTranslate2 applies them after the residual add), epsilon from the model's LayerNorms.
+  A pre-norm model (``model.norm_position=pre``) maps the same norms with ``pre_norm=True`` (applied to each
+  sub-layer's input) and ``encoder_norm``/``decoder_norm`` -> the stacks' final ``layer_norm``.
+* Variants: learned positions are written as the position table like the sinusoids; LayerDrop changes nothing at
+  inference (a pruned checkpoint is just a shallower model). ScaleNorm and FixNorm have no CTranslate2 (nor Marian)
+  counterpart: their export fails with one line naming the param.
 * 3.3 ``ffn.w1``/``ffn.w2`` -> ``ffn/linear_0``/``linear_1`` with ReLU.
 * Tokens: the vocabulary is the SentencePiece model's pieces in id order (``<pad>`` 0, ``<unk>`` 1, ``<s>`` 2,
   ``</s>`` 3); the decoder starts from ``<s>`` (BOS) and stops at ``</s>``; ``add_source_eos`` appends ``</s>`` to
@@ -161,13 +166,23 @@ def _layer_norm_eps(model: Any, where: Path) -> float:
     return eps.pop()
 
 
+def _unsupported(cfg: Any) -> str | None:
+    """The model param no exported format can represent (None when there is none)."""
+    if getattr(cfg, "norm", "layer") != "layer":
+        return f"model.norm={cfg.norm} (ScaleNorm): the exported Transformers have LayerNorm only"
+    if getattr(cfg, "fixnorm", False):
+        return "model.fixnorm=true (FixNorm): the exported Transformers scale embeddings by a constant, unnormalised"
+    return None
+
+
 def _positions(model: Any, where: Path) -> Any:
-    """The sinusoid table the model adds (``[max_positions, d_model]``), read from the model itself."""
-    buffers = dict(model.named_buffers())
-    if "positions" not in buffers:
-        raise MtpipeError(f"{where}: the model has no 'positions' buffer (mtpipe.model changed; update "
+    """The position table the model adds (``[max_positions, d_model]``: the sinusoids, or the learned table),
+    read from the model itself."""
+    tensors = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    if "positions" not in tensors:
+        raise MtpipeError(f"{where}: the model has no 'positions' table (mtpipe.model changed; update "
                           "mtpipe/export.py)")
-    table = buffers["positions"].detach().float().cpu().contiguous()
+    table = tensors["positions"].detach().float().cpu().contiguous()
     cfg = model.cfg
     if tuple(table.shape) != (cfg.max_positions, cfg.d_model):
         raise MtpipeError(f"{where}: positions table {tuple(table.shape)} is not [max_positions, d_model]")
@@ -194,20 +209,25 @@ def build_ct2_spec(src: _Source) -> Any:
     model, cfg, where = src.model, src.model.cfg, src.checkpoint
     d, h, dk, dv, ff = cfg.d_model, cfg.heads, cfg.d_k, cfg.d_v, cfg.d_ff
     vocab = len(src.pieces)
+    if why := _unsupported(cfg):
+        raise MtpipeError(f"{where}: cannot be exported to CTranslate2: {why}")
+    pre_norm = getattr(cfg, "norm_position", "post") == "pre"
     if dk != dv:
         raise MtpipeError(f"{where}: d_k={dk} != d_v={dv}; CTranslate2 attention has one head size")
     # head_dim only when it is not CTranslate2's default d_model / heads.
     head_dim = None if dk * h == d else dk
     relu = common_spec.Activation.RELU
-    encoder = transformer_spec.TransformerEncoderSpec(cfg.encoder_layers, h, pre_norm=False, activation=relu,
+    encoder = transformer_spec.TransformerEncoderSpec(cfg.encoder_layers, h, pre_norm=pre_norm, activation=relu,
                                                       head_dim=head_dim)
-    decoder = transformer_spec.TransformerDecoderSpec(cfg.decoder_layers, h, pre_norm=False, activation=relu,
+    decoder = transformer_spec.TransformerDecoderSpec(cfg.decoder_layers, h, pre_norm=pre_norm, activation=relu,
                                                       head_dim=head_dim)
     spec = transformer_spec.TransformerSpec(encoder, decoder)
 
     w = _Weights(model, where)
     embed = w.take("embed.weight", (vocab, d))
     table = _positions(model, where).numpy()
+    if getattr(cfg, "positions", "sinusoidal") == "learned":
+        w.take("positions", (cfg.max_positions, d))  # the table above
     scale = float(getattr(model, "scale", math.sqrt(d)))
 
     def linear(ls: Any, name: str, out_features: int, in_features: int) -> None:
@@ -246,6 +266,9 @@ def build_ct2_spec(src: _Source) -> Any:
         linear(layer.attention.linear[2], f"{p}.cross_attn.out", d, h * dv)
         norm(layer.attention.layer_norm, f"{p}.norm2")
         ffn(layer.ffn, p, "norm3")
+    if pre_norm:  # the final norm of each stack
+        norm(encoder.layer_norm, "encoder_norm")
+        norm(decoder.layer_norm, "decoder_norm")
     w.done()
 
     config = spec.config
@@ -266,10 +289,11 @@ def build_ct2_spec(src: _Source) -> Any:
 
 
 def export_ctranslate2(checkpoint: Path, tokens: Path, out: Path, quantization: str | None = None,
-                       params: dict[str, Any] | None = None) -> dict[str, Any]:
+                       params: dict[str, Any] | None = None, summary: bool = True) -> dict[str, Any]:
     """Export ``checkpoint`` (trained or averaged) with the SentencePiece model of ``tokens`` to a CTranslate2 model
     directory ``out`` (atomically). ``quantization``: None/"none" keeps float32 weights, else a CTranslate2 weight
-    type (int8, int8_float32, int16, float16, ...). Returns the manifest's ``extra``."""
+    type (int8, int8_float32, int16, float16, ...). ``summary``: print the summary table. Returns the manifest's
+    ``extra``."""
     q = _check_quantization(quantization)
     ct2 = _require_ctranslate2()
     src = _load_source(checkpoint, tokens)
@@ -285,6 +309,8 @@ def export_ctranslate2(checkpoint: Path, tokens: Path, out: Path, quantization: 
         w.extra["vocabulary"] = "shared_vocabulary.json"
     from mtpipe import console
 
+    if not summary:
+        return artifacts.read_manifest(out, "export").extra
     console.table(f"export: {checkpoint} -> {out} (CTranslate2)", ["", "value"], [
         ["step", src.ck.step],
         ["layers (enc + dec)", f"{cfg.encoder_layers} + {cfg.decoder_layers}"],
@@ -479,6 +505,57 @@ def ct2_translate(model: Ct2Model | Path, sources: Sequence[Sequence[str | int]]
     return results
 
 
+# CTranslate2's compute types (``ctranslate2.Translator(compute_type=...)``); "default" keeps the weights' type.
+COMPUTE_TYPES = ("default", "auto", "float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16",
+                 "float16", "bfloat16")
+ENGINE_INPUTS = "a CTranslate2 export (`mtpipe export`) or an mtpipe checkpoint"
+
+
+def decode_source(path: Path) -> artifacts.Manifest:
+    """The manifest of what ``mtpipe decode --engine ctranslate2 --checkpoint PATH`` names: a CTranslate2 export
+    (kind ``export``, format ``ctranslate2``) or an mtpipe checkpoint; anything else fails with one line."""
+    path = Path(path)
+    try:
+        m = artifacts.read_manifest(path)
+    except MtpipeError as e:
+        raise MtpipeError(f"{e}; --engine ctranslate2 needs {ENGINE_INPUTS}") from None
+    if m.kind == "export" and m.extra.get("format") != "ctranslate2":
+        raise MtpipeError(f"{path}: is a '{m.extra.get('format')}' export, not a CTranslate2 model; --engine "
+                          f"ctranslate2 needs {ENGINE_INPUTS}")
+    if m.kind not in ("export", "checkpoint"):
+        raise MtpipeError(f"{path}: is a '{m.kind}' artifact; --engine ctranslate2 needs {ENGINE_INPUTS}")
+    for key in ("vocab", "checkpoint_step" if m.kind == "export" else "step"):
+        if key not in m.extra:
+            raise MtpipeError(f"{path}: {m.kind} manifest lacks '{key}'")
+    return m
+
+
+def open_for_decode(path: Path, manifest: artifacts.Manifest, tokens: Path | None, *, compute_type: str = "default",
+                    threads: int = 0, device: str = "auto") -> Ct2Model:
+    """A loaded CTranslate2 model for ``mtpipe decode --engine ctranslate2``: an export is opened as it is; a
+    checkpoint (with the SentencePiece model of ``tokens``) is first exported with float32 weights to a temporary
+    directory, which is removed once CTranslate2 has read it (the translator keeps its weights in memory), so nothing
+    is left behind. ``compute_type`` may still quantise at load time (``int8``...). ``device`` "auto": the first
+    GPU CTranslate2 sees, else the CPU."""
+    import dataclasses
+    import tempfile
+
+    if device == "auto":
+        device = "cuda" if _require_ctranslate2().get_cuda_device_count() > 0 else "cpu"
+    if compute_type not in COMPUTE_TYPES:
+        raise MtpipeError(f"decode.ct2_compute_type: unknown type {compute_type!r} (choose from "
+                          f"{', '.join(COMPUTE_TYPES)})")
+    path = Path(path)
+    if manifest.kind == "export":
+        return load_ct2(path, device=device, compute_type=compute_type, threads=threads)
+    if tokens is None:
+        raise MtpipeError(f"{path}: exporting a checkpoint to CTranslate2 needs --tokens (its bpe artifact)")
+    with tempfile.TemporaryDirectory(prefix="mtpipe-ct2-") as tmp:
+        export_ctranslate2(path, tokens, Path(tmp) / "model", summary=False)
+        m = load_ct2(Path(tmp) / "model", device=device, compute_type=compute_type, threads=threads)
+    return dataclasses.replace(m, path=path)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Hugging Face Marian
 # --------------------------------------------------------------------------------------------------------------------
@@ -486,6 +563,12 @@ def ct2_translate(model: Ct2Model | Path, sources: Sequence[Sequence[str | int]]
 
 def marian_mismatch(cfg: Any) -> str | None:
     """Why a model config does not map exactly onto ``MarianMTModel`` (None when it does)."""
+    if why := _unsupported(cfg):
+        return why
+    if getattr(cfg, "norm_position", "post") != "post":
+        return "model.norm_position=pre: MarianMTModel is post-norm only"
+    if getattr(cfg, "positions", "sinusoidal") != "sinusoidal":
+        return "model.positions=learned: MarianMTModel rebuilds sinusoidal positions on load"
     if cfg.d_k * cfg.heads != cfg.d_model or cfg.d_v * cfg.heads != cfg.d_model:
         return (f"d_k={cfg.d_k}, d_v={cfg.d_v} with heads={cfg.heads}: Marian's attention fixes the head size to "
                 f"d_model / heads = {cfg.d_model / cfg.heads:g}")
@@ -622,5 +705,5 @@ def run(cfg: Any, checkpoint: Path, tokens: Path, out: Path) -> dict[str, Any]:
     return export_ctranslate2(checkpoint, tokens, out, cfg.quantization, params=params)
 
 
-__all__ = ["Ct2Hypothesis", "Ct2Model", "build_ct2_spec", "ct2_translate", "export_ctranslate2", "export_marian",
-           "load_ct2", "marian_mismatch", "run"]
+__all__ = ["Ct2Hypothesis", "Ct2Model", "build_ct2_spec", "ct2_translate", "decode_source", "export_ctranslate2",
+           "export_marian", "load_ct2", "marian_mismatch", "open_for_decode", "run"]

@@ -20,6 +20,20 @@ layer's cross-attention keys/values once, and :meth:`Transformer.step` extends e
 cache by one position (incremental decoding). :meth:`DecoderState.select` reorders or shrinks the batch (beam
 reordering, finished sentences leaving the batch).
 
+Variants (``model`` params, saved in the checkpoint's model config, so decoding rebuilds them; each off by default,
+and the default model runs exactly the code above -- every choice is made when the model is built):
+
+* ``norm_position=pre`` -- ``x + Dropout(F(Norm(x)))`` with one more norm after the last layer of each stack
+  (Nguyen & Salazar 2019, "Transformers without Tears"; trains without warmup, suits low-resource pairs).
+* ``norm=scale`` -- ScaleNorm ``g * x / ||x||`` (:class:`ScaleNorm`) in place of every LayerNorm; ``fixnorm`` --
+  unit-length word embeddings times one learned scalar (:meth:`Transformer.embed_tokens`,
+  :meth:`Transformer.output_embedding`). Usable together (the paper's "ScaleNorm + FixNorm").
+* ``positions=learned`` -- a learned ``[max_positions, d_model]`` table instead of the sinusoids (Table 3 row E).
+* ``layerdrop=p`` -- LayerDrop (Fan et al. 2019): in training each layer of both stacks is skipped with probability
+  p; at inference :func:`prune` removes layers (the "every other" strategy or an explicit list), no fine-tuning.
+* DropHead (Zhou et al. 2020) -- whole attention heads dropped in training with a probability the trainer sets each
+  update (:meth:`Transformer.set_drophead`; its V-shaped schedule is :func:`mtpipe.train.drophead_rate`).
+
 Speed on CPU (measured with ``bench/train_throughput.py``; the choices only change how, never what, is computed):
 dropout masks come from 16 random bits per element instead of ``bernoulli_`` (:func:`keep_mask`), mask, scale and
 residual add are one ``addcmul``, training attention avoids the slow fused CPU backward, and under bf16 autocast
@@ -29,8 +43,11 @@ bit-identical to the plain formulation; with gradients on, the explicit attentio
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -161,6 +178,42 @@ class Linear(nn.Linear):
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# Normalisation: LayerNorm (section 3.1) or ScaleNorm (Nguyen & Salazar 2019)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class ScaleNorm(nn.Module):
+    """``ScaleNorm(x) = g * x / max(||x||, eps)`` over the last dimension, with one learned scalar ``g`` initialised
+    to sqrt(d_model) (Nguyen & Salazar 2019): the output vector has length g, whatever x's length.
+
+    The length is computed in float32 (bf16 autocast included) and the output keeps x's dtype, as LayerNorm does
+    under CPU autocast. ``eps`` only guards an all-zero vector (real activations have length ~sqrt(d_model)).
+    """
+
+    def __init__(self, d_model: int, eps: float = 1e-5):
+        super().__init__()
+        self.d_model, self.eps = d_model, eps
+        self.g = nn.Parameter(torch.empty(()))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.g, math.sqrt(self.d_model))
+
+    def forward(self, x: Tensor) -> Tensor:
+        length = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)  # [..., 1]
+        return x * (self.g / length.clamp_min(self.eps)).to(x.dtype)
+
+
+# Guards FixNorm's division (mtpipe.model.Transformer.embed_tokens) for PAD's all-zero embedding row.
+_FIXNORM_EPS = 1e-6
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """The normalisation layer ``model.norm`` asks for."""
+    return ScaleNorm(cfg.d_model) if cfg.norm == "scale" else nn.LayerNorm(cfg.d_model)
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # 3.2 Attention
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -177,6 +230,9 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         self.heads, self.d_k, self.d_v, self.dropout = heads, d_k, d_v, dropout
         self.self_attention = self_attention
+        # DropHead probability (Transformer.set_drophead; None = off, the default): a 0-dim buffer updated in place,
+        # not a float, so a new value each update is data to torch.compile, not a reason to recompile.
+        self.register_buffer("drophead", None, persistent=False)
         if self_attention:
             self.qkv = Linear(d_model, heads * (2 * d_k + d_v))
         else:
@@ -211,6 +267,8 @@ class MultiHeadAttention(nn.Module):
             o = explicit_attention(q, k, v, mask, causal, p)  # [B, h, Lq, d_v]
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal)
+        if self.drophead is not None and self.training:
+            o = drop_heads(o, self.drophead)
         b, _, length, _ = o.shape
         return self.out(o.transpose(1, 2).reshape(b, length, self.heads * self.d_v))  # [B, Lq, h*d_v] -> [B, Lq, D]
 
@@ -233,6 +291,21 @@ def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cau
     return torch.matmul(dropout(weights, p, True).to(v.dtype), v)  # [B, h, Lq, Lk] x [B, h, Lk, d_v]
 
 
+def drop_heads(o: Tensor, p: Tensor) -> Tensor:
+    """DropHead (Zhou et al. 2020): every head of every sample, ``o`` ``[B, h, L, d_v]``, is dropped (zeroed) with
+    probability ``p``, before the heads are concatenated and projected by W^O.
+
+    The kept heads are rescaled by ``h / (number of heads kept in that sample)``, the normalisation of the paper's
+    algorithm (as DropBlock normalises by the kept count), rather than dropout's constant ``1/(1-p)``: the scale
+    then follows the draw, so each sample's sum over heads keeps its magnitude. A sample that loses all h heads
+    (probability p^h) gets a zero attention output, as its mask says.
+    """
+    b, h = o.shape[:2]
+    keep = torch.rand(b, h, 1, 1, device=o.device) >= p  # [B, h, 1, 1], True = kept
+    scale = h / keep.sum(dim=1, keepdim=True).clamp_min(1)  # [B, 1, 1, 1]
+    return o * (keep * scale).to(o.dtype)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # 3.1 / 3.3 Layers
 # --------------------------------------------------------------------------------------------------------------------
@@ -250,33 +323,56 @@ class FeedForward(nn.Module):
         return self.w2(dropout(F.relu(self.w1(x)), self.relu_dropout, self.training))
 
 
-class EncoderLayer(nn.Module):
-    """Self-attention, then feed-forward; each ``LayerNorm(x + Dropout(sublayer(x)))`` (sections 3.1, 5.4)."""
+class Sublayers(nn.Module):
+    """Where a layer's norms sit around its sub-layers F (section 3.1 / Nguyen & Salazar 2019):
+
+    * post-norm (the paper): ``x <- Norm(x + Dropout(F(x)))``;
+    * pre-norm: ``x <- x + Dropout(F(Norm(x)))`` (the residual path is never normalised; the stack ends with a norm).
+
+    A layer computes ``F(self.norm_in(x, norm))`` and then ``x = self.add_norm(x, out, norm)``.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.d_k, cfg.d_v, cfg.attention_dropout, True)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.relu_dropout)
-        self.norm1, self.norm2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
+        self.pre_norm = cfg.norm_position == "pre"
         self.dropout = cfg.dropout
 
-    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
-        p, training = self.dropout, self.training
-        q, k, v = self.self_attn.project_qkv(x)
-        x = self.norm1(residual(x, self.self_attn.attend(q, k, v, src_mask), p, training))
-        return self.norm2(residual(x, self.ffn(x), p, training))
+    def norm_in(self, x: Tensor, norm: nn.Module) -> Tensor:
+        """The sub-layer's input: ``Norm(x)`` in a pre-norm layer, ``x`` itself in a post-norm one."""
+        return norm(x) if self.pre_norm else x
+
+    def add_norm(self, x: Tensor, out: Tensor, norm: nn.Module) -> Tensor:
+        """``x + Dropout(out)``, then the norm in a post-norm layer (section 5.4)."""
+        x = residual(x, out, self.dropout, self.training)
+        return x if self.pre_norm else norm(x)
 
 
-class DecoderLayer(nn.Module):
-    """Masked self-attention, encoder-decoder attention, feed-forward; each sub-layer post-normed (section 3.1)."""
+class EncoderLayer(Sublayers):
+    """Self-attention, then feed-forward; each ``LayerNorm(x + Dropout(sublayer(x)))`` (sections 3.1, 5.4), or
+    pre-normed (:class:`Sublayers`)."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
+        super().__init__(cfg)
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.d_k, cfg.d_v, cfg.attention_dropout, True)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.relu_dropout)
+        self.norm1, self.norm2 = make_norm(cfg), make_norm(cfg)
+
+    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
+        q, k, v = self.self_attn.project_qkv(self.norm_in(x, self.norm1))
+        x = self.add_norm(x, self.self_attn.attend(q, k, v, src_mask), self.norm1)
+        return self.add_norm(x, self.ffn(self.norm_in(x, self.norm2)), self.norm2)
+
+
+class DecoderLayer(Sublayers):
+    """Masked self-attention, encoder-decoder attention, feed-forward; each sub-layer post-normed (section 3.1), or
+    pre-normed (:class:`Sublayers`)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.d_k, cfg.d_v, cfg.attention_dropout, True)
         self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.d_k, cfg.d_v, cfg.attention_dropout, False)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.relu_dropout)
-        self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
-        self.dropout = cfg.dropout
+        self.norm1, self.norm2, self.norm3 = (make_norm(cfg) for _ in range(3))
 
     def forward(self, x: Tensor, mem_k: Tensor, mem_v: Tensor, src_mask: Tensor, incremental: bool = False,
                 cache: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
@@ -286,18 +382,18 @@ class DecoderLayer(nn.Module):
         positions (``[B, h, t, d]``, None at the first step). Otherwise the causal mask keeps position i from seeing
         positions > i (section 3.2.3). Returns the output and the keys/values to cache.
         """
-        p, training = self.dropout, self.training
-        q, k, v = self.self_attn.project_qkv(x)
+        q, k, v = self.self_attn.project_qkv(self.norm_in(x, self.norm1))
         if incremental:
             if cache is not None:
                 k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)  # [B, h, t+1, d]
             a = self.self_attn.attend(q, k, v, None)
         else:
             a = self.self_attn.attend(q, k, v, None, causal=True)
-        x = self.norm1(residual(x, a, p, training))
-        cq = self.cross_attn._split(self.cross_attn.q(x), self.cross_attn.d_k)  # [B, h, T, d_k]
-        x = self.norm2(residual(x, self.cross_attn.attend(cq, mem_k, mem_v, src_mask), p, training))
-        return self.norm3(residual(x, self.ffn(x), p, training)), (k, v)
+        x = self.add_norm(x, a, self.norm1)
+        cq = self.cross_attn.q(self.norm_in(x, self.norm2))  # [B, T, h*d_k]
+        cq = self.cross_attn._split(cq, self.cross_attn.d_k)  # [B, T, h*d_k] -> [B, h, T, d_k]
+        x = self.add_norm(x, self.cross_attn.attend(cq, mem_k, mem_v, src_mask), self.norm2)
+        return self.add_norm(x, self.ffn(self.norm_in(x, self.norm3)), self.norm3), (k, v)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -338,35 +434,61 @@ class Transformer(nn.Module):
         self.vocab_size = vocab_size
         self.embed = nn.Embedding(vocab_size, cfg.d_model, padding_idx=PAD_ID)
         self.scale = math.sqrt(cfg.d_model)  # 3.4: embeddings are multiplied by sqrt(d_model)
-        # Not a parameter and not saved: rebuilt from the config, so checkpoints hold learned weights only.
-        self.register_buffer("positions", sinusoids(cfg.max_positions, cfg.d_model), persistent=False)
+        if cfg.fixnorm:  # FixNorm: the fixed sqrt(d_model) becomes the learned length of every word embedding
+            self.embed_g = nn.Parameter(torch.empty(()))
+        if cfg.positions == "learned":  # Table 3 row E
+            self.positions = nn.Parameter(torch.empty(cfg.max_positions, cfg.d_model))
+        else:  # Not a parameter and not saved: rebuilt from the config, so checkpoints hold learned weights only.
+            self.register_buffer("positions", sinusoids(cfg.max_positions, cfg.d_model), persistent=False)
         self.dropout = cfg.dropout  # 5.4: dropout on the sums of embeddings and positional encodings
+        self.layerdrop = cfg.layerdrop
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        # Pre-norm: the residual stream is never normalised inside the layers, so each stack ends with a norm.
+        pre = cfg.norm_position == "pre"
+        self.encoder_norm = make_norm(cfg) if pre else None
+        self.decoder_norm = make_norm(cfg) if pre else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """Xavier-uniform projections and N(0, d_model^-0.5) embeddings (as tensor2tensor initialised the paper's
-        models): with the sqrt(d_model) scale the embedded inputs start at unit variance, like the positions."""
+        models): with the sqrt(d_model) scale the embedded inputs start at unit variance, like the positions.
+        Learned positions start at N(0, d_model^-0.5) (fairseq's choice); ScaleNorm's and FixNorm's g at
+        sqrt(d_model) (Nguyen & Salazar 2019)."""
         for name, p in self.named_parameters():
-            if p.dim() == 2 and name != "embed.weight":
+            if p.dim() == 2 and name not in ("embed.weight", "positions"):
                 nn.init.xavier_uniform_(p)
             elif name.endswith(".bias"):
                 nn.init.zeros_(p)
         nn.init.normal_(self.embed.weight, mean=0.0, std=self.cfg.d_model**-0.5)
         with torch.no_grad():
             self.embed.weight[PAD_ID].zero_()
+        if isinstance(self.positions, nn.Parameter):
+            nn.init.normal_(self.positions, mean=0.0, std=self.cfg.d_model**-0.5)
+        if self.cfg.fixnorm:
+            nn.init.constant_(self.embed_g, self.scale)
+        for m in self.modules():
+            if isinstance(m, ScaleNorm):
+                m.reset_parameters()
 
     # -- embeddings ----------------------------------------------------------------------------------------------
 
     def embed_tokens(self, tokens: Tensor, offset: int = 0) -> Tensor:
-        """``Dropout(E[tokens] * sqrt(d_model) + PE[offset : offset+L])``, ``[B, L] -> [B, L, D]``."""
+        """``Dropout(E[tokens] * sqrt(d_model) + PE[offset : offset+L])``, ``[B, L] -> [B, L, D]``.
+
+        FixNorm: ``g * E[t] / ||E[t]||`` instead of ``E[t] * sqrt(d_model)`` (PAD's zero row stays zero).
+        """
         length = tokens.size(1)
         if offset + length > self.cfg.max_positions:
             raise MtpipeError(
                 f"sequence of {offset + length} positions exceeds model.max_positions={self.cfg.max_positions}"
             )
-        x = self.embed(tokens) * self.scale + self.positions[offset : offset + length]
+        e = self.embed(tokens)
+        if self.cfg.fixnorm:
+            e = e * (self.embed_g / torch.linalg.vector_norm(e, dim=-1, keepdim=True).clamp_min(_FIXNORM_EPS))
+        else:
+            e = e * self.scale
+        x = e + self.positions[offset : offset + length]
         if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
             # Mixed precision on CPU: the activations between sub-layers are kept in the autocast dtype (bf16) from
             # here on (CPU autocast keeps LayerNorm's output in its input dtype, and the residual sums stay bf16), so
@@ -376,32 +498,76 @@ class Transformer(nn.Module):
             x = x.to(torch.get_autocast_dtype("cpu"))
         return dropout(x, self.dropout, self.training)
 
+    def output_embedding(self) -> Tensor:
+        """The pre-softmax projection matrix ``[V, D]``: the embedding matrix itself (3.4).
+
+        With FixNorm, its rows normalised to unit length (the same unit vectors the input side scales by g; no g
+        here): a logit is then ``|h| cos(h, e_y)``, so the decoder output's own length -- the gain of the last norm
+        -- sets the softmax temperature, as the fixed-norm output layer of Nguyen & Chiang (2018) intends. PAD's row
+        stays zero (a constant logit that is never a target) and gets no gradient, as with ``padding_idx``.
+        """
+        w = self.embed.weight
+        if not self.cfg.fixnorm:
+            return w
+        inv = torch.linalg.vector_norm(w, dim=-1, keepdim=True).clamp_min(_FIXNORM_EPS).reciprocal()  # [V, 1]
+        return w * inv.index_fill(0, torch.tensor([PAD_ID], device=w.device), 0.0)
+
     def logits(self, h: Tensor) -> Tensor:
         """Pre-softmax projection with the shared embedding matrix (3.4): ``[..., D] -> [..., V]``."""
-        return linear(h, self.embed.weight, None)
+        return linear(h, self.output_embedding(), None)
 
     # -- training ------------------------------------------------------------------------------------------------
+
+    def _layers(self, stack: nn.ModuleList) -> Iterable[nn.Module]:
+        """The layers a forward pass runs. LayerDrop (Fan et al. 2019): in training each is skipped with probability
+        ``layerdrop``, drawn per forward pass from torch's default CPU generator (the one dropout and the saved
+        RNG states of :mod:`mtpipe.train` use, so a resumed run draws the same skips). Processes draw
+        independently; DDP is told to expect unused parameters (:class:`mtpipe.train.Updater`)."""
+        if not self.training or self.layerdrop == 0.0:
+            return stack
+        keep = (torch.rand(len(stack)) >= self.layerdrop).tolist()
+        return [layer for layer, k in zip(stack, keep) if k]
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
         """Encoder stack. Returns ``memory [B, S, D]`` and the source mask ``[B, 1, 1, S]`` (True = real token)."""
         src_mask = (src != PAD_ID)[:, None, None, :]  # [B, S] -> [B, 1, 1, S], broadcast over heads and queries
         x = self.embed_tokens(src)
-        for layer in self.encoder:
+        for layer in self._layers(self.encoder):
             x = layer(x, src_mask)
+        if self.encoder_norm is not None:
+            x = self.encoder_norm(x)
         return x, src_mask
+
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
+        """Decoder stack over a whole (shifted) target ``[B, T]`` with the causal mask: ``[B, T, D]``."""
+        x = self.embed_tokens(tgt_in)
+        for layer in self._layers(self.decoder):
+            mk, mv = layer.cross_attn.project_kv(memory)
+            x, _ = layer(x, mk, mv, src_mask)
+        if self.decoder_norm is not None:
+            x = self.decoder_norm(x)
+        return x
 
     def features(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """Decoder output states ``[B, T, D]`` for the shifted target ``tgt_in`` (teacher forcing)."""
-        memory, src_mask = self.encode(src)
-        x = self.embed_tokens(tgt_in)
-        for layer in self.decoder:
-            mk, mv = layer.cross_attn.project_kv(memory)
-            x, _ = layer(x, mk, mv, src_mask)
-        return x
+        return self.decode(tgt_in, *self.encode(src))
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """Logits ``[B, T, V]`` of the next target token at every position."""
         return self.logits(self.features(src, tgt_in))
+
+    def set_drophead(self, p: float | None) -> None:
+        """DropHead probability of every attention layer for the next training forward passes (None = off)."""
+        if p is not None and not 0.0 <= p < 1.0:
+            raise MtpipeError(f"DropHead probability {p} is not in [0, 1)")
+        for m in self.modules():
+            if isinstance(m, MultiHeadAttention):
+                if p is None:
+                    m.drophead = None
+                elif m.drophead is None:
+                    m.drophead = torch.tensor(float(p), device=m.out.weight.device)
+                else:
+                    m.drophead.fill_(float(p))
 
     # -- incremental decoding ------------------------------------------------------------------------------------
 
@@ -420,6 +586,8 @@ class Transformer(nn.Module):
         for layer, (mk, mv), kv in zip(self.decoder, state.cross, state.self_kv):
             x, kv = layer(x, mk, mv, state.src_mask, incremental=True, cache=kv)
             new_kv.append(kv)
+        if self.decoder_norm is not None:
+            x = self.decoder_norm(x)
         logp = F.log_softmax(self.logits(x[:, 0]).float(), dim=-1)  # [B, 1, D] -> [B, D] -> [B, V]
         return logp, DecoderState(state.src_mask, state.cross, new_kv, state.length + 1)
 
@@ -428,3 +596,120 @@ def build_model(model_config: dict | ModelConfig, vocab_size: int) -> Transforme
     """A Transformer from a (checkpoint's) config dict or a :class:`ModelConfig`."""
     cfg = model_config if isinstance(model_config, ModelConfig) else ModelConfig(**model_config)
     return Transformer(cfg, vocab_size)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# LayerDrop pruning (Fan et al. 2019): a shallower sub-network at inference, without fine-tuning
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrunePlan:
+    """The layers a pruned model keeps: 0-based indexes into the encoder and decoder stacks, in order."""
+
+    encoder: tuple[int, ...]
+    decoder: tuple[int, ...]
+
+    def describe(self, cfg: ModelConfig) -> str:
+        return (f"encoder layers {list(self.encoder)} of {cfg.encoder_layers}, "
+                f"decoder layers {list(self.decoder)} of {cfg.decoder_layers}")
+
+
+def every_other(n_layers: int, rate: float) -> tuple[int, ...]:
+    """Fan et al.'s "every other" strategy at pruning rate ``rate``: drop the layers at depth d (1-based, d = 1 is
+    the layer next to the embeddings) with ``d % floor(1/rate) == 0``; returns the 0-based indexes kept. Rate 0.5
+    keeps the odd depths 1, 3, 5 (indexes 0, 2, 4) of six; rate 0.2 drops depth 5 only."""
+    k = math.floor(1.0 / rate + 1e-9)  # the epsilon keeps 1/0.2 = 4.999... from flooring to 4
+    return tuple(d - 1 for d in range(1, n_layers + 1) if d % k)
+
+
+def prune_plan(cfg: ModelConfig, spec: str, where: str = "prune") -> PrunePlan | None:
+    """Parse a prune spec (``decode.prune`` / ``average.prune``) for a model of config ``cfg``; None = no pruning.
+
+    * ``every_other`` -- :func:`every_other` at the model's own ``layerdrop`` (an error for a model trained
+      without LayerDrop, whose layers were never trained to be left out);
+    * ``every_other:R`` -- the same at pruning rate R, e.g. 0.5 for half depth from a model trained with p = 0.2;
+    * ``enc:0,2,4;dec:0,2,4`` -- the 0-based layer indexes to keep (``encoder``/``decoder`` spelled out also work);
+      a side left out keeps all its layers.
+    """
+    spec = spec.strip()
+    if not spec:
+        return None
+    cfg = cfg.resolved()
+    if spec.split(":", 1)[0].strip() == "every_other":
+        rest = spec.split(":", 1)[1].strip() if ":" in spec else ""
+        if rest:
+            try:
+                rate = float(rest)
+            except ValueError:
+                raise MtpipeError(f"{where}: {spec!r}: the rate after 'every_other:' is not a number") from None
+        elif cfg.layerdrop == 0.0:
+            raise MtpipeError(f"{where}: 'every_other' uses the model's LayerDrop rate, but it was trained with "
+                              "model.layerdrop=0; give a rate ('every_other:0.5') or the layers to keep "
+                              "('enc:0,2,4;dec:0,2,4')")
+        else:
+            rate = cfg.layerdrop
+        if not 0.0 < rate < 1.0:
+            raise MtpipeError(f"{where}: {spec!r}: the pruning rate {rate} is not in (0, 1)")
+        plan = PrunePlan(every_other(cfg.encoder_layers, rate), every_other(cfg.decoder_layers, rate))
+    else:
+        sides = {"encoder": tuple(range(cfg.encoder_layers)), "decoder": tuple(range(cfg.decoder_layers))}
+        given: set[str] = set()
+        for part in filter(None, (x.strip() for x in spec.split(";"))):
+            name, sep, items = part.partition(":")
+            side = {"enc": "encoder", "dec": "decoder"}.get(name.strip(), name.strip())
+            if not sep or side not in sides:
+                raise MtpipeError(f"{where}: {spec!r} is not 'every_other', 'every_other:RATE' or a keep list like "
+                                  "'enc:0,2,4;dec:0,2,4'")
+            if side in given:
+                raise MtpipeError(f"{where}: {spec!r} names the {side} twice")
+            given.add(side)
+            n = len(sides[side])
+            try:
+                keep = [int(x) for x in items.split(",") if x.strip()]
+            except ValueError:
+                raise MtpipeError(f"{where}: {spec!r}: the {side} list is not comma-separated layer indexes") from None
+            bad = [i for i in keep if not 0 <= i < n]
+            if bad:
+                raise MtpipeError(f"{where}: {spec!r}: {side} layer {bad[0]} does not exist (the model has {n}, "
+                                  f"indexed 0..{n - 1})")
+            if len(set(keep)) != len(keep):
+                raise MtpipeError(f"{where}: {spec!r}: the {side} list repeats a layer")
+            sides[side] = tuple(sorted(keep))
+        plan = PrunePlan(sides["encoder"], sides["decoder"])
+    for side, kept in (("encoder", plan.encoder), ("decoder", plan.decoder)):
+        if not kept:
+            raise MtpipeError(f"{where}: {spec!r} leaves the {side} without layers")
+    return plan
+
+
+def pruned_config(cfg: ModelConfig, plan: PrunePlan) -> ModelConfig:
+    """The config of the pruned model: fewer layers; ``layerdrop`` kept as a record of how it was trained."""
+    return dataclasses.replace(cfg.resolved(), encoder_layers=len(plan.encoder), decoder_layers=len(plan.decoder))
+
+
+def prune_state_dict(state: dict[str, Tensor], plan: PrunePlan) -> dict[str, Tensor]:
+    """A state dict without the pruned layers, the kept ones renumbered from 0 (``encoder.4.`` -> ``encoder.2.``);
+    every other entry (embeddings, final norms) as is."""
+    renumber = {"encoder": {old: new for new, old in enumerate(plan.encoder)},
+                "decoder": {old: new for new, old in enumerate(plan.decoder)}}
+    out: dict[str, Tensor] = {}
+    for name, t in state.items():
+        side, _, rest = name.partition(".")
+        if side in renumber and rest.split(".", 1)[0].isdigit():
+            index, _, tail = rest.partition(".")
+            if int(index) in renumber[side]:
+                out[f"{side}.{renumber[side][int(index)]}.{tail}"] = t
+        else:
+            out[name] = t
+    return out
+
+
+def prune(model: Transformer, plan: PrunePlan) -> Transformer:
+    """A copy of ``model`` with only the layers of ``plan`` (``model`` itself is unchanged); its ``cfg`` has the
+    reduced layer counts, so its checkpoint rebuilds without any pruning flag."""
+    out = copy.deepcopy(model)
+    out.cfg = pruned_config(model.cfg, plan)
+    out.encoder = nn.ModuleList(out.encoder[i] for i in plan.encoder)
+    out.decoder = nn.ModuleList(out.decoder[i] for i in plan.decoder)
+    return out

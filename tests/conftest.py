@@ -15,6 +15,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
+def train_spm(prefix: Path, lines: list[str], vocab_size: int):
+    """A tiny BPE SentencePiece model ``prefix.model`` with mtpipe's special ids, trained on ``lines``; returns its
+    processor."""
+    import sentencepiece as spm
+
+    from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+    text = prefix.with_suffix(".txt")
+    text.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(prefix), vocab_size=vocab_size,
+                                   model_type="bpe", pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+                                   hard_vocab_limit=False, minloglevel=2)
+    return spm.SentencePieceProcessor(model_file=f"{prefix}.model")
+
+
 def have_multi30k() -> bool:
     return (MULTI30K / "train.en.gz").exists()
 

@@ -303,6 +303,29 @@ def test_finished_run_restarted_does_nothing_more(ws1_run: Path, data: tuple[Pat
     assert tsv(ws1_run, "train/loss") == before
 
 
+def test_resume_repairs_metric_files_a_kill_cut_short(ws1_run: Path, data: tuple[Path, Path],
+                                                      tmp_path: Path) -> None:
+    """A kill while rank 0 writes its metrics leaves a half row in a curve and an empty metrics.json (dvclive writes
+    both in place): the resume drops the half row and rows after the checkpoint, and rebuilds the summary."""
+    import shutil
+
+    from mtpipe.train import run
+
+    out = tmp_path / "out"
+    shutil.copytree(ws1_run, out)
+    shutil.rmtree(out / "checkpoints" / "step_00000012")  # killed between step 12's metrics and its checkpoint
+    with open(out / "live" / "plots" / "metrics" / "train" / "loss.tsv", "a") as f:
+        f.write("13\t4.2")  # no newline: cut short
+    (out / "live" / "metrics.json").write_text("{\n    \"train\": {")
+    (out / "live" / ".metrics.json.tmp-x1y2").write_text("{")
+    s = run(mcfg(), tcfg(keep_last=2), *data, out)
+    assert s["resumed_from"].endswith("step_00000008") and s["updates_this_run"] == 4
+    assert tsv(out, "train/loss") == tsv(ws1_run, "train/loss")  # rewound to 8, then the same 4 updates again
+    summary = json.loads((out / "live" / "metrics.json").read_text())
+    assert summary["step"] == 12 and summary["valid"]["ppl"] == pytest.approx(s["valid_ppl"])
+    assert not [p.name for p in (out / "live").iterdir() if p.name.startswith(".")]  # no temp files left
+
+
 def test_checkpoint_of_another_vocabulary_or_model_is_refused(ws1_run: Path, data: tuple[Path, Path],
                                                               tmp_path: Path) -> None:
     import shutil
@@ -487,7 +510,10 @@ def _command(params: Path, data: tuple[Path, Path], out: Path, launcher: bool) -
 def _run(cmd: list[str], log: Path) -> None:
     with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=log.parent).returncode
-    assert rc == 0, log.read_text()[-3000:]
+    if rc != 0:  # the first failing rank's own traceback, not only torchrun's summary of it
+        text = log.read_text()
+        rank0 = [ln for ln in text.splitlines() if ln.startswith("[rank0]")]
+        raise AssertionError("\n".join(rank0[-40:]) + "\n...\n" + text[-3000:])
 
 
 def _children() -> dict[int, list[int]]:
