@@ -153,8 +153,11 @@ class Env:
         self.logs = self.out / "logs"
         self.env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
                     "ANCHORS": str(self.a), "COLUMNS": "120", "PYTHONUNBUFFERED": "1"}
-        missing = [p for p in (self.spm, self.fs_py, self.ct2_py, self.a / "data" / "fs-bin" / "dict.en.txt")
-                   if not p.exists()]
+        # Only CTranslate2's venv is needed when fairseq is left out of a decode-only run (--decode-systems).
+        self.fairseq = not (getattr(args, "only", "") == "decode" and "fairseq" not in args.decode_systems)
+        need = (self.spm, self.fs_py, self.ct2_py, self.a / "data" / "fs-bin" / "dict.en.txt") if self.fairseq else (
+            self.ct2_py,)
+        missing = [p for p in need if not p.exists()]
         if missing:
             raise SystemExit(f"anchors not set up: missing {', '.join(map(str, missing))} (run "
                              f"{SHARED_ANCHORS}/setup_anchors.sh; its log ends with 'setup done')")
@@ -411,8 +414,11 @@ class DecodeSetup:
         self.src_raw.write_text("".join(s + "\n" for s in read_raw(DATA / "test_2016_flickr.en.gz", self.n)),
                                 encoding="utf-8")
         # fairseq: the checkpoint (trained with the anchors' protocol when absent) and the test set binarised
-        self.fs_ckpt = Path(args.fs_checkpoint) if args.fs_checkpoint else self._fairseq_checkpoint(e, args)
-        self.fs_bin = self._fairseq_bin(e, d)
+        self.systems = args.decode_systems
+        self.fs_ckpt = self.fs_bin = None
+        if "fairseq" in self.systems:
+            self.fs_ckpt = Path(args.fs_checkpoint) if args.fs_checkpoint else self._fairseq_checkpoint(e, args)
+            self.fs_bin = self._fairseq_bin(e, d)
         # mtpipe: the checkpoint and its tokens (a short training run of `mtpipe train` when absent)
         if args.checkpoint:
             self.ckpt, self.tokens = Path(args.checkpoint), Path(args.tokens)
@@ -666,7 +672,7 @@ def matmul_probe(e: Env, log: Path) -> float:
 
 
 def run_rounds(e: Env, args: argparse.Namespace, parts: list[str]) -> dict[str, Any]:
-    ratio = corpus_ratio(e)
+    ratio = corpus_ratio(e) if e.fairseq else float("nan")  # training's token ratio: not needed by a decode-only run
     m30k = m30k_artifacts(e) if ("train" in parts or ("decode" in parts and not args.checkpoint)) else None
     dec = DecodeSetup(e, args, m30k) if "decode" in parts else None
     steps = {k: int(v) for k, v in (kv.split("=") for kv in args.train_updates.split(","))}
@@ -689,10 +695,12 @@ def run_rounds(e: Env, args: argparse.Namespace, parts: list[str]) -> dict[str, 
                     res[f"train {dims}"] = row
             elif part == "decode":
                 assert dec is not None
-                say(f"round {r}: decode {dec.n} sentences: fairseq-generate")
-                row = {"fairseq-generate": decode_result(
-                    fairseq_generate(e, dec.fs_ckpt, dec.fs_bin, dec.n, e.logs / f"r{r}_decode_fairseq.log"),
-                    dec.refs)}
+                row = {}
+                if "fairseq" in dec.systems:
+                    say(f"round {r}: decode {dec.n} sentences: fairseq-generate")
+                    row["fairseq-generate"] = decode_result(
+                        fairseq_generate(e, dec.fs_ckpt, dec.fs_bin, dec.n, e.logs / f"r{r}_decode_fairseq.log"),
+                        dec.refs)
                 for p in ("fp32", "bf16"):
                     say(f"round {r}: decode: mtpipe {p}")
                     row[f"mtpipe {p}"] = decode_result(
@@ -738,7 +746,7 @@ def summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     base = [("fairseq", "fairseq-preprocess", True)]  # times: ratio = fairseq s / mtpipe s
                 ratios = {}
                 for label, ref, inverse in base:
-                    if ref == system:
+                    if ref == system or ref not in rounds[0][g]:  # the same system, or one left out of the run
                         continue
                     per = [(rd[g][ref][key] / rd[g][system][key]) if inverse else
                            (rd[g][system][key] / rd[g][ref][key]) for rd in rounds]
@@ -796,6 +804,11 @@ def decode_verdict(rows: list[dict[str, Any]]) -> str | None:
         return None
     b = max(best, key=lambda r: r["median_ratios"].get("fairseq", 0))
     fs, ct = b["median_ratios"].get("fairseq", float("nan")), b["median_ratios"].get("ct2 fp32", float("nan"))
+    if "fairseq" not in b["median_ratios"]:  # --decode-systems without fairseq
+        b = max(best, key=lambda r: r["median_ratios"].get("ct2 fp32", 0))
+        ct = b["median_ratios"].get("ct2 fp32", float("nan"))
+        return (f"decode target (best mtpipe mode = {b['system']}, target tokens/s): {ct:.2f}x CTranslate2 fp32 "
+                f"(>= 1.0x): {'pass' if ct >= 1.0 else 'MISSED'}; fairseq-generate not run")
     ok = fs >= 2.5 and ct >= 1.0
     return (f"decode target (best mtpipe mode = {b['system']}, target tokens/s): {fs:.2f}x fairseq-generate "
             f"(>= 2.5x), {ct:.2f}x CTranslate2 fp32 (>= 1.0x): {'pass' if ok else 'MISSED'}")
@@ -1109,6 +1122,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-sentences", type=int, default=None, help="first N test sentences (default 1000)")
     ap.add_argument("--mtpipe-penalty", choices=["gnmt", "fairseq"], default="gnmt",
                     help="mtpipe's length penalty (gnmt: the paper's; fairseq: |Y|^alpha as fairseq and CTranslate2)")
+    ap.add_argument("--decode-systems", default="fairseq,mtpipe,ct2",
+                    help="with --only decode: the systems to run (leave fairseq out to need only CTranslate2's venv "
+                         "and no fairseq checkpoint)")
     ap.add_argument("--ct2-batch", type=int, default=64, help="CTranslate2 sentences per batch (the anchors': 64)")
     ap.add_argument("--ct2-limit", choices=["batch", "sentence"], default="batch",
                     help="CTranslate2's max output length: batch = one call, the longest source + 50 for all "
@@ -1128,6 +1144,11 @@ def main(argv: list[str] | None = None) -> int:
     args.decode_sentences = args.decode_sentences or 1000
     args.data_pairs = args.data_pairs or 4_500_000
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
+    args.decode_systems = [x.strip() for x in args.decode_systems.split(",") if x.strip()]
+    if not set(args.decode_systems) >= {"mtpipe", "ct2"} or not set(args.decode_systems) <= {"fairseq", "mtpipe", "ct2"}:
+        ap.error("--decode-systems: mtpipe and ct2, optionally fairseq")
+    if "fairseq" not in args.decode_systems and parts != ["decode"]:
+        ap.error("--decode-systems without fairseq needs --only decode")
     if bad := [p for p in parts if p not in ("train", "decode", "data")]:
         ap.error(f"--only: unknown part(s) {bad}")
     args.quality_alphas = [float(a) for a in args.quality_alphas.split(",") if a.strip()]

@@ -27,11 +27,12 @@ The search (:func:`beam_search`), per sentence:
 * **beam 1 is greedy search**: the single best extension is taken each step, and when it is EOS the beam is empty.
 
 The search works on any ``step(tokens [N], state) -> (log_probs [N, V], state)`` whose state has
-``select(index)`` (:class:`mtpipe.model.DecoderState`, :class:`PrefixState`, or a hand-made one in the tests). Speed:
-sentences are sorted by length and packed into batches of at most ``max_tokens`` padded source tokens; the encoder
-runs once per batch and its keys/values are projected once (:meth:`Transformer.start`) and shared by the beams; each
-step computes the new position only (per-layer self-attention cache, :meth:`Transformer.step`); sentences that are
-done leave the batch at once (``state.select``); ``torch.inference_mode`` and optional bf16 autocast (CPU and GPU).
+``select(index, beams)`` (:class:`mtpipe.model.DecoderState`, :class:`PrefixState`, or a hand-made one in the
+tests). Speed: sentences are sorted by length and packed into batches of at most ``max_tokens`` padded source
+tokens; the encoder runs once per batch and its keys/values are projected once (:meth:`Transformer.start`) and kept
+once per sentence, its beams attending to them together; each step computes the new position only (self-attention
+cache written in place, :meth:`Transformer.step`); sentences that are done leave the batch at once
+(``state.select``); ``torch.inference_mode`` and optional bf16 autocast (CPU and GPU).
 
 Blank input lines are not decoded: they give blank output lines (so paragraph breaks survive). Sources longer than
 the model's ``max_positions`` are truncated (with a warning naming how many and the first id):
@@ -51,6 +52,7 @@ penalty is |Y|^alpha, so ``gnmt`` is applied by re-ranking the hypotheses it fin
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import sys
 import time
@@ -112,25 +114,28 @@ class Hypothesis:
 
 
 class State(Protocol):
-    def select(self, index: Tensor) -> "State": ...
+    def select(self, index: Tensor, beams: int) -> "State": ...
 
 
-StepFn = Callable[[Tensor, Any], "tuple[Tensor, Any]"]
+StepFn = Callable[[Tensor, Any], "tuple[Tensor | Callable[[int, int], Tensor], Any]"]
+
+# Rows of log-probabilities ranked at a time (:func:`beam_search`): 256 x 8k vocabulary x 4 bytes = 8 MB, which stays
+# in a server CPU's cache between the projection, the softmax, the score update and the top-k.
+_BLOCK_ROWS = 256
 
 
 def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, penalty: LengthPenalty,
                 nbest: int = 1, device: torch.device | str = "cpu",
-                on_done: Callable[[int], None] | None = None,
-                reorder: Callable[[Any, Tensor], Any] | None = None) -> list[list[Hypothesis]]:
+                on_done: Callable[[int], None] | None = None) -> list[list[Hypothesis]]:
     """Beam search for ``len(max_lens)`` sentences at once; returns each sentence's ``nbest`` best, best first.
 
     ``state`` has one row per sentence; ``step(tokens [N], state)`` gives the log-probabilities ``[N, V]`` of the
-    next token after ``tokens`` (BOS first; a new tensor each call, which the search overwrites) and the advanced
-    state. ``max_lens[b]``: the most tokens sentence b may have before its EOS. ``on_done(n)`` is called as n
-    sentences finish. ``reorder(state, index)``, when given, is used instead of ``state.select(index)`` on the
-    steps where ``index`` only permutes rows *within* each sentence's beam (no sentence left, beam width unchanged):
-    per-sentence data shared by its beams can then stay where it is (:func:`reorder_beams`). See the module
-    docstring for the search rules.
+    next token after ``tokens`` (BOS first; a new tensor each call, which the search overwrites), or a function
+    ``(lo, hi) -> [hi - lo, V]`` that makes rows ``lo:hi`` of them on demand (:meth:`Transformer.step` with
+    ``lazy``), and the advanced state. ``max_lens[b]``: the most tokens sentence b may have before its EOS.
+    ``on_done(n)`` is called as n sentences finish. After each step the state is narrowed with ``state.select(rows, beams)``: rows of the kept
+    hypotheses, ``beams`` consecutive rows per sentence still in the batch. See the module docstring for the search
+    rules.
     """
     if beam < 1:
         raise MtpipeError(f"decode.beam: {beam} is not >= 1")
@@ -148,17 +153,29 @@ def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, 
     banned = torch.tensor([PAD_ID, BOS_ID], device=device)
     t = 0
     while active:
-        logp, state = step(tokens, state)  # [n*k, V], a fresh tensor: updated in place below (saves 2 copies)
-        n, vocab = len(active), logp.size(-1)
-        logp = logp.float().index_fill_(1, banned, neg_inf)
+        out, state = step(tokens, state)  # [n*k, V] (a fresh tensor: updated in place below), or rows on demand
+        n = len(active)
         forced = limits == t  # [n] sentences at their length limit: only EOS may follow
-        if bool(forced.any()):
-            only_eos = torch.full_like(logp, neg_inf)
-            only_eos[:, EOS_ID] = logp[:, EOS_ID]
-            logp = torch.where(forced.repeat_interleave(k)[:, None], only_eos, logp)
-        cand = logp.view(n, k, vocab).add_(scores.unsqueeze(2)).view(n, k * vocab)  # [n*k, V] -> [n, k*V]
-        width = min(beam, k * vocab)
-        top, idx = cand.topk(width, dim=1)  # [n, width], best first
+        any_forced = bool(forced.any())
+        # Rank the candidates a block of sentences at a time: each block's log-probabilities are made, masked,
+        # added to the hypotheses' scores and ranked while they are in the CPU's cache.
+        block = max(1, _BLOCK_ROWS // k)  # sentences per block
+        tops, idxs = [], []
+        for lo in range(0, n, block):
+            hi = min(n, lo + block)
+            logp = out(lo * k, hi * k) if callable(out) else out[lo * k : hi * k]
+            logp = logp.float().index_fill_(1, banned, neg_inf)  # [c*k, V]
+            vocab = logp.size(-1)
+            if any_forced:
+                f = forced[lo:hi].repeat_interleave(k)[:, None]  # [c*k, 1]
+                eos = logp[:, EOS_ID].clone()
+                logp.masked_fill_(f, neg_inf)[:, EOS_ID] = eos
+            cand = logp.view(hi - lo, k, vocab).add_(scores[lo:hi].unsqueeze(2)).view(hi - lo, k * vocab)
+            top, idx = cand.topk(min(beam, k * vocab), dim=1)  # [c, width], best first
+            tops.append(top)
+            idxs.append(idx)
+        top, idx = (tops[0], idxs[0]) if len(tops) == 1 else (torch.cat(tops), torch.cat(idxs))  # [n, width]
+        width = top.size(1)
         parent, token = idx // vocab, idx % vocab
         ends = (token == EOS_ID) & torch.isfinite(top)
         live = top.masked_fill((token == EOS_ID) | ~torch.isfinite(top), neg_inf)  # [n, width]
@@ -197,10 +214,7 @@ def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, 
         # Reorder the beams and drop the finished sentences from the batch in one select.
         keep_t = torch.tensor(keep, device=device)
         rows = (keep_t[:, None] * k + parent.index_select(0, keep_t)).view(-1)  # [n', width] -> [n'*width]
-        if reorder is not None and len(keep) == n and width == k:
-            state = reorder(state, rows)
-        else:
-            state = state.select(rows)
+        state = state.select(rows, width)
         tokens = token.index_select(0, keep_t).view(-1)  # [n'*width]
         history = torch.cat([history.index_select(0, rows), tokens[:, None]], dim=1)  # [n'*width, t+1]
         scores = live.index_select(0, keep_t)
@@ -216,24 +230,6 @@ def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, 
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def reorder_beams(state: Any, index: Tensor) -> Any:
-    """``DecoderState.select`` for a permutation inside each sentence's beam: only the self-attention caches move.
-
-    Every beam of a sentence holds the same source, so its rows of ``src_mask`` and of the cross-attention keys/values
-    are identical and any permutation among them leaves those tensors unchanged: copying them each step (the
-    largest part of the state for short outputs) is skipped.
-    """
-    from mtpipe.model import DecoderState
-
-    return DecoderState(
-        src_mask=state.src_mask,
-        cross=state.cross,
-        self_kv=[None if kv is None else (kv[0].index_select(0, index), kv[1].index_select(0, index))
-                 for kv in state.self_kv],
-        length=state.length,
-    )
-
-
 @dataclass
 class PrefixState:
     """Decoding state without a cache: the encoder output and the whole target prefix ``[N, t]``."""
@@ -242,7 +238,7 @@ class PrefixState:
     src_mask: Tensor
     prefix: Tensor
 
-    def select(self, index: Tensor) -> "PrefixState":
+    def select(self, index: Tensor, beams: int | None = None) -> "PrefixState":
         return PrefixState(self.memory.index_select(0, index), self.src_mask.index_select(0, index),
                            self.prefix.index_select(0, index))
 
@@ -291,6 +287,15 @@ def precision_context(device: torch.device, precision: str) -> contextlib.Abstra
     return contextlib.nullcontext()
 
 
+def bf16_copy(model: Any) -> Any:
+    """A copy of ``model`` with bf16 weights for bf16 decoding. Autocast casts every float32 weight again at every
+    matmul (it caches casts only for tensors that track gradients): in a decode step, whose matmuls are small, that
+    was ~10 % of the time. The positional encodings stay float32, as autocast would use them."""
+    twin = copy.deepcopy(model).to(torch.bfloat16)
+    twin.positions = model.positions
+    return twin
+
+
 def max_output_len(src_len: int, cfg: DecodeConfig, max_positions: int) -> int:
     """``max_len_a * S + max_len_b`` tokens before EOS (S without EOS), capped so BOS + tokens fit the positions."""
     return max(0, min(int(math.floor(cfg.max_len_a * src_len + cfg.max_len_b)), max_positions - 1))
@@ -310,8 +315,10 @@ def translate(model: Any, sources: Sequence[Sequence[int]], cfg: DecodeConfig, d
     lengths = [len(s) + 1 for s in sources]  # + EOS
     results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] if not s else [] for s in sources]
     todo = [i for i, s in enumerate(sources) if s]
-    step = model.step if cache else uncached_step(model)
     model.eval()
+    if cache and cfg.precision == "bf16":
+        model = bf16_copy(model)
+    step = (lambda tokens, state: model.step(tokens, state, lazy=True)) if cache else uncached_step(model)
     if on_done is not None and len(todo) < len(sources):
         on_done(len(sources) - len(todo))
     with torch.inference_mode(), precision_context(device, cfg.precision):
@@ -328,8 +335,7 @@ def translate(model: Any, sources: Sequence[Sequence[int]], cfg: DecodeConfig, d
             else:
                 state = PrefixState(memory, src_mask, torch.zeros(len(batch), 0, dtype=torch.long, device=device))
             max_lens = [max_output_len(lengths[i] - 1, cfg, max_positions) for i in batch]
-            hyps = beam_search(step, state, max_lens, cfg.beam, penalty, cfg.nbest, device, on_done,
-                               reorder_beams if cache else None)
+            hyps = beam_search(step, state, max_lens, cfg.beam, penalty, cfg.nbest, device, on_done)
             for i, h in zip(batch, hyps):
                 results[i] = h
     return results

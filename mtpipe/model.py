@@ -16,9 +16,10 @@ Tensors are batch-first: ``src`` is ``[B, S]`` token ids, ``tgt`` is ``[B, T]``;
 Padding is on the right and uses :data:`mtpipe.artifacts.PAD_ID`.
 
 For decoding, :meth:`Transformer.encode` runs the encoder once, :meth:`Transformer.start` projects every decoder
-layer's cross-attention keys/values once, and :meth:`Transformer.step` extends each layer's self-attention key/value
-cache by one position (incremental decoding). :meth:`DecoderState.select` reorders or shrinks the batch (beam
-reordering, finished sentences leaving the batch).
+layer's cross-attention keys/values once per sentence (its beams query them together), and
+:meth:`Transformer.step` writes each layer's self-attention keys/values of the new position into a preallocated
+cache (:class:`SelfAttentionCache`; incremental decoding). :meth:`DecoderState.select` reorders or shrinks the batch
+(beam reordering, finished sentences leaving the batch).
 
 Variants (``model`` params, saved in the checkpoint's model config, so decoding rebuilds them; each off by default,
 and the default model runs exactly the code above -- every choice is made when the model is built):
@@ -47,7 +48,7 @@ import copy
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -263,7 +264,9 @@ class MultiHeadAttention(nn.Module):
         slower than three plain ops in fp32 and 3-5x slower in bf16 (it was 40 % of a bf16 training step).
         """
         p = self.dropout if self.training else 0.0
-        if q.device.type == "cpu" and torch.is_grad_enabled():
+        if q.device.type == "cpu" and (torch.is_grad_enabled() or (q.size(2) == 1 and k.size(2) >= 8)):
+            # Also one decoding query over a cache of 8+ positions: there the two batched matmuls ran 1.5-2x faster
+            # than the fused kernel (which reads the cache at a fraction of memory bandwidth on these shapes).
             o = explicit_attention(q, k, v, mask, causal, p)  # [B, h, Lq, d_v]
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal)
@@ -374,26 +377,35 @@ class DecoderLayer(Sublayers):
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.relu_dropout)
         self.norm1, self.norm2, self.norm3 = (make_norm(cfg) for _ in range(3))
 
-    def forward(self, x: Tensor, mem_k: Tensor, mem_v: Tensor, src_mask: Tensor, incremental: bool = False,
-                cache: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        """``x``: ``[B, T, D]`` (training: the whole shifted target; decoding: the one new position).
-
-        Incremental: ``x`` is the newest position only and attends to itself and the cached keys/values of earlier
-        positions (``[B, h, t, d]``, None at the first step). Otherwise the causal mask keeps position i from seeing
-        positions > i (section 3.2.3). Returns the output and the keys/values to cache.
-        """
+    def forward(self, x: Tensor, mem_k: Tensor, mem_v: Tensor, src_mask: Tensor) -> Tensor:
+        """``x``: ``[B, T, D]``, the whole shifted target; the causal mask keeps position i from seeing positions
+        > i (section 3.2.3). ``mem_k``/``mem_v``: this layer's cross-attention keys/values of the encoder output."""
         q, k, v = self.self_attn.project_qkv(self.norm_in(x, self.norm1))
-        if incremental:
-            if cache is not None:
-                k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)  # [B, h, t+1, d]
-            a = self.self_attn.attend(q, k, v, None)
-        else:
-            a = self.self_attn.attend(q, k, v, None, causal=True)
-        x = self.add_norm(x, a, self.norm1)
+        x = self.add_norm(x, self.self_attn.attend(q, k, v, None, causal=True), self.norm1)
         cq = self.cross_attn.q(self.norm_in(x, self.norm2))  # [B, T, h*d_k]
         cq = self.cross_attn._split(cq, self.cross_attn.d_k)  # [B, T, h*d_k] -> [B, h, T, d_k]
         x = self.add_norm(x, self.cross_attn.attend(cq, mem_k, mem_v, src_mask), self.norm2)
-        return self.add_norm(x, self.ffn(self.norm_in(x, self.norm3)), self.norm3), (k, v)
+        return self.add_norm(x, self.ffn(self.norm_in(x, self.norm3)), self.norm3)
+
+    def step(self, x: Tensor, state: "DecoderState", layer: int) -> Tensor:
+        """One decoding step: ``x`` ``[R, 1, D]`` is the newest position of each of the R = n * beams rows.
+
+        Self-attention: the new position's key/value is written into the cache at position t and its query attends
+        to positions 0..t of its own row (no mask needed: later positions do not exist yet). Cross-attention: the
+        beams of a sentence share its source, so the rows are regrouped as n sentences of ``beams`` queries each,
+        ``[n, beams, D]``, against that sentence's keys/values ``[n, h, S, d]``: the encoder keys/values are never
+        copied per beam, and each sentence's attention is one small matmul instead of ``beams`` vector products.
+        """
+        q, k, v = self.self_attn.project_qkv(self.norm_in(x, self.norm1))  # each [R, h, 1, d]
+        k, v = state.append(layer, k, v)  # [R, h, t+1, d] views of the cache
+        x = self.add_norm(x, self.self_attn.attend(q.to(k.dtype), k, v, None), self.norm1)
+        mem_k, mem_v = state.cross[layer]
+        n, rows, d_model = mem_k.size(0), x.size(0), x.size(-1)
+        y = self.norm_in(x, self.norm2).view(n, rows // n, d_model)  # [R, 1, D] -> [n, beams, D]
+        cq = self.cross_attn._split(self.cross_attn.q(y), self.cross_attn.d_k)  # [n, h, beams, d_k]
+        c = self.cross_attn.attend(cq, mem_k, mem_v, state.src_mask)  # [n, beams, D]
+        x = self.add_norm(x, c.view(rows, 1, d_model), self.norm2)  # [n, beams, D] -> [R, 1, D]
+        return self.add_norm(x, self.ffn(self.norm_in(x, self.norm3)), self.norm3)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -401,28 +413,117 @@ class DecoderLayer(Sublayers):
 # --------------------------------------------------------------------------------------------------------------------
 
 
+class SelfAttentionCache:
+    """Every decoder layer's self-attention keys and values for the positions decoded so far, time-major:
+    ``keys`` ``[capacity, layers, R, h, d_k]`` and ``values`` likewise, views over flat storages so that a storage can
+    be reused at another row count.
+
+    Why this layout: step t writes one block ``[t, layer]`` in place (no concatenation, which copies the whole cache
+    every step); the positions in use are always a contiguous prefix ``[:t]``, so a beam reorder gathers exactly that
+    prefix into another storage with one ``index_select`` (no scattered 4 KB pages first-touched per row, which cost
+    more than the copy itself on CPU), and growing (doubling the capacity) copies one contiguous block. Attention
+    reads a layer's ``[t, R, h, d]`` slice as ``[R, h, t, d]`` through strides; torch's CPU attention kernel ran as fast
+    or faster on that layout than on a row-major cache.
+    """
+
+    def __init__(self, k_store: Tensor, v_store: Tensor, shape: tuple[int, ...], d_k: int, d_v: int):
+        capacity, layers, rows, heads = shape
+        self.k_store, self.v_store = k_store, v_store
+        self.keys = k_store[: capacity * layers * rows * heads * d_k].view(capacity, layers, rows, heads, d_k)
+        self.values = v_store[: capacity * layers * rows * heads * d_v].view(capacity, layers, rows, heads, d_v)
+
+    @staticmethod
+    def allocate(like: Tensor, shape: tuple[int, ...], d_k: int, d_v: int,
+                 stores: tuple[Tensor, Tensor] | None = None) -> "SelfAttentionCache":
+        """A cache of ``shape`` = (capacity, layers, rows, heads), in ``stores`` when they are large enough."""
+        n = math.prod(shape)
+        if stores is None or stores[0].numel() < n * d_k or stores[1].numel() < n * d_v:
+            stores = (like.new_empty(n * d_k), like.new_empty(n * d_v))
+        return SelfAttentionCache(stores[0], stores[1], shape, d_k, d_v)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.keys.shape[:4])
+
+    @property
+    def stores(self) -> tuple[Tensor, Tensor]:
+        return self.k_store, self.v_store
+
+
 @dataclass
 class DecoderState:
-    """What incremental decoding carries from step to step, per batch row.
+    """What incremental decoding carries from step to step: R = n * ``beams`` rows, the beams of each of the n
+    sentences in consecutive rows.
 
-    ``src_mask`` ``[B, 1, 1, S]``; ``cross[l]`` = layer l's encoder keys/values ``[B, h, S, d]`` (projected once);
-    ``self_kv[l]`` = layer l's self-attention keys/values of the positions decoded so far ``[B, h, t, d]``.
+    Per sentence (shared by its beams): ``src_mask`` ``[n, 1, 1, S]`` and ``cross[l]``, layer l's encoder
+    keys/values ``[n, h, S, d]`` (projected once, :meth:`Transformer.start`). Per row: the self-attention keys/values
+    of the ``length`` positions decoded so far (:class:`SelfAttentionCache`, allocated at the first step).
+
+    :meth:`select` gathers rows into ``spare`` storages, which then hold the new state's cache while this state's
+    storages become its spare: one copy per step into memory that is already mapped. Contract:
+    :meth:`Transformer.step` writes position ``length`` of this state's cache and returns a state that shares it;
+    :meth:`select` never changes this state's cache, but the returned state reuses this state's storages as its
+    spare, so only the newest state may be selected from or stepped after that.
     """
 
     src_mask: Tensor
     cross: list[tuple[Tensor, Tensor]]
-    self_kv: list[tuple[Tensor, Tensor] | None]
+    cache: SelfAttentionCache | None = None
+    spare: tuple[Tensor, Tensor] | None = None
     length: int = 0
+    beams: int = 1  # rows per sentence: 1 until the first select widens the beam
 
-    def select(self, index: Tensor) -> "DecoderState":
-        """Keep/reorder batch rows (beam search reordering, dropping finished sentences)."""
-        return DecoderState(
-            src_mask=self.src_mask.index_select(0, index),
-            cross=[(k.index_select(0, index), v.index_select(0, index)) for k, v in self.cross],
-            self_kv=[None if kv is None else (kv[0].index_select(0, index), kv[1].index_select(0, index))
-                     for kv in self.self_kv],
-            length=self.length,
-        )
+    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write layer ``layer``'s keys/values ``[R, h, 1, d]`` of position ``length``; return positions
+        ``0..length`` of that layer, ``[R, h, length+1, d]``."""
+        t = self.length
+        if self.cache is None or self.cache.keys.size(0) <= t:
+            self._grow(k, v)
+        assert self.cache is not None
+        self.cache.keys[t, layer] = k[:, :, 0]  # [R, h, 1, d] -> [R, h, d]
+        self.cache.values[t, layer] = v[:, :, 0]
+        keys, values = self.cache.keys[: t + 1, layer], self.cache.values[: t + 1, layer]  # [t+1, R, h, d]
+        return keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3)  # [t+1, R, h, d] -> [R, h, t+1, d] (strides only)
+
+    def _grow(self, k: Tensor, v: Tensor) -> None:
+        """Allocate the cache at the first step (16 positions, enough for most sentences); double it when full."""
+        t, rows, heads = self.length, k.size(0), k.size(1)
+        capacity = 16 if self.cache is None else 2 * self.cache.keys.size(0)
+        # float32 on CPU even under bf16 autocast: torch's CPU attention kernel for one query over a short cache ran
+        # 1.5-2.5x slower in bf16 than in float32 (AMD Zen 4, no AMX), more than the cache's doubled bytes cost.
+        dtype = torch.float32 if k.device.type == "cpu" else k.dtype
+        like = k.new_empty(0, dtype=dtype)
+        grown = SelfAttentionCache.allocate(like, (capacity, len(self.cross), rows, heads), k.size(-1), v.size(-1),
+                                            self.spare)
+        if self.cache is not None:
+            grown.keys[:t] = self.cache.keys[:t]  # contiguous prefixes: one block copy each
+            grown.values[:t] = self.cache.values[:t]
+            self.spare = self.cache.stores
+        self.cache = grown
+
+    def select(self, index: Tensor, beams: int | None = None) -> "DecoderState":
+        """A state of rows ``index`` of this one (beam reordering, finished sentences leaving the batch), grouped
+        ``beams`` consecutive rows per sentence (default: as now). Each group's sentence is that of its first row;
+        the per-sentence tensors are copied only when the sentences change, the cache only when the rows do."""
+        beams = self.beams if beams is None else beams
+        n_new = index.numel() // beams
+        sentences = index.view(n_new, beams)[:, 0] // self.beams  # [n'*beams] -> [n', beams] -> [n']
+        src_mask, cross = self.src_mask, self.cross
+        if n_new != src_mask.size(0) or not torch.equal(sentences, torch.arange(n_new, device=index.device)):
+            src_mask = src_mask.index_select(0, sentences)
+            cross = [(k.index_select(0, sentences), v.index_select(0, sentences)) for k, v in cross]
+        t, old = self.length, self.cache
+        if old is None or t == 0:
+            return DecoderState(src_mask, cross, length=t, beams=beams)
+        rows = index.numel()
+        if rows == old.keys.size(2) and torch.equal(index, torch.arange(rows, device=index.device)):
+            return DecoderState(src_mask, cross, old, self.spare, t, beams)  # nothing moved (e.g. greedy search)
+        capacity, layers, _, heads = old.shape
+        new = SelfAttentionCache.allocate(old.keys, (capacity, layers, rows, heads), old.keys.size(-1),
+                                          old.values.size(-1), self.spare)
+        torch.index_select(old.keys[:t], 2, index, out=new.keys[:t])  # [t, layers, R, h, d] -> [t, layers, R', h, d]
+        torch.index_select(old.values[:t], 2, index, out=new.values[:t])
+        return DecoderState(src_mask, cross, new, old.stores, t, beams)
 
 
 class Transformer(nn.Module):
@@ -543,7 +644,7 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tgt_in)
         for layer in self._layers(self.decoder):
             mk, mv = layer.cross_attn.project_kv(memory)
-            x, _ = layer(x, mk, mv, src_mask)
+            x = layer(x, mk, mv, src_mask)
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
         return x
@@ -572,24 +673,32 @@ class Transformer(nn.Module):
     # -- incremental decoding ------------------------------------------------------------------------------------
 
     def start(self, memory: Tensor, src_mask: Tensor) -> DecoderState:
-        """Project every decoder layer's cross-attention keys/values once for the whole decode."""
+        """Project every decoder layer's cross-attention keys/values once for the whole decode (one row per
+        sentence; :meth:`DecoderState.select` widens to the beam)."""
         cross = [layer.cross_attn.project_kv(memory) for layer in self.decoder]
-        return DecoderState(src_mask=src_mask, cross=cross, self_kv=[None] * len(self.decoder))
+        return DecoderState(src_mask=src_mask, cross=cross)
 
-    def step(self, tokens: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
-        """Log-probabilities ``[B, V]`` of the token after ``tokens [B]`` (the last decoded position).
+    def step(self, tokens: Tensor, state: DecoderState, lazy: bool = False) -> tuple[Any, DecoderState]:
+        """Log-probabilities ``[R, V]`` of the token after ``tokens [R]`` (the last decoded position of each row).
 
         Only the new position is computed; earlier positions' self-attention keys/values come from ``state``.
+        ``lazy``: return instead a function ``log_probs(lo, hi)`` giving rows ``lo:hi`` only, so that beam search
+        can project, normalise and rank a few hundred rows at a time while they are in the CPU's cache, rather than
+        stream a ``[R, V]`` float32 matrix through memory four times (it was a quarter of a CPU decode step).
         """
-        x = self.embed_tokens(tokens[:, None], offset=state.length)  # [B] -> [B, 1] -> [B, 1, D]
-        new_kv: list[tuple[Tensor, Tensor] | None] = []
-        for layer, (mk, mv), kv in zip(self.decoder, state.cross, state.self_kv):
-            x, kv = layer(x, mk, mv, state.src_mask, incremental=True, cache=kv)
-            new_kv.append(kv)
+        x = self.embed_tokens(tokens[:, None], offset=state.length)  # [R] -> [R, 1] -> [R, 1, D]
+        for i, layer in enumerate(self.decoder):
+            x = layer.step(x, state, i)
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
-        logp = F.log_softmax(self.logits(x[:, 0]).float(), dim=-1)  # [B, 1, D] -> [B, D] -> [B, V]
-        return logp, DecoderState(state.src_mask, state.cross, new_kv, state.length + 1)
+        h = x[:, 0]  # [R, 1, D] -> [R, D]
+
+        def log_probs(lo: int, hi: int) -> Tensor:
+            # float32 straight from (bf16) logits: one pass, no separate cast of the logits
+            return F.log_softmax(self.logits(h[lo:hi]), dim=-1, dtype=torch.float32)  # [hi-lo, V]
+
+        new_state = dataclasses.replace(state, length=state.length + 1)
+        return (log_probs if lazy else log_probs(0, h.size(0))), new_state
 
 
 def build_model(model_config: dict | ModelConfig, vocab_size: int) -> Transformer:

@@ -35,7 +35,7 @@ class PrefixRows:
     prefixes: list[tuple[int, ...]]
     calls: list[int]  # rows per step call, shared by every state of one search
 
-    def select(self, index: torch.Tensor) -> "PrefixRows":
+    def select(self, index: torch.Tensor, beams: int = 1) -> "PrefixRows":
         return PrefixRows([self.prefixes[i] for i in index.tolist()], self.calls)
 
 
@@ -257,13 +257,31 @@ def test_incremental_decoding_matches_full_re_decoding(model):
             logp, state = model.step(tgt[:, t], state)
             torch.testing.assert_close(logp, full[:, t], atol=1e-4, rtol=1e-4)
     # Search level: the same hypotheses and scores with the cache and without it.
-    cfg = DecodeConfig(beam=4, max_len_b=10, nbest=3)
+    # Outputs longer than the cache's first capacity (16 positions) make it grow mid-search.
+    cfg = DecodeConfig(beam=4, max_len_b=24, nbest=3)
     srcs = sources(10, seed=5)
     cached = translate(model, srcs, cfg)
     uncached = translate(model, srcs, cfg, cache=False)
     for a, b in zip(cached, uncached):
         assert [h.tokens for h in a] == [h.tokens for h in b]
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
+    assert max(len(h.tokens) for a in cached for h in a) > 16
+
+
+@pytest.mark.parametrize("block_rows", [1, 5])
+def test_ranking_in_blocks_of_rows_gives_the_same_search(model, monkeypatch, block_rows):
+    """Beam search ranks the candidates a block of rows at a time (log-probabilities made on demand per block):
+    blocks of one sentence, or of a sentence and a bit, must find what one block of all rows finds."""
+    import mtpipe.decode as md
+
+    cfg = DecodeConfig(beam=4, max_len_b=6, nbest=2)
+    srcs = sources(9, seed=11)
+    whole = translate(model, srcs, cfg)
+    monkeypatch.setattr(md, "_BLOCK_ROWS", block_rows)
+    blocked = translate(model, srcs, cfg)
+    for a, b in zip(whole, blocked):
+        assert [h.tokens for h in a] == [h.tokens for h in b]
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-5)
 
 
 def test_make_batches_respects_the_budget_and_covers_every_sentence():
@@ -283,9 +301,9 @@ def test_batched_decoding_keeps_input_order_and_equals_one_at_a_time(model):
     rows_per_step: list[int] = []
     step = model.step
 
-    def recording_step(tokens, state):
+    def recording_step(tokens, state, **kw):
         rows_per_step.append(len(tokens))
-        return step(tokens, state)
+        return step(tokens, state, **kw)
 
     model.step = recording_step  # instance attribute: translate() looks up model.step
     try:
