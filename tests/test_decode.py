@@ -13,6 +13,7 @@ import pyarrow as pa
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import train_spm
 from typer.testing import CliRunner
 
 from mtpipe import artifacts
@@ -344,16 +345,9 @@ def corpus() -> list[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> dict:
     """A bpe-like tokens artifact (SentencePiece model + test split) and a checkpoint that memorised the split."""
-    import sentencepiece as spm
-
     root = tmp_path_factory.mktemp("decode_e2e")
     pairs = corpus()
-    text = root / "spm_train.txt"
-    text.write_text("".join(f"{s}\n{t}\n" for s, t in pairs), encoding="utf-8")
-    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(root / "spm"), vocab_size=90, model_type="bpe",
-                                   pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-                                   hard_vocab_limit=False, minloglevel=2)
-    sp = spm.SentencePieceProcessor(model_file=str(root / "spm.model"))
+    sp = train_spm(root / "spm", [line for pair in pairs for line in pair], vocab_size=90)
     test_pairs = pairs[::4][:20]
     src = [sp.encode(s) for s, _ in test_pairs]
     tgt = [sp.encode(t) for _, t in test_pairs]

@@ -21,13 +21,14 @@ from typer.testing import CliRunner
 ctranslate2 = pytest.importorskip("ctranslate2")
 
 from mtpipe import artifacts  # noqa: E402
-from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: E402
+from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 from mtpipe.cli import app  # noqa: E402
 from mtpipe.config import DecodeConfig, ModelConfig, to_dict  # noqa: E402
 from mtpipe.decode import translate  # noqa: E402
 from mtpipe.errors import MtpipeError  # noqa: E402
 from mtpipe.export import ct2_translate, export_ctranslate2, load_ct2  # noqa: E402
 from mtpipe.model import Transformer  # noqa: E402
+from conftest import train_spm  # noqa: E402
 
 ALPHA = 0.6
 
@@ -48,14 +49,7 @@ def corpus() -> list[tuple[str, str]]:
 
 
 def make_spm(root: Path, name: str, vocab_size: int):
-    import sentencepiece as spm
-
-    text = root / f"{name}.txt"
-    text.write_text("".join(f"{s}\n{t}\n" for s, t in corpus()), encoding="utf-8")
-    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(root / name), vocab_size=vocab_size,
-                                   model_type="bpe", pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-                                   hard_vocab_limit=False, minloglevel=2)
-    return spm.SentencePieceProcessor(model_file=str(root / f"{name}.model"))
+    return train_spm(root / name, [line for pair in corpus() for line in pair], vocab_size)
 
 
 def make_tokens(root: Path, name: str, spm_file: Path, sp) -> Path:
