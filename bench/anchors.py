@@ -16,7 +16,8 @@ interleaved in rounds (train, decode, data; train, decode, data; ...) because th
    corpus ratio of the spm files (as ``fs_wps.py``). Targets: bf16 >= 3x fairseq (small), >= 4x (base); fp32 >= 1.2x.
 2. **decode** -- beam 4, alpha 0.6, max length source + 50 per sentence, on the first ``--decode-sentences`` of
    test_2016_flickr: ``fairseq-generate`` (its own timer; batch 64; its |Y|^alpha penalty), mtpipe fp32 and bf16
-   (``mtpipe.decode.translate``, what ``mtpipe decode`` runs; GNMT penalty by default), and CTranslate2 fp32 and
+   (``mtpipe.decode.translate``, what ``mtpipe decode`` runs; GNMT penalty by default; the exact search, and in bf16
+   also ``decode.stop=finished``, the stopping rule of fairseq-generate and CTranslate2), and CTranslate2 fp32 and
    int8 on mtpipe's weights (``mtpipe export``; CTranslate2's |Y|^alpha penalty; batch 64; one call, whose length
    limit is the longest sentence's, unless ``--ct2-limit sentence``). Sentences/s and target tokens/s (hypothesis
    pieces without EOS), and BLEU so the outputs can be judged. The fairseq and mtpipe models are different models
@@ -49,7 +50,6 @@ import datetime
 import gzip
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -76,6 +76,9 @@ DROPOUTS = {"paper": (0.1, 0.0, 0.0), "anchors": (0.1, 0.1, 0.1)}
 TARGETS = {("train", "small", "mtpipe bf16"): 3.0, ("train", "base", "mtpipe bf16"): 4.0,
            ("train", "small", "mtpipe fp32"): 1.2, ("train", "base", "mtpipe fp32"): 1.2}
 M30K_TRAIN = 29000
+# mtpipe decoding modes measured: (precision, decode.stop). 'bound' is the exact search (the paper's stopping rule),
+# 'finished' stops a sentence once beam hypotheses have finished, as fairseq-generate and CTranslate2 do.
+MTPIPE_DECODE_MODES = [("fp32", "bound"), ("bf16", "bound"), ("bf16", "finished")]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -516,10 +519,11 @@ def fairseq_generate(e: Env, ckpt: Path, data_bin: Path, n: int, log: Path, subs
     return {"seconds": secs, "sentences": len(det), "hyp_tokens": ntok, "hyps": hyps, "process_wall_s": wall}
 
 
-def mtpipe_decode(e: Env, s: DecodeSetup, precision: str, penalty: str, log: Path) -> dict[str, Any]:
+def mtpipe_decode(e: Env, s: DecodeSetup, precision: str, penalty: str, stop: str, log: Path) -> dict[str, Any]:
     js, txt = log.with_suffix(".json"), log.with_suffix(".txt")
     sh(e.worker(PY, "_mtpipe-decode", "--checkpoint", s.ckpt, "--spm", s.spm, "--src", s.src_raw,
-                "--precision", precision, "--penalty", penalty, "--threads", e.threads, "--json", js, "--hyps", txt),
+                "--precision", precision, "--penalty", penalty, "--stop", stop, "--threads", e.threads, "--json", js,
+                "--hyps", txt),
        log, e.env)
     res = json.loads(js.read_text())
     res["hyps"] = txt.read_text(encoding="utf-8").split("\n")[:-1]
@@ -531,7 +535,7 @@ def worker_mtpipe_decode(argv: list[str]) -> None:
     on the first sentences (:func:`warmup_count`); the timer covers translation only (as fairseq's and
     CTranslate2's)."""
     ap = argparse.ArgumentParser()
-    for k in ("--checkpoint", "--spm", "--src", "--precision", "--penalty", "--json", "--hyps"):
+    for k in ("--checkpoint", "--spm", "--src", "--precision", "--penalty", "--stop", "--json", "--hyps"):
         ap.add_argument(k, required=True)
     ap.add_argument("--threads", type=int, required=True)
     a = ap.parse_args(argv)
@@ -552,7 +556,7 @@ def worker_mtpipe_decode(argv: list[str]) -> None:
     sp = spm.SentencePieceProcessor(model_file=a.spm)
     sources = [s[: model.cfg.max_positions - 1] for s in sp.encode(read_raw(Path(a.src)))]
     cfg = DecodeConfig(beam=4, alpha=0.6, length_penalty=a.penalty, max_len_a=1.0, max_len_b=50,
-                       precision=a.precision)
+                       precision=a.precision, stop=a.stop)
     translate(model, sources[: warmup_count(len(sources))], cfg, "cpu")  # warm-up: allocator, oneDNN kernels
     t0 = time.perf_counter()
     results = translate(model, sources, cfg, "cpu")
@@ -701,11 +705,12 @@ def run_rounds(e: Env, args: argparse.Namespace, parts: list[str]) -> dict[str, 
                     row["fairseq-generate"] = decode_result(
                         fairseq_generate(e, dec.fs_ckpt, dec.fs_bin, dec.n, e.logs / f"r{r}_decode_fairseq.log"),
                         dec.refs)
-                for p in ("fp32", "bf16"):
-                    say(f"round {r}: decode: mtpipe {p}")
-                    row[f"mtpipe {p}"] = decode_result(
-                        mtpipe_decode(e, dec, p, args.mtpipe_penalty, e.logs / f"r{r}_decode_mtpipe_{p}.log"),
-                        dec.refs)
+                for p, stop in MTPIPE_DECODE_MODES:
+                    name = f"mtpipe {p}" + ("" if stop == "bound" else f" stop={stop}")
+                    say(f"round {r}: decode: {name}")
+                    log = e.logs / (f"r{r}_decode_mtpipe_{p}" + ("" if stop == "bound" else f"_{stop}"))
+                    row[name] = decode_result(
+                        mtpipe_decode(e, dec, p, args.mtpipe_penalty, stop, log.with_suffix(".log")), dec.refs)
                 for ct in ("float32", "int8"):
                     say(f"round {r}: decode: CTranslate2 {ct}")
                     row[f"CTranslate2 {ct}"] = decode_result(

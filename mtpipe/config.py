@@ -258,8 +258,8 @@ class DecodeConfig:
         "its own spm.model is used when --tokens does not exist) or an mtpipe checkpoint (exported to float32 in a "
         "temporary directory first). Beam, alpha, both length penalties, max_len_a/b, nbest and max_tokens are "
         "honoured, scores use mtpipe's formula, greedy output is mtpipe's. At beam > 1 the search differs: "
-        "CTranslate2 stops a sentence once beam x ct2_patience hypotheses have finished (fairseq's rule), mtpipe "
-        "when no live hypothesis can beat the finished ones; CTranslate2's own penalty is |Y|^alpha (= fairseq), "
+        "CTranslate2 stops a sentence once beam x patience hypotheses have finished (fairseq's rule, = stop "
+        "finished), mtpipe by decode.stop; CTranslate2's own penalty is |Y|^alpha (= fairseq), "
         "so gnmt is applied by re-ranking the hypotheses CTranslate2 finished.",
         default="mtpipe",
     )
@@ -269,9 +269,17 @@ class DecodeConfig:
         "only).",
         default="default",
     )
-    ct2_patience: float = _h(
-        "engine ctranslate2: stop a sentence once round(beam x this) hypotheses have finished (1 = CTranslate2's "
-        "and fairseq's default; 2 finds mtpipe's best output more often, at some cost in speed).",
+    stop: str = _h(
+        "When a sentence's beam search stops: 'bound' (exact: when no live hypothesis can beat the finished ones; "
+        "tensor2tensor's rule, the paper's) or 'finished' (once round(beam x patience) hypotheses have finished: "
+        "fairseq's and CTranslate2's rule, fewer decoder steps, may miss a longer, better hypothesis). Engine "
+        "ctranslate2 always stops by 'finished'.",
+        default="bound",
+    )
+    patience: float = _h(
+        "stop=finished, and engine ctranslate2 always: stop a sentence once round(beam x this) hypotheses have "
+        "finished (1 = fairseq's and CTranslate2's default; 2 finds the exact search's best output more often, at "
+        "some cost in speed).",
         default=1.0,
     )
 

@@ -22,8 +22,11 @@ The search (:func:`beam_search`), per sentence:
   ``s <= 0`` that has ``t`` tokens now can finish with a score of at most ``s / max(lp(t + 1), lp(max_len + 1))``
   (for alpha >= 0 that is ``s / lp(max_len + 1)``, tensor2tensor's bound). When the best live bound is no higher than
   the ``nbest``-th best finished score, nothing better can appear and the sentence stops; it also stops when no
-  hypothesis is live. (Stopping as soon as ``beam`` hypotheses have finished, as fairseq does, can miss a better,
-  longer hypothesis under a length penalty.) The best result therefore does not depend on ``nbest``.
+  hypothesis is live. The best result therefore does not depend on ``nbest``.
+* ``decode.stop=finished`` instead stops a sentence once ``round(beam x patience)`` of its hypotheses have finished,
+  as fairseq and CTranslate2 do (patience 1 by default). That takes fewer decoder steps (on Multi30k about 20 %
+  fewer rows) but can miss a better, longer hypothesis under a length penalty: the opt-in fast mode, for comparing
+  with those tools under their own rule (BENCHMARKS.md gives the BLEU of both on the same model).
 * **beam 1 is greedy search**: the single best extension is taken each step, and when it is EOS the beam is empty.
 
 The search works on any ``step(tokens [N], state) -> (log_probs [N, V], state)`` whose state has
@@ -45,7 +48,8 @@ as a checkpoint instead, which decodes with no flag.
 ``decode.engine=ctranslate2`` decodes through CTranslate2 (:func:`translate_ct2`, :func:`mtpipe.export.ct2_translate`)
 with the same inputs, outputs and settings: ``--checkpoint`` is a ``mtpipe export`` directory or a checkpoint
 (exported to a temporary directory first). Greedy output is mtpipe's; at beam > 1 CTranslate2 stops a sentence once
-``beam x ct2_patience`` hypotheses have finished (fairseq's rule) instead of the bound above, and its own length
+``beam x patience`` hypotheses have finished (fairseq's rule, ``decode.stop=finished``) whatever ``decode.stop``
+says, and its own length
 penalty is |Y|^alpha, so ``gnmt`` is applied by re-ranking the hypotheses it finished (scores are mtpipe's).
 """
 
@@ -73,6 +77,7 @@ from mtpipe.errors import MtpipeError
 PENALTIES = ("gnmt", "fairseq")
 PRECISIONS = ("fp32", "bf16")
 ENGINES = ("mtpipe", "ctranslate2")
+STOPS = ("bound", "finished")
 INPUT_SPLIT = "input"  # file name ({INPUT_SPLIT}.parquet / .txt) of the output when translating --input text
 
 
@@ -126,21 +131,27 @@ _BLOCK_ROWS = 256
 
 def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, penalty: LengthPenalty,
                 nbest: int = 1, device: torch.device | str = "cpu",
-                on_done: Callable[[int], None] | None = None) -> list[list[Hypothesis]]:
+                on_done: Callable[[int], None] | None = None,
+                stop_after: int | None = None) -> list[list[Hypothesis]]:
     """Beam search for ``len(max_lens)`` sentences at once; returns each sentence's ``nbest`` best, best first.
 
     ``state`` has one row per sentence; ``step(tokens [N], state)`` gives the log-probabilities ``[N, V]`` of the
     next token after ``tokens`` (BOS first; a new tensor each call, which the search overwrites), or a function
     ``(lo, hi) -> [hi - lo, V]`` that makes rows ``lo:hi`` of them on demand (:meth:`Transformer.step` with
     ``lazy``), and the advanced state. ``max_lens[b]``: the most tokens sentence b may have before its EOS.
-    ``on_done(n)`` is called as n sentences finish. After each step the state is narrowed with ``state.select(rows, beams)``: rows of the kept
-    hypotheses, ``beams`` consecutive rows per sentence still in the batch. See the module docstring for the search
-    rules.
+    ``on_done(n)`` is called as n sentences finish. After each step the state is narrowed with
+    ``state.select(rows, beams)``: rows of the kept hypotheses, ``beams`` consecutive rows per sentence still in the
+    batch. ``stop_after=None`` stops a sentence by the exact bound, ``stop_after=m`` once m of its hypotheses have
+    finished (fairseq's and CTranslate2's rule, ``decode.stop=finished``; m >= nbest). See the module docstring for
+    the search rules.
     """
+    if stop_after is not None and stop_after < nbest:
+        raise MtpipeError(f"beam search: stop_after {stop_after} is below nbest {nbest}")
     if beam < 1:
         raise MtpipeError(f"decode.beam: {beam} is not >= 1")
     n_sent = len(max_lens)
     finished: list[list[Hypothesis]] = [[] for _ in range(n_sent)]
+    n_finished = [0] * n_sent  # hypotheses each sentence has finished (its pool keeps the nbest best of them)
     if n_sent == 0:
         return finished
     neg_inf = float("-inf")
@@ -190,11 +201,13 @@ def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, 
             lp = penalty(t + 1)
             for (i, _), prefix, lprob in zip(where, prefixes, logprobs):
                 pool = finished[active[i]]
+                n_finished[active[i]] += 1
                 pool.append(Hypothesis(tokens=prefix, score=lprob / lp, logprob=lprob))
                 pool.sort(key=lambda h: -h.score)
                 del pool[nbest:]
 
-        # Which sentences are done: nothing live, or no live hypothesis can beat the nbest-th finished one.
+        # Which sentences are done: nothing live, or no live hypothesis can beat the nbest-th finished one (or, with
+        # stop_after, enough hypotheses have finished).
         best_live = live[:, 0] if width == 1 else live.max(dim=1).values
         best_live_l, limits_l = best_live.tolist(), limits.tolist()
         keep = []
@@ -203,7 +216,10 @@ def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, 
             pool = finished[active[i]]
             if s == neg_inf:
                 continue
-            if len(pool) >= nbest and s / max(lp_next, penalty(lim + 1)) <= pool[-1].score:
+            if stop_after is not None:
+                if n_finished[active[i]] >= stop_after:
+                    continue
+            elif len(pool) >= nbest and s / max(lp_next, penalty(lim + 1)) <= pool[-1].score:
                 continue
             keep.append(i)
         if on_done is not None and len(keep) < n:
@@ -301,6 +317,12 @@ def max_output_len(src_len: int, cfg: DecodeConfig, max_positions: int) -> int:
     return max(0, min(int(math.floor(cfg.max_len_a * src_len + cfg.max_len_b)), max_positions - 1))
 
 
+def stop_after_finished(cfg: DecodeConfig) -> int:
+    """``decode.stop=finished``: a sentence stops once this many hypotheses have finished (CTranslate2 rounds
+    ``beam x patience`` the same way; never fewer than ``nbest``)."""
+    return max(cfg.nbest, int(math.floor(cfg.beam * cfg.patience + 0.5)))  # std::round: halves away from zero
+
+
 def translate(model: Any, sources: Sequence[Sequence[int]], cfg: DecodeConfig, device: torch.device | str = "cpu",
               cache: bool = True, on_done: Callable[[int], None] | None = None) -> list[list[Hypothesis]]:
     """Translate token-id sources (without EOS; at most ``max_positions - 1`` tokens) with beam search.
@@ -315,6 +337,7 @@ def translate(model: Any, sources: Sequence[Sequence[int]], cfg: DecodeConfig, d
     lengths = [len(s) + 1 for s in sources]  # + EOS
     results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] if not s else [] for s in sources]
     todo = [i for i, s in enumerate(sources) if s]
+    stop_after = stop_after_finished(cfg) if cfg.stop == "finished" else None
     model.eval()
     if cache and cfg.precision == "bf16":
         model = bf16_copy(model)
@@ -335,7 +358,7 @@ def translate(model: Any, sources: Sequence[Sequence[int]], cfg: DecodeConfig, d
             else:
                 state = PrefixState(memory, src_mask, torch.zeros(len(batch), 0, dtype=torch.long, device=device))
             max_lens = [max_output_len(lengths[i] - 1, cfg, max_positions) for i in batch]
-            hyps = beam_search(step, state, max_lens, cfg.beam, penalty, cfg.nbest, device, on_done)
+            hyps = beam_search(step, state, max_lens, cfg.beam, penalty, cfg.nbest, device, on_done, stop_after)
             for i, h in zip(batch, hyps):
                 results[i] = h
     return results
@@ -371,7 +394,7 @@ def translate_ct2(model: Any, sources: Sequence[Sequence[int]], cfg: DecodeConfi
             continue
         hyps = ct2_translate(model, [sources[i] for i in block], beam=cfg.beam, alpha=cfg.alpha,
                              length_penalty=cfg.length_penalty, max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b,
-                             nbest=cfg.nbest, patience=cfg.ct2_patience, max_tokens=cfg.max_tokens)
+                             nbest=cfg.nbest, patience=cfg.patience, max_tokens=cfg.max_tokens)
         for i, hs in zip(block, hyps):
             # logprob back from mtpipe's score: score = log P(Y + EOS | X) / lp(|Y| + 1)
             results[i] = [Hypothesis(list(h.ids), h.score, h.score * penalty(len(h.ids) + 1)) for h in hs]
@@ -405,6 +428,10 @@ def validate(cfg: DecodeConfig) -> None:
         raise MtpipeError(f"decode.max_tokens: {cfg.max_tokens} is not >= 1")
     if cfg.threads < 0:
         raise MtpipeError(f"decode.threads: {cfg.threads} is not >= 0")
+    if cfg.stop not in STOPS:
+        raise MtpipeError(f"decode.stop: unknown rule {cfg.stop!r} (choose from {', '.join(STOPS)})")
+    if not (math.isfinite(cfg.patience) and cfg.patience >= 1):
+        raise MtpipeError(f"decode.patience: {cfg.patience} must be >= 1")
     if cfg.engine not in ENGINES:
         raise MtpipeError(f"decode.engine: unknown engine {cfg.engine!r} (choose from {', '.join(ENGINES)})")
     if cfg.engine == "ctranslate2":
@@ -416,8 +443,6 @@ def validate(cfg: DecodeConfig) -> None:
         if cfg.ct2_compute_type not in COMPUTE_TYPES:
             raise MtpipeError(f"decode.ct2_compute_type: unknown type {cfg.ct2_compute_type!r} "
                               f"(choose from {', '.join(COMPUTE_TYPES)})")
-        if not (math.isfinite(cfg.ct2_patience) and cfg.ct2_patience >= 1):
-            raise MtpipeError(f"decode.ct2_patience: {cfg.ct2_patience} must be >= 1")
         if cfg.prune:
             raise MtpipeError("decode.prune: not available with engine ctranslate2; write a pruned checkpoint with "
                               "`mtpipe average --prune` and decode (or export) that")
@@ -560,7 +585,7 @@ def run(cfg: DecodeConfig, checkpoint: Path, tokens: Path, input: Path | None = 
     threads_before = torch.get_num_threads()
     if ct2:
         device_desc = f"{ct2_model.translator.device} (CTranslate2, compute type {cfg.ct2_compute_type})"
-        numbers = f"ct2_patience {cfg.ct2_patience:g}"
+        numbers = f"stop finished, patience {cfg.patience:g}"
     else:
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
@@ -571,11 +596,14 @@ def run(cfg: DecodeConfig, checkpoint: Path, tokens: Path, input: Path | None = 
             distributed.tune_cpu_allocator()
         model.to(device)
         device_desc, numbers = str(device), cfg.precision
+        if cfg.beam > 1:
+            numbers += f", stop {cfg.stop}" + (f" (patience {cfg.patience:g})" if cfg.stop == "finished" else "")
     info(f"decoding {len(sources):,} sentences of {source_desc} with {checkpoint} (step {step:,}) on {device_desc}, "
          f"beam {cfg.beam}, {cfg.length_penalty} alpha {cfg.alpha}, {numbers}")
     if ct2 and cfg.beam > 1:
-        info("note: CTranslate2 stops a sentence once beam x ct2_patience hypotheses have finished (fairseq's rule; "
-             "mtpipe's search stops when none can improve), so at beam > 1 outputs can differ from --engine mtpipe; "
+        info("note: CTranslate2 stops a sentence once beam x patience hypotheses have finished (fairseq's rule, "
+             "= --stop finished; mtpipe's default --stop bound stops when none can improve), so at beam > 1 outputs "
+             "can differ from --engine mtpipe; "
              f"the {cfg.length_penalty} length penalty and the scores are mtpipe's"
              + (" (CTranslate2's own is |Y|^alpha: its finished hypotheses are re-ranked with GNMT)"
                 if cfg.length_penalty == "gnmt" else ""))

@@ -966,7 +966,6 @@ class Trainer:
                 f"lr {v['train/lr']:.2e}  |g| {v['train/grad_norm']:.2f}  {v['train/tgt_tokens_per_s']:,.0f} tok/s")
 
     def run(self) -> dict[str, Any]:
-        cfg = self.cfg
         self.last_train: dict[str, float] = {}
         t0 = time.monotonic()
         if self.resumed_from is not None:

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import train_spm
+from conftest import assert_steps_match_forward, memorise, train_spm
 from typer.testing import CliRunner
 
 from mtpipe import artifacts
@@ -198,6 +198,47 @@ def test_early_stopping_keeps_a_live_hypothesis_that_can_still_win_by_length():
     assert beam_search(table_step(table), start(1), [10], 2, LengthPenalty("gnmt", 0.0))[0][0].tokens == []
 
 
+def test_stop_finished_stops_once_enough_hypotheses_finished():
+    # decode.stop=finished (fairseq's and CTranslate2's rule) on the table above: step 1 finishes the empty output,
+    # step 2 finishes 'a', and with beam 2 that is enough -- the better 'a a a a' that the exact bound waits for is
+    # never reached. Waiting for 5 finished hypotheses (patience 2.5) the search goes on and finds it.
+    def table(p):
+        if p == ():
+            return {EOS_ID: 0.6, 4: 0.4}
+        return {4: 0.999, EOS_ID: 0.001} if len(p) < 4 else {EOS_ID: 1.0}
+
+    lp = LengthPenalty("gnmt", 2.0)
+    state = start(1)
+    hyps = beam_search(table_step(table), state, [10], 2, lp, nbest=2, stop_after=2)[0]
+    assert len(state.calls) == 2
+    assert [h.tokens for h in hyps] == [[], [4]]
+    state = start(1)
+    hyp = beam_search(table_step(table), state, [10], 2, lp, stop_after=5)[0][0]
+    assert hyp.tokens == [4, 4, 4, 4] and len(state.calls) == 5
+    with pytest.raises(MtpipeError, match="stop_after 1 is below nbest 2"):
+        beam_search(table_step(table), start(1), [10], 2, lp, nbest=2, stop_after=1)
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_stop_finished_is_the_exact_search_cut_short(beam):
+    # Both rules follow the same beams; stopping once `beam` hypotheses finished only stops earlier, so its steps are
+    # no more, its hypotheses are ones the exact search also finished (no better), and at beam 1 (greedy: one
+    # finished hypothesis ends the search either way) the two are the same search.
+    lp = LengthPenalty("gnmt", 1.0)
+    fewer = 0
+    for seed in range(12):
+        table = random_table(seed)
+        exact_state, cut_state = start(1), start(1)
+        exact = beam_search(table_step(table), exact_state, [8], beam, lp, nbest=beam)[0]
+        cut = beam_search(table_step(table), cut_state, [8], beam, lp, nbest=beam, stop_after=beam)[0]
+        assert len(cut_state.calls) <= len(exact_state.calls)
+        assert cut[0].score <= exact[0].score
+        if beam == 1:
+            assert [h.tokens for h in cut] == [h.tokens for h in exact] and cut_state.calls == exact_state.calls
+        fewer += len(cut_state.calls) < len(exact_state.calls)
+    assert (fewer > 0) == (beam > 1)
+
+
 def test_early_stopping_stops_before_the_length_limit():
     # EOS is almost certain after one token: the long hypotheses' bound falls below the finished score quickly.
     def table(p):
@@ -251,12 +292,7 @@ def test_incremental_decoding_matches_full_re_decoding(model):
     # Step level: the cached step's log-probabilities equal the full teacher-forced forward pass.
     src = torch.tensor([[5, 9, 12, 7, EOS_ID], [8, 21, EOS_ID, PAD_ID, PAD_ID]])  # [B, S]
     tgt = torch.tensor([[BOS_ID, 4, 11, 30, 6, 17], [BOS_ID, 22, 13, 9, 5, 8]])  # [B, T]
-    with torch.no_grad():
-        full = F.log_softmax(model(src, tgt).float(), dim=-1)  # [B, T, V]
-        state = model.start(*model.encode(src))
-        for t in range(tgt.size(1)):
-            logp, state = model.step(tgt[:, t], state)
-            torch.testing.assert_close(logp, full[:, t], atol=1e-4, rtol=1e-4)
+    assert_steps_match_forward(model, src, tgt)
     # Search level: the same hypotheses and scores with the cache and without it.
     # Outputs longer than the cache's first capacity (16 positions) make it grow mid-search.
     cfg = DecodeConfig(beam=4, max_len_b=24, nbest=3)
@@ -357,20 +393,8 @@ def trained(tmp_path_factory) -> dict:
         shutil.copy(root / "spm.model", w.path("spm.model"))
         w.extra.update({"spm_sha256": artifacts.file_hash(w.path("spm.model")), "vocab_size": sp.get_piece_size()})
 
-    torch.manual_seed(0)
     vocab = sp.get_piece_size()
-    model = Transformer(ModelConfig(preset="tiny", dropout=0.0, max_positions=40), vocab)
-    pad = lambda seqs: torch.nn.utils.rnn.pad_sequence([torch.tensor(s) for s in seqs], batch_first=True)  # noqa: E731
-    s = pad([x + [EOS_ID] for x in src])  # [B, S]
-    t_in, t_out = pad([[BOS_ID] + y for y in tgt]), pad([y + [EOS_ID] for y in tgt])  # [B, T]
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(400):
-        loss = F.cross_entropy(model(s, t_in).view(-1, vocab), t_out.view(-1), ignore_index=PAD_ID)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if loss.item() < 0.01:
-            break
+    model = memorise(src, tgt, vocab, 40, steps=400, stop_loss=0.01)
     vocab_info = {"spm_sha256": artifacts.file_hash(root / "spm.model"), "size": vocab}
     ckpt = root / "ckpt"
     artifacts.write_checkpoint(ckpt, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
@@ -408,6 +432,20 @@ def test_cli_decodes_a_split(trained):
     for row in t:
         assert len(row["nbest"]) == 2 and row["nbest"][0] == row["hypothesis"]
         assert row["nbest_scores"][0] == row["score"] >= row["nbest_scores"][1]
+
+
+def test_cli_stop_finished(trained):
+    # --stop finished (fairseq's and CTranslate2's rule), reachable from the CLI and recorded in the manifest; on the
+    # memorised pairs it finds the same outputs as the exact search.
+    out = trained["root"] / "out_stop"
+    r = cli(trained, *decode_args(trained, out, "--split", "test", "--stop", "finished", "--patience", "1.5"))
+    assert r.exit_code == 0, r.output
+    assert "stop finished (patience 1.5)" in r.stderr
+    m = artifacts.read_manifest(out, "hypotheses")
+    assert m.extra["decode"]["stop"] == "finished" and m.extra["decode"]["patience"] == 1.5
+    lines = (out / "test.txt").read_text(encoding="utf-8").splitlines()
+    refs = [tgt for _, tgt in trained["pairs"]]
+    assert sum(h == ref for h, ref in zip(lines, refs)) >= 0.9 * len(refs)
 
 
 def test_cli_input_file_and_stdin(trained, tmp_path, monkeypatch):
@@ -448,7 +486,7 @@ def test_cli_truncates_sources_longer_than_the_model(trained):
 
 
 @pytest.mark.parametrize("case", ["not_checkpoint", "tokens_as_checkpoint", "vocab_sha", "vocab_size", "beam0",
-                                  "nbest_over_beam", "missing_split", "missing_input", "penalty"])
+                                  "nbest_over_beam", "missing_split", "missing_input", "penalty", "stop"])
 def test_cli_bad_input_fails_cleanly(trained, case):
     root = trained["root"]
     out = root / f"out_bad_{case}"
@@ -478,6 +516,8 @@ def test_cli_bad_input_fails_cleanly(trained, case):
         extra = ["--input", str(root / "no-such-file.txt")]
     elif case == "penalty":
         extra = ["--length-penalty", "average"]
+    elif case == "stop":
+        extra = ["--stop", "early"]
     args = ["--checkpoint", str(ckpt), "--tokens", str(trained["tokens"]), "--out", str(out), *extra]
     r = cli(trained, *args)
     assert r.exit_code == 1, r.output
@@ -486,7 +526,7 @@ def test_cli_bad_input_fails_cleanly(trained, case):
     expected = {"not_checkpoint": "plain_dir", "tokens_as_checkpoint": "expected 'checkpoint'",
                 "vocab_sha": "SentencePiece", "vocab_size": "vocabulary size", "beam0": "decode.beam",
                 "nbest_over_beam": "decode.nbest", "missing_split": "valid", "missing_input": "no-such-file",
-                "penalty": "length_penalty"}[case]
+                "penalty": "length_penalty", "stop": "decode.stop: unknown rule 'early'"}[case]
     assert expected in errors[0]
     assert not out.exists()
     assert not [p for p in root.iterdir() if p.name.startswith(f".{out.name}")]  # no temporary leftovers

@@ -12,18 +12,15 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import torch
-import torch.nn.functional as F
 from typer.testing import CliRunner
 
 pytest.importorskip("ctranslate2")
 
 from mtpipe import artifacts  # noqa: E402
-from conftest import train_spm  # noqa: E402
-from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
+from conftest import memorise, train_spm  # noqa: E402
 from mtpipe.cli import app  # noqa: E402
-from mtpipe.config import ModelConfig, to_dict  # noqa: E402
+from mtpipe.config import to_dict  # noqa: E402
 from mtpipe.export import export_ctranslate2  # noqa: E402
-from mtpipe.model import Transformer  # noqa: E402
 
 SUBJECTS = [("the dog", "der hund"), ("the cat", "die katze"), ("a man", "ein mann"), ("a woman", "eine frau")]
 VERBS = [("sees", "sieht"), ("likes", "mag"), ("finds", "findet")]
@@ -52,19 +49,8 @@ def world(tmp_path_factory) -> dict:
         shutil.copy(root / "spm.model", w.path("spm.model"))
         w.extra.update({"spm_sha256": artifacts.file_hash(w.path("spm.model")), "vocab_size": sp.get_piece_size()})
     train = pairs[::2]
-    torch.manual_seed(0)
     vocab = sp.get_piece_size()
-    model = Transformer(ModelConfig(preset="tiny", dropout=0.0, max_positions=48), vocab)
-    pad = lambda seqs: torch.nn.utils.rnn.pad_sequence([torch.tensor(s) for s in seqs], batch_first=True)  # noqa: E731
-    s = pad([sp.encode(a) + [EOS_ID] for a, _ in train])  # [B, S]
-    t_in = pad([[BOS_ID] + sp.encode(b) for _, b in train])  # [B, T]
-    t_out = pad([sp.encode(b) + [EOS_ID] for _, b in train])  # [B, T]
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(250):
-        loss = F.cross_entropy(model(s, t_in).view(-1, vocab), t_out.view(-1), ignore_index=PAD_ID)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    model = memorise([sp.encode(a) for a, _ in train], [sp.encode(b) for _, b in train], vocab, 48, steps=250)
     ckpt = root / "ckpt"
     artifacts.write_checkpoint(ckpt, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
                                vocab={"spm_sha256": artifacts.file_hash(root / "spm.model"), "size": vocab}, step=250)
@@ -126,7 +112,7 @@ def test_beam_4_nbest_raw_text_and_stdin(world, tmp_path, monkeypatch):
             "--beam", "4", "--nbest", "3"]
     r = cli(world, "--engine", "ctranslate2", "--ct2-compute-type", "int8", *args, "--out", str(tmp_path / "ct2"))
     assert r.exit_code == 0, r.output
-    assert "stops a sentence once beam x ct2_patience" in r.stderr  # the difference to mtpipe's search, stated
+    assert "stops a sentence once beam x patience" in r.stderr  # the difference to mtpipe's search, stated
     rows = hypotheses(tmp_path / "ct2", "input")
     lines = (tmp_path / "ct2" / "input.txt").read_text(encoding="utf-8").split("\n")[:-1]
     assert r.stdout.splitlines() == lines and len(lines) == 7 and lines[3] == ""  # blank line kept, input order
@@ -163,7 +149,7 @@ def test_bad_input_fails_with_one_line_and_writes_nothing(world, tmp_path, case)
         "compute_type": "decode.ct2_compute_type: unknown type 'int3'",
         "prune": "decode.prune: not available with engine ctranslate2",
         "engine": "decode.engine: unknown engine 'onnx'",
-        "patience": "decode.ct2_patience: 0.5 must be >= 1",
+        "patience": "decode.patience: 0.5 must be >= 1",
         "other_spm": "trained with another SentencePiece model",
         "export_to_mtpipe_engine": "is an `mtpipe export` model; decode it with --engine ctranslate2",
     }[case]
@@ -183,7 +169,7 @@ def test_bad_input_fails_with_one_line_and_writes_nothing(world, tmp_path, case)
     elif case != "export_to_mtpipe_engine":
         extra = {"precision": ["--precision", "bf16"], "compute_type": ["--ct2-compute-type", "int3"],
                  "prune": ["--prune", "every_other"], "engine": ["--engine", "onnx"],
-                 "patience": ["--ct2-patience", "0.5"]}[case]
+                 "patience": ["--patience", "0.5"]}[case]
     engine = "mtpipe" if case == "export_to_mtpipe_engine" else "ctranslate2"
     args = ["--engine", engine, "--checkpoint", str(source), "--tokens", str(world["tokens"]), *extra]
     out = tmp_path / "out"

@@ -28,7 +28,7 @@ from mtpipe.decode import translate  # noqa: E402
 from mtpipe.errors import MtpipeError  # noqa: E402
 from mtpipe.export import ct2_translate, export_ctranslate2, load_ct2  # noqa: E402
 from mtpipe.model import Transformer  # noqa: E402
-from conftest import train_spm  # noqa: E402
+from conftest import memorise, train_spm  # noqa: E402
 
 ALPHA = 0.6
 
@@ -83,19 +83,7 @@ def world(tmp_path_factory):
     train = pairs[::4]  # 20 pairs; the other 60 are new combinations of the same words
     src = [sp.encode(s) for s, _ in train]
     tgt = [sp.encode(t) for _, t in train]
-    torch.manual_seed(0)
-    vocab = sp.get_piece_size()
-    model = Transformer(ModelConfig(preset="tiny", dropout=0.0, max_positions=64), vocab)
-    pad = lambda seqs: torch.nn.utils.rnn.pad_sequence([torch.tensor(s) for s in seqs], batch_first=True)  # noqa: E731
-    s = pad([x + [EOS_ID] for x in src])  # [B, S]
-    t_in, t_out = pad([[BOS_ID] + y for y in tgt]), pad([y + [EOS_ID] for y in tgt])  # [B, T]
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(300):
-        loss = F.cross_entropy(model(s, t_in).view(-1, vocab), t_out.view(-1), ignore_index=PAD_ID)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.eval()
+    model = memorise(src, tgt, sp.get_piece_size(), 64, steps=300)
     ckpt = save(model, root / "ckpt", root / "spm.model")
     ct2_dir = root / "ct2"
     export_ctranslate2(ckpt, tokens, ct2_dir)

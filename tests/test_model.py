@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_steps_match_forward
 from safetensors.torch import load, save
 
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID
@@ -112,20 +113,7 @@ def test_incremental_decoding_equals_full_forward(model: Transformer) -> None:
     also after reordering the batch rows (beam search) with ``state.select``."""
     src, tgt = _batch(b=3, s=7, t=6)
     src[2, 4:] = PAD_ID
-    with torch.no_grad():
-        full = torch.log_softmax(model(src, tgt).float(), dim=-1)  # [B, T, V]
-        memory, mask = model.encode(src)
-        state = model.start(memory, mask)
-        for t in range(tgt.size(1)):
-            logp, state = model.step(tgt[:, t], state)
-            torch.testing.assert_close(logp, full[:, t], rtol=1e-4, atol=1e-4)
-        # Reorder/shrink the batch, then continue one step: rows follow their sentences.
-        index = torch.tensor([2, 0])
-        state2 = state.select(index)
-        nxt = torch.randint(4, V, (3,))
-        logp_all, _ = model.step(nxt, state)
-        logp_sel, _ = model.step(nxt[index], state2)
-    torch.testing.assert_close(logp_sel, logp_all[index], rtol=1e-4, atol=1e-4)
+    assert_steps_match_forward(model, src, tgt, reorder=torch.tensor([2, 0]))
 
 
 def test_sinusoids_match_section_3_5() -> None:

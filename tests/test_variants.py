@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from mtpipe import artifacts
-from conftest import train_spm
+from conftest import assert_steps_match_forward, train_spm
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID
 from mtpipe.cli import app
 from mtpipe.config import BucketConfig, DecodeConfig, ModelConfig, TrainConfig, to_dict, with_model_defaults
@@ -114,17 +114,7 @@ def test_incremental_decoding_equals_full_forward(name: str) -> None:
         m = make(**VARIANTS[name])
     m.eval()
     src, tgt = batch()
-    with torch.no_grad():
-        full = torch.log_softmax(m(src, tgt).float(), dim=-1)  # [B, T, V]
-        state = m.start(*m.encode(src))
-        for t in range(tgt.size(1)):
-            logp, state = m.step(tgt[:, t], state)
-            torch.testing.assert_close(logp, full[:, t], rtol=1e-4, atol=1e-4)
-        index = torch.tensor([2, 0])
-        nxt = torch.randint(4, V, (3,))
-        logp_all, _ = m.step(nxt, state)
-        logp_sel, _ = m.step(nxt[index], state.select(index))
-    torch.testing.assert_close(logp_sel, logp_all[index], rtol=1e-4, atol=1e-4)
+    assert_steps_match_forward(m, src, tgt, reorder=torch.tensor([2, 0]))
 
 
 # --------------------------------------------------------------------------------------------------------------------
