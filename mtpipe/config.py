@@ -271,9 +271,10 @@ class DecodeConfig:
     )
     stop: str = _h(
         "When a sentence's beam search stops: 'bound' (exact: when no live hypothesis can beat the finished ones; "
-        "tensor2tensor's rule, the paper's) or 'finished' (once round(beam x patience) hypotheses have finished: "
-        "fairseq's and CTranslate2's rule, fewer decoder steps, may miss a longer, better hypothesis). Engine "
-        "ctranslate2 always stops by 'finished'.",
+        "tensor2tensor's rule, the paper's) or 'finished' (fairseq's and CTranslate2's search: the live beam is "
+        "refilled from 2 x beam candidates and a sentence stops once round(beam x patience) hypotheses have "
+        "finished; fewer decoder steps, may miss a longer, better hypothesis). Engine ctranslate2 always stops by "
+        "'finished'.",
         default="bound",
     )
     patience: float = _h(

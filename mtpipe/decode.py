@@ -23,10 +23,12 @@ The search (:func:`beam_search`), per sentence:
   (for alpha >= 0 that is ``s / lp(max_len + 1)``, tensor2tensor's bound). When the best live bound is no higher than
   the ``nbest``-th best finished score, nothing better can appear and the sentence stops; it also stops when no
   hypothesis is live. The best result therefore does not depend on ``nbest``.
-* ``decode.stop=finished`` instead stops a sentence once ``round(beam x patience)`` of its hypotheses have finished,
-  as fairseq and CTranslate2 do (patience 1 by default). That takes fewer decoder steps (on Multi30k about 20 %
-  fewer rows) but can miss a better, longer hypothesis under a length penalty: the opt-in fast mode, for comparing
-  with those tools under their own rule (BENCHMARKS.md gives the BLEU of both on the same model).
+* ``decode.stop=finished`` is fairseq's and CTranslate2's search instead: the ``2 x beam`` best extensions are
+  ranked, those among the top ``beam`` that end in EOS finish, the live beam is refilled to ``beam`` from the best
+  ones that do not, and a sentence stops once ``round(beam x patience)`` of its hypotheses have finished (patience
+  1 by default). It takes fewer decoder steps and keeps no empty beam slots, but can miss a better, longer
+  hypothesis under a length penalty: the opt-in fast mode, and the rule to compare those tools under
+  (BENCHMARKS.md gives speed and BLEU of both rules on the same model).
 * **beam 1 is greedy search**: the single best extension is taken each step, and when it is EOS the beam is empty.
 
 The search works on any ``step(tokens [N], state) -> (log_probs [N, V], state)`` whose state has
@@ -155,6 +157,10 @@ def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, 
     if n_sent == 0:
         return finished
     neg_inf = float("-inf")
+    # stop_after (fairseq's and CTranslate2's search): rank 2 x beam candidates, so that the live beam is refilled
+    # to `beam` hypotheses from the runners-up when some of the top `beam` end in EOS.
+    refill = stop_after is not None
+    candidates = 2 * beam if refill else beam
     active = list(range(n_sent))  # the sentences still in the batch, in the order of their row blocks
     limits = torch.tensor(list(max_lens), dtype=torch.long, device=device)  # [n]
     k = 1  # slots per active sentence: 1 at the start, since every beam would hold the same BOS prefix
@@ -182,14 +188,26 @@ def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, 
                 eos = logp[:, EOS_ID].clone()
                 logp.masked_fill_(f, neg_inf)[:, EOS_ID] = eos
             cand = logp.view(hi - lo, k, vocab).add_(scores[lo:hi].unsqueeze(2)).view(hi - lo, k * vocab)
-            top, idx = cand.topk(min(beam, k * vocab), dim=1)  # [c, width], best first
+            top, idx = cand.topk(min(candidates, k * vocab), dim=1)  # [c, candidates], best first
             tops.append(top)
             idxs.append(idx)
-        top, idx = (tops[0], idxs[0]) if len(tops) == 1 else (torch.cat(tops), torch.cat(idxs))  # [n, width]
-        width = top.size(1)
+        top, idx = (tops[0], idxs[0]) if len(tops) == 1 else (torch.cat(tops), torch.cat(idxs))  # [n, cands]
+        width = min(beam, top.size(1))
         parent, token = idx // vocab, idx % vocab
-        ends = (token == EOS_ID) & torch.isfinite(top)
-        live = top.masked_fill((token == EOS_ID) | ~torch.isfinite(top), neg_inf)  # [n, width]
+        is_eos, finite = token == EOS_ID, torch.isfinite(top)
+        ends = is_eos & finite
+        ends[:, width:] = False  # only the top `beam` candidates finish (with refill, as fairseq and CTranslate2)
+        if refill:
+            # The live beam: the first `width` candidates that do not end in EOS, in rank order (stable: a
+            # candidate's key is its rank, pushed past every valid one when it is EOS or impossible).
+            valid = ~is_eos & finite
+            cols = torch.arange(top.size(1), device=device)
+            order = (cols + (~valid).long() * top.size(1)).argsort(dim=1)[:, :width]  # [n, width]
+            live = top.gather(1, order).masked_fill_(~valid.gather(1, order), neg_inf)
+            next_parent, next_token = parent.gather(1, order), token.gather(1, order)
+        else:
+            live = top.masked_fill(is_eos | ~finite, neg_inf)  # [n, width]
+            next_parent, next_token = parent, token
 
         # Finished hypotheses: a little Python per EOS candidate (at most `width` per sentence and step).
         where = ends.nonzero().tolist()
@@ -229,9 +247,9 @@ def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, 
 
         # Reorder the beams and drop the finished sentences from the batch in one select.
         keep_t = torch.tensor(keep, device=device)
-        rows = (keep_t[:, None] * k + parent.index_select(0, keep_t)).view(-1)  # [n', width] -> [n'*width]
+        rows = (keep_t[:, None] * k + next_parent.index_select(0, keep_t)).view(-1)  # [n', width] -> [n'*width]
         state = state.select(rows, width)
-        tokens = token.index_select(0, keep_t).view(-1)  # [n'*width]
+        tokens = next_token.index_select(0, keep_t).view(-1)  # [n'*width]
         history = torch.cat([history.index_select(0, rows), tokens[:, None]], dim=1)  # [n'*width, t+1]
         scores = live.index_select(0, keep_t)
         limits = limits.index_select(0, keep_t)

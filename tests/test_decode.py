@@ -219,24 +219,51 @@ def test_stop_finished_stops_once_enough_hypotheses_finished():
         beam_search(table_step(table), start(1), [10], 2, lp, nbest=2, stop_after=1)
 
 
-@pytest.mark.parametrize("beam", [1, 3])
-def test_stop_finished_is_the_exact_search_cut_short(beam):
-    # Both rules follow the same beams; stopping once `beam` hypotheses finished only stops earlier, so its steps are
-    # no more, its hypotheses are ones the exact search also finished (no better), and at beam 1 (greedy: one
-    # finished hypothesis ends the search either way) the two are the same search.
+def fairseq_search(table, max_len: int, beam: int, penalty: LengthPenalty, stop_after: int, nbest: int):
+    """fairseq's beam search written plainly for one sentence: the 2 x beam best extensions of the live hypotheses;
+    those among the top `beam` that end in EOS finish, the best `beam` that do not are the next live beam; stop
+    once `stop_after` have finished (or nothing is live). EOS only after max_len tokens. Returns (n-best, steps)."""
+    live, finished, steps = [((), 0.0)], [], 0
+    while True:
+        steps += 1
+        cands = []
+        for prefix, score in live:
+            for tok, prob in table(prefix).items():
+                if len(prefix) < max_len or tok == EOS_ID:
+                    cands.append((score + math.log(prob), prefix, tok))
+        cands = sorted(cands, key=lambda c: -c[0])[: 2 * beam]
+        nxt = []
+        for rank, (score, prefix, tok) in enumerate(cands):
+            if tok == EOS_ID:
+                if rank < beam:
+                    finished.append((score / penalty(len(prefix) + 1), prefix))
+            elif len(nxt) < beam:
+                nxt.append((prefix + (tok,), score))
+        if len(finished) >= stop_after or not nxt:
+            return sorted(finished, key=lambda f: -f[0])[:nbest], steps
+        live = nxt
+
+
+@pytest.mark.parametrize("beam", [1, 2, 3])
+def test_stop_finished_is_fairseqs_search(beam):
+    # decode.stop=finished against the plain re-implementation above, on random next-token tables (no ties): the
+    # same n-best, scores and number of steps. At beam 1 both rules are greedy search.
     lp = LengthPenalty("gnmt", 1.0)
-    fewer = 0
     for seed in range(12):
         table = random_table(seed)
-        exact_state, cut_state = start(1), start(1)
-        exact = beam_search(table_step(table), exact_state, [8], beam, lp, nbest=beam)[0]
-        cut = beam_search(table_step(table), cut_state, [8], beam, lp, nbest=beam, stop_after=beam)[0]
-        assert len(cut_state.calls) <= len(exact_state.calls)
-        assert cut[0].score <= exact[0].score
+        for patience in (1, 2):
+            stop_after = max(2, beam * patience) if beam > 1 else 1
+            nbest = min(2, beam)
+            want, want_steps = fairseq_search(table, 7, beam, lp, stop_after, nbest)
+            state = start(1)
+            got = beam_search(table_step(table), state, [7], beam, lp, nbest=nbest, stop_after=stop_after)[0]
+            assert [tuple(h.tokens) for h in got] == [p for _, p in want]
+            assert [h.score for h in got] == pytest.approx([sc for sc, _ in want])
+            assert len(state.calls) == want_steps
         if beam == 1:
-            assert [h.tokens for h in cut] == [h.tokens for h in exact] and cut_state.calls == exact_state.calls
-        fewer += len(cut_state.calls) < len(exact_state.calls)
-    assert (fewer > 0) == (beam > 1)
+            exact_state = start(1)
+            exact = beam_search(table_step(table), exact_state, [7], 1, lp)[0]
+            assert [h.tokens for h in exact] == [h.tokens for h in got] and exact_state.calls == state.calls
 
 
 def test_early_stopping_stops_before_the_length_limit():
