@@ -399,7 +399,7 @@ class DecoderLayer(Sublayers):
         """
         q, k, v = self.self_attn.project_qkv(self.norm_in(x, self.norm1))  # each [R, h, 1, d]
         k, v = state.append(layer, k, v)  # [R, h, t+1, d] views of the cache
-        x = self.add_norm(x, self.self_attn.attend(q.to(k.dtype), k, v, None), self.norm1)
+        x = self.add_norm(x, self.self_attn.attend(q, k, v, None), self.norm1)
         mem_k, mem_v = state.cross[layer]
         n, rows, d_model = mem_k.size(0), x.size(0), x.size(-1)
         y = self.norm_in(x, self.norm2).view(n, rows // n, d_model)  # [R, 1, D] -> [n, beams, D]
@@ -490,10 +490,9 @@ class DecoderState:
         """Allocate the cache at the first step (16 positions, enough for most sentences); double it when full."""
         t, rows, heads = self.length, k.size(0), k.size(1)
         capacity = 16 if self.cache is None else 2 * self.cache.keys.size(0)
-        # float32 on CPU even under bf16 autocast: torch's CPU attention kernel for one query over a short cache ran
-        # 1.5-2.5x slower in bf16 than in float32 (AMD Zen 4, no AMX), more than the cache's doubled bytes cost.
-        dtype = torch.float32 if k.device.type == "cpu" else k.dtype
-        like = k.new_empty(0, dtype=dtype)
+        # In the keys' own dtype (bf16 when decoding in bf16): with attention as two matmuls (MultiHeadAttention.attend)
+        # a bf16 cache decoded 15 % faster than a float32 one, which cast every new key/value and every query.
+        like = k.new_empty(0)
         grown = SelfAttentionCache.allocate(like, (capacity, len(self.cross), rows, heads), k.size(-1), v.size(-1),
                                             self.spare)
         if self.cache is not None:
