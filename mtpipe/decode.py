@@ -51,8 +51,8 @@ as a checkpoint instead, which decodes with no flag.
 with the same inputs, outputs and settings: ``--checkpoint`` is a ``mtpipe export`` directory or a checkpoint
 (exported to a temporary directory first). Greedy output is mtpipe's; at beam > 1 CTranslate2 stops a sentence once
 ``beam x patience`` hypotheses have finished (fairseq's rule, ``decode.stop=finished``) whatever ``decode.stop``
-says, and its own length
-penalty is |Y|^alpha, so ``gnmt`` is applied by re-ranking the hypotheses it finished (scores are mtpipe's).
+says, and its own length penalty is |Y|^alpha, so ``gnmt`` is applied by re-ranking the hypotheses it finished
+(scores are mtpipe's).
 """
 
 from __future__ import annotations

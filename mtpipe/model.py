@@ -260,14 +260,15 @@ class MultiHeadAttention(nn.Module):
         """Scaled dot-product attention (section 3.2.1) and the output projection. ``mask``: True = may attend.
 
         Fused ``scaled_dot_product_attention`` everywhere except training and decoding on CPU, where the explicit
-        form below is faster: torch's CPU flash-attention backward, on these short sentences (L ~ 10-60, d_k 64), measured 1.1-1.5x
-        slower than three plain ops in fp32 and 3-5x slower in bf16 (it was 40 % of a bf16 training step).
+        form below is faster: torch's CPU flash-attention backward, on these short sentences (L ~ 10-60, d_k 64),
+        measured 1.1-1.5x slower than three plain ops in fp32 and 3-5x slower in bf16 (it was 40 % of a bf16 training
+        step).
         """
         p = self.dropout if self.training else 0.0
         if q.device.type == "cpu" and (torch.is_grad_enabled() or q.size(2) <= 8):
             # Also decoding (a step's query per row, or its `beams` queries per sentence in cross-attention): there
             # two batched matmuls ran 1.5-3x faster than the fused kernel, which reads the keys/values at a fraction
-            # of memory bandwidth on these shapes (a decode step took 15 % less time without it, AMD Zen 4, bf16).
+            # of memory bandwidth on these shapes (a bf16 decode took 18 % less time without it, AMD Zen 4).
             o = explicit_attention(q, k, v, mask, causal, p)  # [B, h, Lq, d_v]
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal)

@@ -180,43 +180,41 @@ def test_wide_beam_with_early_stopping_finds_the_exhaustive_optimum(kind, alpha)
     assert min(steps) < 7  # early stopping did stop some searches before the length limit, and lost nothing
 
 
+def long_wins(p):
+    """EOS first is likely (0.6), but 'a' (0.4) continues almost surely to 'a a a a' and then EOS: under a strong
+    length penalty the long output wins."""
+    if p == ():
+        return {EOS_ID: 0.6, 4: 0.4}
+    return {4: 0.999, EOS_ID: 0.001} if len(p) < 4 else {EOS_ID: 1.0}
+
+
 def test_early_stopping_keeps_a_live_hypothesis_that_can_still_win_by_length():
     # EOS first is likely (0.6), but under a strong length penalty the almost-certain continuation 'a a a a' wins:
     # (log 0.4 + 3 log 0.999) / lp(5) > log 0.6 / lp(1). After step 1 the live 'a' has log-prob log 0.4, whose bound
     # with the *next* length only, log 0.4 / lp(2), is below log 0.6: a search bounding by the next length (or
     # stopping once a hypothesis finished) returns the empty output.
-    def table(p):
-        if p == ():
-            return {EOS_ID: 0.6, 4: 0.4}
-        return {4: 0.999, EOS_ID: 0.001} if len(p) < 4 else {EOS_ID: 1.0}
-
     lp = LengthPenalty("gnmt", 2.0)
     assert math.log(0.4) / lp(2) < math.log(0.6) / lp(1)
-    hyp = beam_search(table_step(table), start(1), [10], 2, lp)[0][0]
+    hyp = beam_search(table_step(long_wins), start(1), [10], 2, lp)[0][0]
     assert hyp.tokens == [4, 4, 4, 4]
     assert hyp.score == pytest.approx((math.log(0.4) + 3 * math.log(0.999)) / lp(5))
-    assert beam_search(table_step(table), start(1), [10], 2, LengthPenalty("gnmt", 0.0))[0][0].tokens == []
+    assert beam_search(table_step(long_wins), start(1), [10], 2, LengthPenalty("gnmt", 0.0))[0][0].tokens == []
 
 
 def test_stop_finished_stops_once_enough_hypotheses_finished():
-    # decode.stop=finished (fairseq's and CTranslate2's rule) on the table above: step 1 finishes the empty output,
+    # decode.stop=finished (fairseq's and CTranslate2's rule) on long_wins: step 1 finishes the empty output,
     # step 2 finishes 'a', and with beam 2 that is enough -- the better 'a a a a' that the exact bound waits for is
     # never reached. Waiting for 5 finished hypotheses (patience 2.5) the search goes on and finds it.
-    def table(p):
-        if p == ():
-            return {EOS_ID: 0.6, 4: 0.4}
-        return {4: 0.999, EOS_ID: 0.001} if len(p) < 4 else {EOS_ID: 1.0}
-
     lp = LengthPenalty("gnmt", 2.0)
     state = start(1)
-    hyps = beam_search(table_step(table), state, [10], 2, lp, nbest=2, stop_after=2)[0]
+    hyps = beam_search(table_step(long_wins), state, [10], 2, lp, nbest=2, stop_after=2)[0]
     assert len(state.calls) == 2
     assert [h.tokens for h in hyps] == [[], [4]]
     state = start(1)
-    hyp = beam_search(table_step(table), state, [10], 2, lp, stop_after=5)[0][0]
+    hyp = beam_search(table_step(long_wins), state, [10], 2, lp, stop_after=5)[0][0]
     assert hyp.tokens == [4, 4, 4, 4] and len(state.calls) == 5
     with pytest.raises(MtpipeError, match="stop_after 1 is below nbest 2"):
-        beam_search(table_step(table), start(1), [10], 2, lp, nbest=2, stop_after=1)
+        beam_search(table_step(long_wins), start(1), [10], 2, lp, nbest=2, stop_after=1)
 
 
 def fairseq_search(table, max_len: int, beam: int, penalty: LengthPenalty, stop_after: int, nbest: int):
