@@ -39,34 +39,14 @@ from mtpipe.console import info, progress, table, warn
 from mtpipe.errors import MtpipeError
 
 
-def _is_averaged(m: artifacts.Manifest) -> bool:
-    return "averaged" in m.extra
-
-
 def discover(run_dir: Path) -> list[tuple[int, Path]]:
-    """``(step, directory)`` of every training checkpoint under ``run_dir/checkpoints``, sorted by step."""
-    ck_dir = run_dir / "checkpoints"
+    """``(step, directory)`` of every training checkpoint under ``run_dir/checkpoints``, sorted by step
+    (:func:`mtpipe.artifacts.list_checkpoints`: the same rule as training's)."""
     if not run_dir.exists():
         raise MtpipeError(f"{run_dir}: train output directory not found")
-    if not ck_dir.is_dir():
+    if not (run_dir / artifacts.CHECKPOINTS).is_dir():
         raise MtpipeError(f"{run_dir}: has no checkpoints/ directory (is it a `mtpipe train` output directory?)")
-    found: dict[int, Path] = {}
-    seen: set[Path] = set()
-    for d in sorted(ck_dir.iterdir()):
-        # Hidden entries are ArtifactWriter's in-progress temporaries (a checkpoint being written right now).
-        if d.name.startswith(".") or not d.is_dir():
-            continue
-        if d.resolve() in seen:  # e.g. a 'last' symlink to a step directory
-            continue
-        seen.add(d.resolve())
-        m = artifacts.read_manifest(d, "checkpoint")
-        if _is_averaged(m):
-            continue
-        step = _step_of(d, m)
-        if step in found:
-            raise MtpipeError(f"{ck_dir}: two checkpoints at step {step}: {found[step].name} and {d.name}")
-        found[step] = d
-    return sorted(found.items())
+    return artifacts.list_checkpoints(run_dir)
 
 
 def _step_of(d: Path, m: artifacts.Manifest) -> int:
@@ -181,13 +161,11 @@ def average_state_dicts(inputs: list[tuple[int, Path]]) -> tuple[artifacts.Check
     return ref, {name: out[name] for name in ref.state_dict}  # the inputs' tensor order
 
 
-def run(cfg: AverageConfig, run_dir: Path, checkpoints: list[Path] | None, out: Path) -> Path:
+def run(cfg: AverageConfig, run_dir: Path, checkpoints: list[Path] | None, out: Path, *, force: bool = False) -> Path:
     """Average checkpoints of ``run_dir`` (or exactly ``checkpoints``) into the weights-only checkpoint ``out``."""
     run_dir, out = Path(run_dir), Path(out)
     inputs = select(cfg, run_dir, list(checkpoints) if checkpoints else None)
-    for _, d in inputs:
-        if d.resolve() == out.resolve():
-            raise MtpipeError(f"--out {out}: is one of the checkpoints being averaged; choose another directory")
+    artifacts.prepare_output(out, "checkpoint", inputs=[d for _, d in inputs], force=force)
     _check_manifests(inputs)
     plan, model_config = _prune_plan(cfg, inputs[0][1])
     hashes = [artifacts.manifest_hash(d) for _, d in inputs]
@@ -213,7 +191,7 @@ def run(cfg: AverageConfig, run_dir: Path, checkpoints: list[Path] | None, out: 
     else:
         model_config = ref.model_config
     artifacts.write_checkpoint(out, state_dict=state, model_config=model_config, vocab=ref.vocab, step=max_step,
-                               trainer_state=None, params=params, upstream=upstream, extra=extra)
+                               trainer_state=None, params=params, upstream=upstream, extra=extra, force=force)
     n_params = sum(t.numel() for t in state.values())
     info(f"averaged {len(inputs)} checkpoints (steps {inputs[0][0]:,}..{max_step:,}, {n_params:,} values) "
          f"-> {out} (weights only, step {max_step:,}"

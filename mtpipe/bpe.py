@@ -43,6 +43,7 @@ from mtpipe.artifacts import (
     file_hash,
     from_numpy,
     open_parquet,
+    prepare_output,
     read_manifest,
     splits_of,
 )
@@ -274,11 +275,13 @@ def encode_split(sp: Any, corpus: Path, split: str, w: ArtifactWriter, threads: 
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def run(cfg: BpeConfig, corpus: Path, out: Path, spm_model: Optional[Path] = None) -> dict[str, SplitTokens]:
+def run(cfg: BpeConfig, corpus: Path, out: Path, spm_model: Optional[Path] = None, *,
+        force: bool = False) -> dict[str, SplitTokens]:
     """Train (or take ``spm_model``) a joint BPE model and encode every split of the ``corpus`` artifact."""
     _check_cfg(cfg)
     corpus, out = Path(corpus), Path(out)
     read_manifest(corpus, "corpus")
+    prepare_output(out, "tokens", inputs=[corpus, spm_model], force=force)
     splits = splits_of(corpus, "corpus")
     if spm_model is None and "train" not in splits:
         raise MtpipeError(f"{corpus}: has no train split to learn BPE from (it has: {', '.join(splits)})")
@@ -290,7 +293,8 @@ def run(cfg: BpeConfig, corpus: Path, out: Path, spm_model: Optional[Path] = Non
     threads = cfg.threads or nproc()
     known = ["train", "valid", "test"]
     order = sorted(splits, key=lambda s: (known.index(s) if s in known else len(known), s))
-    with ArtifactWriter(out, "tokens", {"bpe": to_dict(cfg)}, upstream={"corpus": corpus}) as w:
+    with ArtifactWriter(out, "tokens", {"bpe": to_dict(cfg)}, upstream={"corpus": corpus},
+                        force=force) as w:
         if spm_model is None:
             model, n = train_spm(cfg, corpus, threads)
             w.path("spm.model").write_bytes(model)

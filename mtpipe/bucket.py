@@ -36,6 +36,7 @@ from mtpipe.artifacts import (
     ArtifactWriter,
     from_numpy,
     open_parquet,
+    prepare_output,
     read_manifest,
     splits_of,
     to_numpy,
@@ -178,11 +179,12 @@ def _check_cfg(cfg: BucketConfig) -> None:
         )
 
 
-def run(cfg: BucketConfig, tokens: Path, out: Path) -> dict[str, SplitBatches]:
+def run(cfg: BucketConfig, tokens: Path, out: Path, *, force: bool = False) -> dict[str, SplitBatches]:
     """Batch the train and valid splits of the ``tokens`` artifact into the ``batches`` artifact ``out``."""
     _check_cfg(cfg)
     tokens, out = Path(tokens), Path(out)
     read_manifest(tokens, "tokens")
+    prepare_output(out, "batches", inputs=[tokens], force=force)
     have = splits_of(tokens, "tokens")
     if "train" not in have:
         raise MtpipeError(f"{tokens}: has no train split (it has: {', '.join(have) or 'nothing'})")
@@ -190,7 +192,8 @@ def run(cfg: BucketConfig, tokens: Path, out: Path) -> dict[str, SplitBatches]:
     if "valid" not in have:
         console.warn(f"{tokens}: has no valid split; only train is batched")
     stats: dict[str, SplitBatches] = {}
-    with ArtifactWriter(out, "batches", {"bucket": to_dict(cfg)}, upstream={"tokens": tokens}) as w:
+    with ArtifactWriter(out, "batches", {"bucket": to_dict(cfg)}, upstream={"tokens": tokens},
+                        force=force) as w:
         with console.progress() as bar:
             for split in splits:
                 ids, src, tgt = read_lengths(tokens, split, bar)

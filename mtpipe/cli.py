@@ -8,7 +8,6 @@ keeps ``mtpipe --help`` instant.
 from __future__ import annotations
 
 import inspect
-import sys
 import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -19,6 +18,7 @@ import typer
 
 from mtpipe import __version__
 from mtpipe.config import (
+    PARAMS_FILE,
     PATHS,
     AverageConfig,
     BpeConfig,
@@ -49,13 +49,72 @@ app = typer.Typer(
 
 @dataclass(frozen=True)
 class Opt:
-    """A command option that is not a params key (artifact paths, input files)."""
+    """A command option that is not a params key (artifact paths, input files).
+
+    ``role`` "in" marks an input path (an output may not overlap it); "out" marks the output, written as an artifact
+    of ``kind`` ("run" for a training run directory, "metrics" for score's JSON file, "" for none).
+    """
 
     name: str
     type: Any
     default: Any
     help: str
     flags: tuple[str, ...] = ()
+    role: str = ""
+    kind: str = ""
+
+
+def dvc_output_of(path: Path, dvc_file: Path = Path("dvc.yaml")) -> str | None:
+    """The DVC stage of ``./dvc.yaml`` whose output is ``path``, lies inside it or contains it, or None."""
+    if not dvc_file.is_file():
+        return None
+    import yaml
+
+    try:
+        stages = (yaml.safe_load(dvc_file.read_text(encoding="utf-8")) or {}).get("stages") or {}
+    except (yaml.YAMLError, OSError, AttributeError):
+        return None
+    target = path.resolve()
+    for stage, spec in stages.items():
+        if not isinstance(spec, dict):
+            continue
+        for key in ("outs", "metrics", "plots"):
+            for entry in spec.get(key) or []:
+                name = next(iter(entry)) if isinstance(entry, dict) else entry
+                tracked = (dvc_file.parent / str(name)).resolve()
+                if target == tracked or target.is_relative_to(tracked) or tracked.is_relative_to(target):
+                    return str(stage)
+    return None
+
+
+def resolve_output(opt: Opt, given: Path | None) -> Path | None:
+    """The output path: ``--out`` when given; else the option's default, unless that default holds a DVC-tracked
+    output of ``./dvc.yaml`` (a hand-run command must not silently replace what ``dvc repro`` made and tracks)."""
+    if given is not None or opt.default is None:
+        return given
+    stage = dvc_output_of(Path(opt.default))
+    if stage is not None:
+        raise MtpipeError(f"{opt.default}: is the output of the DVC stage '{stage}' (dvc.yaml); a hand-run command "
+                          f"does not replace it: pass --out DIR, or --out {opt.default} to replace it anyway, or run "
+                          f"`dvc repro {stage}`")
+    return Path(opt.default)
+
+
+def check_output(opt: Opt, out: Path, inputs: list[Any], force: bool) -> None:
+    """Every check on ``--out`` before any work starts (see :mod:`mtpipe.artifacts`)."""
+    from mtpipe import artifacts
+
+    paths: list[Path] = []
+    for value in inputs:
+        paths.extend(Path(v) for v in (value if isinstance(value, list) else [value]) if v is not None)
+    if opt.kind == "run":
+        artifacts.check_output_place(out, paths)
+        artifacts.check_run_dir(out, force=force)
+    elif opt.kind == "metrics":
+        artifacts.check_output_place(out, paths)
+        artifacts.check_replaceable_metrics(out, force=force)
+    elif opt.kind:
+        artifacts.prepare_output(out, opt.kind, inputs=paths, force=force)
 
 
 def _param_option(section: type, name: str, tp: Any) -> tuple[Any, Any]:
@@ -72,24 +131,37 @@ def _param_option(section: type, name: str, tp: Any) -> tuple[Any, Any]:
     return Optional[bt], typer.Option(None, flag, help=help_text, show_default=False)
 
 
-def stage_command(name: str, sections: list[type], opts: list[Opt] = (), help: str = "") -> Callable:
-    """Register ``impl(cfg, opts, params)`` as command ``name`` with one flag per key of ``sections``.
+def stage_command(name: str, sections: list[type], opts: list[Opt] = (), help: str = "",
+                  config_inputs: Callable[[SimpleNamespace], list[Any]] | None = None) -> Callable:
+    """Register ``impl(cfg, opts)`` as command ``name`` with one flag per key of ``sections``.
+
+    ``config_inputs(cfg)`` names input paths that come from params rather than options (fetch's local source), so
+    that the output is checked against them too.
 
     ``cfg`` has one attribute per section (``cfg.train``), resolved defaults <- params.yaml <- flags; ``opts`` has
-    the extra options; ``params`` is the raw params.yaml mapping (for manifests).
+    the extra options, the output resolved and checked (:func:`resolve_output`, :func:`check_output`) and
+    ``force`` when the command writes one.
     """
 
     def register(impl: Callable) -> Callable:
         sig: list[inspect.Parameter] = [
-            inspect.Parameter("params_file", inspect.Parameter.KEYWORD_ONLY, annotation=Path,
-                              default=typer.Option(Path("params.yaml"), "--params",
-                                                   help="params.yaml to read (missing file = built-in defaults)."))
+            inspect.Parameter("params_file", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
+                              default=typer.Option(None, "--params", show_default=False,
+                                                   help="params.yaml to read \\[default: ./params.yaml if it exists, "
+                                                        "else built-in defaults]."))
         ]
         owner: dict[str, tuple[type, str]] = {}
+        out_opt = next((o for o in opts if o.role == "out"), None)
         for o in opts:
+            # An output's default is applied after parsing, so that a default path and an explicit one differ.
+            default = None if o.role == "out" else o.default
             sig.append(inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, annotation=o.type,
-                                         default=typer.Option(o.default, *o.flags, help=o.help)))
+                                         default=typer.Option(default, *o.flags, help=o.help,
+                                                              show_default=o.role != "out")))
             owner[o.name] = (None, o.name)
+        if out_opt is not None:
+            sig.append(inspect.Parameter("force", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
+                False, "--force", help="Replace --out even when it is not an mtpipe output of this kind.")))
         for section in sections:
             for key, tp in field_types(section).items():
                 if key in owner:
@@ -101,31 +173,28 @@ def stage_command(name: str, sections: list[type], opts: list[Opt] = (), help: s
 
         def command(**kwargs: Any) -> None:
             try:
-                import yaml
-
                 params_file = kwargs.pop("params_file")
-                explicit = "--params" in sys.argv
-                params = load_params(params_file, required=explicit)
-                cfg = {}
-                for section in sections:
-                    over = {}
-                    types = field_types(section)
-                    for key in types:
-                        v = kwargs.pop(f"{section.SECTION}__{key}")
-                        if v is not None and (typing.get_origin(base_type(types[key])) or base_type(types[key])) in (
-                            dict, list,
-                        ):
-                            try:
-                                v = yaml.safe_load(v)
-                            except yaml.YAMLError:
-                                raise MtpipeError(f"--{key.replace('_', '-')}: not valid YAML: {v!r}") from None
-                        over[key] = v
-                    cfg[section.SECTION] = resolve(section, params, over, where=str(params_file))
-                impl(SimpleNamespace(**cfg), SimpleNamespace(**kwargs), params)
+                params = load_params(params_file or PARAMS_FILE, required=params_file is not None)
+                where = str(params_file or PARAMS_FILE)
+                cfg = SimpleNamespace(**{section.SECTION: resolve(section, params, _overrides(section, kwargs),
+                                                                  where=where) for section in sections})
+                if out_opt is not None:
+                    kwargs[out_opt.name] = out = resolve_output(out_opt, kwargs[out_opt.name])
+                    if out is not None:
+                        inputs = [kwargs[o.name] for o in opts if o.role == "in"]
+                        check_output(out_opt, out, inputs + (config_inputs(cfg) if config_inputs else []),
+                                     kwargs["force"])
+                impl(cfg, SimpleNamespace(**kwargs))
             except MtpipeError as e:
                 typer.echo(f"error: {e}", err=True)
                 # 1 = bad input; a subclass may set another status (score's gate failure: 3).
                 raise typer.Exit(getattr(e, "exit_code", 1)) from None
+            except OSError as e:  # a full disk, a read-only filesystem, no permission: one line, not a traceback
+                from mtpipe.artifacts import os_reason
+
+                where = f"{e.filename}: " if e.filename else ""
+                typer.echo(f"error: {where}{os_reason(e)}", err=True)
+                raise typer.Exit(1) from None
             except KeyboardInterrupt:
                 typer.echo("interrupted", err=True)
                 raise typer.Exit(130) from None
@@ -137,6 +206,22 @@ def stage_command(name: str, sections: list[type], opts: list[Opt] = (), help: s
         return impl
 
     return register
+
+
+def _overrides(section: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The flags of ``section`` taken out of ``kwargs`` (None = not given); dict and list values are YAML."""
+    import yaml
+
+    over = {}
+    for key, tp in field_types(section).items():
+        v = kwargs.pop(f"{section.SECTION}__{key}")
+        if v is not None and (typing.get_origin(base_type(tp)) or base_type(tp)) in (dict, list):
+            try:
+                v = yaml.safe_load(v)
+            except yaml.YAMLError:
+                raise MtpipeError(f"--{key.replace('_', '-')}: not valid YAML: {v!r}") from None
+        over[key] = v
+    return over
 
 
 def _version(value: bool) -> None:
@@ -157,138 +242,152 @@ def main(
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def _out(kind: str, default: str | None, help: str) -> Opt:
+    return Opt("out", Optional[Path], Path(default) if default else None, help, ("--out",), role="out", kind=kind)
+
+
+def _in(name: str, default: str | None, help: str, flag: str, tp: Any = Path) -> Opt:
+    return Opt(name, tp, Path(default) if default else None, help, (flag,), role="in")
+
+
 @stage_command(
     "fetch",
     [FetchConfig],
-    [Opt("out", Path, Path(PATHS["fetch"]), "Output artifact directory.", ("--out",))],
+    [_out("corpus", PATHS["fetch"], f"Output artifact directory \\[default: {PATHS['fetch']}].")],
+    config_inputs=lambda cfg: [_local_source(cfg.fetch.source)],
 )
-def fetch(cfg: SimpleNamespace, opts: SimpleNamespace, params: dict) -> None:
+def fetch(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Read a parallel corpus (Hugging Face or local files), clean train, write {train,valid,test}.parquet."""
     from mtpipe.fetch import run
 
-    run(cfg.fetch, out=opts.out)
+    run(cfg.fetch, out=opts.out, force=opts.force)
+
+
+def _local_source(source: str) -> Path | None:
+    from mtpipe.fetch import local_source
+
+    return local_source(source)
 
 
 @stage_command(
     "bpe",
     [BpeConfig],
     [
-        Opt("corpus", Path, Path(PATHS["fetch"]), "Input: the fetch artifact.", ("--corpus",)),
-        Opt("out", Path, Path(PATHS["bpe"]), "Output artifact directory.", ("--out",)),
-        Opt("spm_model", Optional[Path], None, "Encode with this existing SentencePiece model instead of training one.",
-            ("--spm-model",)),
+        _in("corpus", PATHS["fetch"], "Input: the fetch artifact.", "--corpus"),
+        _out("tokens", PATHS["bpe"], f"Output artifact directory \\[default: {PATHS['bpe']}]."),
+        _in("spm_model", None, "Encode with this existing SentencePiece model instead of training one.", "--spm-model",
+            Optional[Path]),
     ],
 )
-def bpe(cfg: SimpleNamespace, opts: SimpleNamespace, params: dict) -> None:
+def bpe(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Train a joint SentencePiece BPE model on train and encode every split to token ids."""
     from mtpipe.bpe import run
 
-    run(cfg.bpe, corpus=opts.corpus, out=opts.out, spm_model=opts.spm_model)
+    run(cfg.bpe, corpus=opts.corpus, out=opts.out, spm_model=opts.spm_model, force=opts.force)
 
 
 @stage_command(
     "bucket",
     [BucketConfig],
     [
-        Opt("tokens", Path, Path(PATHS["bpe"]), "Input: the bpe artifact.", ("--tokens",)),
-        Opt("out", Path, Path(PATHS["bucket"]), "Output artifact directory.", ("--out",)),
+        _in("tokens", PATHS["bpe"], "Input: the bpe artifact.", "--tokens"),
+        _out("batches", PATHS["bucket"], f"Output artifact directory \\[default: {PATHS['bucket']}]."),
     ],
 )
-def bucket(cfg: SimpleNamespace, opts: SimpleNamespace, params: dict) -> None:
+def bucket(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Pack token-budget batches (sorted by length) for train and valid."""
     from mtpipe.bucket import run
 
-    run(cfg.bucket, tokens=opts.tokens, out=opts.out)
+    run(cfg.bucket, tokens=opts.tokens, out=opts.out, force=opts.force)
 
 
 @stage_command(
     "train",
     [ModelConfig, TrainConfig],
     [
-        Opt("tokens", Path, Path(PATHS["bpe"]), "Input: the bpe artifact.", ("--tokens",)),
-        Opt("batches", Path, Path(PATHS["bucket"]), "Input: the bucket artifact.", ("--batches",)),
-        Opt("out", Path, Path(PATHS["train"]), "Output directory (checkpoints, logs); resumed if it has checkpoints.",
-            ("--out",)),
+        _in("tokens", PATHS["bpe"], "Input: the bpe artifact.", "--tokens"),
+        _in("batches", PATHS["bucket"], "Input: the bucket artifact.", "--batches"),
+        _out("run", PATHS["train"], f"Run directory (checkpoints, logs) \\[default: {PATHS['train']}]; training "
+             "resumes from its latest checkpoint."),
     ],
 )
-def train(cfg: SimpleNamespace, opts: SimpleNamespace, params: dict) -> None:
+def train(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Train the Transformer (one process, or every process of a torchrun launch)."""
     from mtpipe.train import run
 
-    run(cfg.model, cfg.train, tokens=opts.tokens, batches=opts.batches, out=opts.out)
+    run(cfg.model, cfg.train, tokens=opts.tokens, batches=opts.batches, out=opts.out, force=opts.force)
 
 
 @stage_command(
     "average",
     [AverageConfig],
     [
-        Opt("run", Path, Path(PATHS["train"]), "Input: the train output directory.", ("--run",)),
-        Opt("checkpoints", Optional[list[Path]], None,
-            "Average exactly this checkpoint directory instead (repeat the option for each).", ("--checkpoint",)),
-        Opt("out", Path, Path(PATHS["average"]), "Output checkpoint directory.", ("--out",)),
+        # Not an "in" path: an average may go into the run's checkpoints folder (training skips averaged ones);
+        # average itself refuses an output that overlaps a checkpoint it averages.
+        Opt("run", Path, Path(PATHS["train"]), "Input: the train run directory.", ("--run",)),
+        _in("checkpoints", None, "Average exactly this checkpoint directory instead (repeat the option for each).",
+            "--checkpoint", Optional[list[Path]]),
+        _out("checkpoint", PATHS["average"], f"Output checkpoint directory \\[default: {PATHS['average']}]."),
     ],
 )
-def average(cfg: SimpleNamespace, opts: SimpleNamespace, params: dict) -> None:
+def average(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Average the parameters of the last N checkpoints (paper section 6.1)."""
     from mtpipe.average import run
 
-    run(cfg.average, run_dir=opts.run, checkpoints=opts.checkpoints, out=opts.out)
+    run(cfg.average, run_dir=opts.run, checkpoints=opts.checkpoints, out=opts.out, force=opts.force)
 
 
 @stage_command(
     "decode",
     [DecodeConfig],
     [
-        Opt("checkpoint", Path, Path(PATHS["average"]), "Checkpoint directory (trained or averaged); with --engine "
-            "ctranslate2 also a CTranslate2 export (`mtpipe export`).", ("--checkpoint",)),
-        Opt("tokens", Path, Path(PATHS["bpe"]), "The bpe artifact (SentencePiece model and encoded splits).",
-            ("--tokens",)),
-        Opt("input", Optional[Path], None, "Translate raw text from this file ('-' = stdin) instead of --split.",
-            ("--input",)),
-        Opt("out", Optional[Path], None,
-            f"Output directory (hypotheses .txt and .parquet). Default with --split: {PATHS['decode']}; with "
-            "--input the translations go to stdout, and also to this directory when it is given.", ("--out",)),
+        _in("checkpoint", PATHS["average"], "Checkpoint directory (trained or averaged); with --engine ctranslate2 "
+            "also a CTranslate2 export (`mtpipe export`).", "--checkpoint"),
+        _in("tokens", PATHS["bpe"], "The bpe artifact (SentencePiece model and encoded splits).", "--tokens"),
+        _in("input", None, "Translate raw text from this file ('-' = stdin) instead of --split.", "--input",
+            Optional[Path]),
+        _out("hypotheses", None, "Also write the hypotheses (.txt and .parquet with scores and n-best) as an artifact "
+             "in this directory. Translations always go to stdout."),
     ],
 )
-def decode(cfg: SimpleNamespace, opts: SimpleNamespace, params: dict) -> None:
+def decode(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Translate with batched beam search (a bpe split, or raw text from --input FILE or '-' = stdin); --engine
     ctranslate2 decodes through CTranslate2 instead."""
     from mtpipe.decode import run
 
-    run(cfg.decode, checkpoint=opts.checkpoint, tokens=opts.tokens, input=opts.input, out=opts.out)
+    run(cfg.decode, checkpoint=opts.checkpoint, tokens=opts.tokens, input=opts.input, out=opts.out,
+        force=opts.force)
 
 
 @stage_command(
     "score",
     [ScoreConfig],
     [
-        Opt("hyp", Path, Path(PATHS["decode"]), "Hypotheses: a text file, or decode's output directory.", ("--hyp",)),
-        Opt("ref", Path, Path(PATHS["fetch"]), "References: a text file, or the fetch artifact.", ("--ref",)),
-        Opt("baseline", Optional[Path], None, "metrics JSON to compare with (with --max-drop).", ("--baseline",)),
-        Opt("out", Path, Path(PATHS["score"]), "Metrics JSON to write.", ("--out",)),
+        _in("hyp", PATHS["decode"], "Hypotheses: a text file ('-' = stdin), or decode's output directory.", "--hyp"),
+        _in("ref", PATHS["fetch"], "References: a text file, or the fetch artifact.", "--ref"),
+        _in("baseline", None, "metrics JSON to compare with (with --max-drop).", "--baseline", Optional[Path]),
+        _out("metrics", None, "Also write the metrics JSON to this file (the pipeline's is metrics/score.json)."),
     ],
 )
-def score(cfg: SimpleNamespace, opts: SimpleNamespace, params: dict) -> None:
+def score(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """BLEU, chrF2 and TER with sacreBLEU. Exit status: 0 ok, 1 bad input, 3 gate failed (metrics still written)."""
     from mtpipe.score import run
 
-    run(cfg.score, hyp=opts.hyp, ref=opts.ref, baseline=opts.baseline, out=opts.out)
+    run(cfg.score, hyp=opts.hyp, ref=opts.ref, baseline=opts.baseline, out=opts.out, force=opts.force)
 
 
 @stage_command(
     "export",
     [ExportConfig],
     [
-        Opt("checkpoint", Path, Path(PATHS["average"]), "Checkpoint directory (trained or averaged).",
-            ("--checkpoint",)),
-        Opt("tokens", Path, Path(PATHS["bpe"]), "The bpe artifact whose SentencePiece model the checkpoint uses.",
-            ("--tokens",)),
-        Opt("out", Path, Path(PATHS["export"]), "Output model directory (replaced atomically).", ("--out",)),
+        _in("checkpoint", PATHS["average"], "Checkpoint directory (trained or averaged).", "--checkpoint"),
+        _in("tokens", PATHS["bpe"], "The bpe artifact whose SentencePiece model the checkpoint uses.", "--tokens"),
+        _out("export", PATHS["export"], f"Output model directory \\[default: {PATHS['export']}], replaced atomically."),
     ],
 )
-def export(cfg: SimpleNamespace, opts: SimpleNamespace, params: dict) -> None:
+def export(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Export a checkpoint to a CTranslate2 model directory (or a Hugging Face Marian model) with its SentencePiece
     model beside it."""
     from mtpipe.export import run
 
-    run(cfg.export, checkpoint=opts.checkpoint, tokens=opts.tokens, out=opts.out)
+    run(cfg.export, checkpoint=opts.checkpoint, tokens=opts.tokens, out=opts.out, force=opts.force)

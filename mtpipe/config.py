@@ -10,6 +10,7 @@ This module must stay light (no torch, no pyarrow): the CLI builds its options f
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +21,27 @@ from mtpipe.errors import MtpipeError
 PARAMS_FILE = "params.yaml"
 
 
-def _h(text: str, **kw: Any) -> Any:
-    """A dataclass field with a help string (shown by ``mtpipe <stage> --help``)."""
-    return field(metadata={"help": text}, **kw)
+def _h(text: str, *, ge: float | None = None, choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
+    """A dataclass field with a help string (shown by ``mtpipe <stage> --help``) and the rules its value must
+    follow, checked once when the section is built (:func:`make_section`): ``ge`` a lower bound (a finite number
+    at least this), ``choices`` the values allowed."""
+    meta: dict[str, Any] = {"help": text}
+    if ge is not None:
+        meta["ge"] = ge
+    if choices is not None:
+        meta["choices"] = choices
+    return field(metadata=meta, **kw)
+
+
+class Section:
+    """Base of every params section: the fields' rules hold however a section is built (params.yaml, flags, or
+    directly in code)."""
+
+    SECTION: typing.ClassVar[str]
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            _check_rules(type(self), f.name, getattr(self, f.name), f.metadata, "params")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -31,7 +50,7 @@ def _h(text: str, **kw: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class FetchConfig:
+class FetchConfig(Section):
     """``fetch``: where the parallel corpus comes from and how train is cleaned."""
 
     SECTION: typing.ClassVar[str] = "fetch"
@@ -61,7 +80,7 @@ class FetchConfig:
 
 
 @dataclass(frozen=True)
-class BpeConfig:
+class BpeConfig(Section):
     """``bpe``: the joint SentencePiece BPE model (paper section 5.1)."""
 
     SECTION: typing.ClassVar[str] = "bpe"
@@ -76,7 +95,7 @@ class BpeConfig:
 
 
 @dataclass(frozen=True)
-class BucketConfig:
+class BucketConfig(Section):
     """``bucket``: token-based batching (paper section 5.1: ~25k source + ~25k target tokens per step)."""
 
     SECTION: typing.ClassVar[str] = "bucket"
@@ -87,7 +106,7 @@ class BucketConfig:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(Section):
     """``model``: the Transformer's shape (paper section 3 and Table 3). ``null`` fields take the preset's value."""
 
     SECTION: typing.ClassVar[str] = "model"
@@ -172,7 +191,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(Section):
     """``train``: optimisation (paper section 5.3-5.4), precision, stopping and checkpointing."""
 
     SECTION: typing.ClassVar[str] = "train"
@@ -220,7 +239,7 @@ PRUNE_HELP = ("LayerDrop pruning (Fan et al. 2019) of the model, without fine-tu
 
 
 @dataclass(frozen=True)
-class AverageConfig:
+class AverageConfig(Section):
     """``average``: checkpoint averaging (paper section 6.1)."""
 
     SECTION: typing.ClassVar[str] = "average"
@@ -232,25 +251,25 @@ class AverageConfig:
 
 
 @dataclass(frozen=True)
-class DecodeConfig:
+class DecodeConfig(Section):
     """``decode``: beam search (paper section 6.1: beam 4, alpha 0.6, max length input + 50)."""
 
     SECTION: typing.ClassVar[str] = "decode"
 
-    beam: int = _h("Beam size (1 = greedy search, exactly).", default=4)
-    alpha: float = _h("Length penalty alpha (0 = rank by log-probability alone).", default=0.6)
+    beam: int = _h("Beam size (1 = greedy search, exactly).", default=4, ge=1)
+    alpha: float = _h("Length penalty alpha (0 = rank by log-probability alone).", default=0.6, ge=0)
     length_penalty: str = _h("'gnmt': ((5+|Y|)/6)^alpha (tensor2tensor, the paper); 'fairseq': |Y|^alpha.",
-                             default="gnmt")
+                             default="gnmt", choices=("gnmt", "fairseq"))
     max_len_a: float = _h("Max output length (pieces before EOS) = a * source pieces (without EOS) + b: this is a.",
-                          default=1.0)
+                          default=1.0, ge=0)
     max_len_b: int = _h("Max output length (pieces before EOS) = a * source pieces (without EOS) + b: this is b.",
-                        default=50)
+                        default=50, ge=0)
     split: str = _h("Split of the bpe artifact to translate.", default="test")
     max_tokens: int = _h("Padded source tokens (EOS included) per decoding batch; the decoder holds beam x this.",
-                         default=8000)
-    nbest: int = _h("Hypotheses kept per sentence in the Parquet output (1 <= nbest <= beam).", default=1)
-    precision: str = _h("fp32 or bf16 (autocast, CPU and GPU).", default="fp32")
-    threads: int = _h("CPU threads (0 = torch's default).", default=0)
+                         default=8000, ge=1)
+    nbest: int = _h("Hypotheses kept per sentence in the Parquet output (1 <= nbest <= beam).", default=1, ge=1)
+    precision: str = _h("fp32 or bf16 (autocast, CPU and GPU).", default="fp32", choices=("fp32", "bf16"))
+    threads: int = _h("CPU threads (0 = torch's default).", default=0, ge=0)
     prune: str = _h(PRUNE_HELP, default="")
     engine: str = _h(
         "mtpipe (this package's beam search) or ctranslate2 (CTranslate2, `pip install 'mtpipe\\[ctranslate2]'`). "
@@ -262,6 +281,7 @@ class DecodeConfig:
         "finished), mtpipe by decode.stop; CTranslate2's own penalty is |Y|^alpha (= fairseq), "
         "so gnmt is applied by re-ranking the hypotheses CTranslate2 finished.",
         default="mtpipe",
+        choices=("mtpipe", "ctranslate2"),
     )
     ct2_compute_type: str = _h(
         "engine ctranslate2: CTranslate2 compute type: default (the export's weight type), auto, float32, int8, "
@@ -276,17 +296,19 @@ class DecodeConfig:
         "finished; fewer decoder steps, may miss a longer, better hypothesis). Engine ctranslate2 always stops by "
         "'finished'.",
         default="bound",
+        choices=("bound", "finished"),
     )
     patience: float = _h(
         "stop=finished, and engine ctranslate2 always: stop a sentence once round(beam x this) hypotheses have "
         "finished (1 = fairseq's and CTranslate2's default; 2 finds the exact search's best output more often, at "
         "some cost in speed).",
         default=1.0,
+        ge=1,
     )
 
 
 @dataclass(frozen=True)
-class ScoreConfig:
+class ScoreConfig(Section):
     """``score``: sacreBLEU metrics and the CI regression gate."""
 
     SECTION: typing.ClassVar[str] = "score"
@@ -307,7 +329,7 @@ class ScoreConfig:
 
 
 @dataclass(frozen=True)
-class ExportConfig:
+class ExportConfig(Section):
     """``export``: a checkpoint as a model for another inference engine."""
 
     SECTION: typing.ClassVar[str] = "export"
@@ -364,8 +386,21 @@ def _coerce(cls: type, key: str, value: Any, tp: Any, where: str) -> Any:
     raise MtpipeError(f"{where}: {cls.SECTION}.{key} = {value!r} is not a {getattr(bt, '__name__', bt)}")
 
 
-def make_section(cls: type, values: dict[str, Any], where: str = PARAMS_FILE) -> Any:
-    """Build a section from a mapping, failing on unknown keys (named) and wrong types."""
+def _check_rules(cls: type, key: str, value: Any, meta: Any, where: str) -> None:
+    """A value against its field's ``ge`` and ``choices`` (see :func:`_h`)."""
+    if value is None:
+        return
+    name = f"{cls.SECTION}.{key}"
+    if "ge" in meta and not (math.isfinite(value) and value >= meta["ge"]):
+        raise MtpipeError(f"{where}: {name} = {value!r} must be >= {meta['ge']:g}")
+    if "choices" in meta and value not in meta["choices"]:
+        raise MtpipeError(f"{where}: {name} = {value!r} is not one of {', '.join(meta['choices'])}")
+
+
+def make_section(cls: type, values: dict[str, Any], where: str = PARAMS_FILE,
+                 origins: dict[str, str] | None = None) -> Any:
+    """Build a section from a mapping, failing on unknown keys (named), wrong types and values outside their
+    field's rules; ``origins`` names where a key's value came from when not ``where`` (a command-line flag)."""
     if not isinstance(values, dict):
         raise MtpipeError(f"{where}: section '{cls.SECTION}' must be a mapping, got {type(values).__name__}")
     types = field_types(cls)
@@ -374,7 +409,13 @@ def make_section(cls: type, values: dict[str, Any], where: str = PARAMS_FILE) ->
         raise MtpipeError(
             f"{where}: unknown key '{cls.SECTION}.{unknown[0]}' (known: {', '.join(types)})"
         )
-    return cls(**{k: _coerce(cls, k, v, types[k], where) for k, v in values.items()})
+    metas = {f.name: f.metadata for f in dataclasses.fields(cls)}
+    coerced = {}
+    for k, v in values.items():
+        origin = (origins or {}).get(k, where)
+        coerced[k] = _coerce(cls, k, v, types[k], origin)
+        _check_rules(cls, k, coerced[k], metas[k], origin)
+    return cls(**coerced)
 
 
 def load_params(path: Path | str | None = PARAMS_FILE, *, required: bool = False) -> dict[str, dict[str, Any]]:
@@ -408,10 +449,12 @@ def resolve(cls: type, params: dict[str, dict[str, Any]], overrides: dict[str, A
             where: str = PARAMS_FILE) -> Any:
     """Section ``cls`` from defaults <- params.yaml <- ``overrides`` (CLI flags; ``None`` means not given)."""
     values = dict(params.get(cls.SECTION, {}))
+    origins = {}
     for k, v in (overrides or {}).items():
         if v is not None:
             values[k] = v
-    return make_section(cls, values, where)
+            origins[k] = "--" + k.replace("_", "-")
+    return make_section(cls, values, where, origins)
 
 
 def to_dict(section: Any) -> dict[str, Any]:

@@ -73,7 +73,7 @@ from torch import Tensor
 
 from mtpipe import artifacts
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID
-from mtpipe.config import PATHS, DecodeConfig, to_dict
+from mtpipe.config import DecodeConfig, to_dict
 from mtpipe.errors import MtpipeError
 
 PENALTIES = ("gnmt", "fairseq")
@@ -427,31 +427,10 @@ def translate_ct2(model: Any, sources: Sequence[Sequence[int]], cfg: DecodeConfi
 
 
 def validate(cfg: DecodeConfig) -> None:
-    """Every decode param checked before anything is read or written."""
-    if cfg.beam < 1:
-        raise MtpipeError(f"decode.beam: {cfg.beam} is not >= 1")
-    if not 1 <= cfg.nbest <= cfg.beam:
+    """The decode params' rules that span several keys (each key's own range and choices are checked when the
+    section is built, :mod:`mtpipe.config`)."""
+    if cfg.nbest > cfg.beam:
         raise MtpipeError(f"decode.nbest: {cfg.nbest} is not between 1 and decode.beam ({cfg.beam})")
-    if cfg.length_penalty not in PENALTIES:
-        raise MtpipeError(f"decode.length_penalty: unknown penalty {cfg.length_penalty!r} "
-                          f"(choose from {', '.join(PENALTIES)})")
-    if not math.isfinite(cfg.alpha):
-        raise MtpipeError(f"decode.alpha: {cfg.alpha} is not a finite number")
-    if cfg.precision not in PRECISIONS:
-        raise MtpipeError(f"decode.precision: unknown precision {cfg.precision!r} "
-                          f"(choose from {', '.join(PRECISIONS)})")
-    if cfg.max_len_a < 0 or cfg.max_len_b < 0:
-        raise MtpipeError(f"decode.max_len_a / max_len_b: {cfg.max_len_a} / {cfg.max_len_b} must be >= 0")
-    if cfg.max_tokens < 1:
-        raise MtpipeError(f"decode.max_tokens: {cfg.max_tokens} is not >= 1")
-    if cfg.threads < 0:
-        raise MtpipeError(f"decode.threads: {cfg.threads} is not >= 0")
-    if cfg.stop not in STOPS:
-        raise MtpipeError(f"decode.stop: unknown rule {cfg.stop!r} (choose from {', '.join(STOPS)})")
-    if not (math.isfinite(cfg.patience) and cfg.patience >= 1):
-        raise MtpipeError(f"decode.patience: {cfg.patience} must be >= 1")
-    if cfg.engine not in ENGINES:
-        raise MtpipeError(f"decode.engine: unknown engine {cfg.engine!r} (choose from {', '.join(ENGINES)})")
     if cfg.engine == "ctranslate2":
         from mtpipe.export import COMPUTE_TYPES
 
@@ -498,12 +477,12 @@ def read_lines(path: Path) -> list[str]:
 
 
 def run(cfg: DecodeConfig, checkpoint: Path, tokens: Path, input: Path | None = None,
-        out: Path | None = None) -> None:
+        out: Path | None = None, *, force: bool = False) -> None:
     """Translate a split of the bpe artifact (``cfg.split``) or raw text (``input``; '-' = stdin).
 
-    A split is written to ``out`` (default ``artifacts/decode``) as a ``hypotheses`` artifact. Raw text is written
-    to stdout, one line per input line, and also as an artifact (``input.parquet`` / ``input.txt``) when ``out``
-    is given. All checks run before any output is written.
+    The translations go to stdout, one line per sentence in id order; with ``out`` also a ``hypotheses`` artifact
+    (``{split}.parquet`` / ``{split}.txt``, or ``input.*`` for raw text) is written there. All checks run before any
+    output is written.
     """
     import sentencepiece as spm
 
@@ -513,8 +492,8 @@ def run(cfg: DecodeConfig, checkpoint: Path, tokens: Path, input: Path | None = 
     from rich.progress import TextColumn
 
     validate(cfg)
-    if input is None and out is None:
-        out = Path(PATHS["decode"])
+    if out is not None:
+        artifacts.prepare_output(out, "hypotheses", inputs=[checkpoint, tokens, input], force=force)
 
     # -- inputs, all checked before any work --------------------------------------------------------------------
     ct2 = cfg.engine == "ctranslate2"
@@ -667,7 +646,8 @@ def run(cfg: DecodeConfig, checkpoint: Path, tokens: Path, input: Path | None = 
 
         name = split if split is not None else INPUT_SPLIT
         upstream = {"checkpoint": checkpoint} if export_spm else {"checkpoint": checkpoint, "tokens": tokens}
-        with artifacts.ArtifactWriter(out, "hypotheses", {"decode": to_dict(cfg)}, upstream=upstream) as w:
+        with artifacts.ArtifactWriter(out, "hypotheses", {"decode": to_dict(cfg)}, upstream=upstream,
+                                      force=force) as w:
             w.write_table(f"{name}.parquet", pa.table(rows, schema=artifacts.HYPOTHESES_SCHEMA))
             w.path(f"{name}.txt").write_text("".join(s + "\n" for s in texts), encoding="utf-8")
             w.extra.update({
@@ -681,9 +661,8 @@ def run(cfg: DecodeConfig, checkpoint: Path, tokens: Path, input: Path | None = 
                 "pruned": None if plan is None else {"encoder_kept": list(plan.encoder),
                                                      "decoder_kept": list(plan.decoder)},
             })
-    if input is not None:
-        sys.stdout.write("".join(s + "\n" for s in texts))
-        sys.stdout.flush()
+    sys.stdout.write("".join(s + "\n" for s in texts))
+    sys.stdout.flush()
     table("decode", ["", "value"], [
         ["engine", cfg.engine],
         ["sentences", len(sources)],

@@ -289,7 +289,8 @@ def build_ct2_spec(src: _Source) -> Any:
 
 
 def export_ctranslate2(checkpoint: Path, tokens: Path, out: Path, quantization: str | None = None,
-                       params: dict[str, Any] | None = None, summary: bool = True) -> dict[str, Any]:
+                       params: dict[str, Any] | None = None, summary: bool = True, *,
+                       force: bool = False) -> dict[str, Any]:
     """Export ``checkpoint`` (trained or averaged) with the SentencePiece model of ``tokens`` to a CTranslate2 model
     directory ``out`` (atomically). ``quantization``: None/"none" keeps float32 weights, else a CTranslate2 weight
     type (int8, int8_float32, int16, float16, ...). ``summary``: print the summary table. Returns the manifest's
@@ -300,7 +301,8 @@ def export_ctranslate2(checkpoint: Path, tokens: Path, out: Path, quantization: 
     spec = build_ct2_spec(src)
     spec.optimize(quantization=q)  # aliases the three tied embedding copies, then quantizes
     cfg = src.model.cfg
-    with artifacts.ArtifactWriter(out, "export", params, upstream={"checkpoint": checkpoint, "tokens": tokens}) as w:
+    with artifacts.ArtifactWriter(out, "export", params, upstream={"checkpoint": checkpoint, "tokens": tokens},
+                                  force=force) as w:
         assert w.tmp is not None
         spec.save(str(w.tmp))
         w.path("spm.model").write_bytes(src.spm_path.read_bytes())
@@ -577,7 +579,8 @@ def marian_mismatch(cfg: Any) -> str | None:
     return None
 
 
-def export_marian(checkpoint: Path, tokens: Path, out: Path, params: dict[str, Any] | None = None) -> dict[str, Any]:
+def export_marian(checkpoint: Path, tokens: Path, out: Path, params: dict[str, Any] | None = None, *,
+                  force: bool = False) -> dict[str, Any]:
     """Export to a Hugging Face ``MarianMTModel`` directory (``save_pretrained`` files, the SentencePiece model as
     ``source.spm``/``target.spm`` and ``vocab.json`` for ``MarianTokenizer``), atomically."""
     try:
@@ -664,7 +667,8 @@ def export_marian(checkpoint: Path, tokens: Path, out: Path, params: dict[str, A
                                             bad_words_ids=[[PAD_ID], [BOS_ID]], max_length=cfg.max_positions,
                                             num_beams=4)
 
-    with artifacts.ArtifactWriter(out, "export", params, upstream={"checkpoint": checkpoint, "tokens": tokens}) as w2:
+    with artifacts.ArtifactWriter(out, "export", params, upstream={"checkpoint": checkpoint, "tokens": tokens},
+                                  force=force) as w2:
         assert w2.tmp is not None
         hf.save_pretrained(str(w2.tmp), safe_serialization=True)
         spm_bytes = src.spm_path.read_bytes()
@@ -690,19 +694,20 @@ def export_marian(checkpoint: Path, tokens: Path, out: Path, params: dict[str, A
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def run(cfg: Any, checkpoint: Path, tokens: Path, out: Path) -> dict[str, Any]:
+def run(cfg: Any, checkpoint: Path, tokens: Path, out: Path, *, force: bool = False) -> dict[str, Any]:
     """``mtpipe export``: ``cfg`` is an :class:`mtpipe.config.ExportConfig`."""
     from mtpipe.config import to_dict
 
     if cfg.format not in FORMATS:
         raise MtpipeError(f"export.format: unknown format {cfg.format!r} (choose from {', '.join(FORMATS)})")
     params = {"export": to_dict(cfg)}
+    artifacts.prepare_output(out, "export", inputs=[checkpoint, tokens], force=force)
     if cfg.format == "marian":
         if _check_quantization(cfg.quantization) is not None:
             raise MtpipeError(f"export.quantization: {cfg.quantization!r} applies to CTranslate2 only; use 'none' "
                               "with format marian")
-        return export_marian(checkpoint, tokens, out, params=params)
-    return export_ctranslate2(checkpoint, tokens, out, cfg.quantization, params=params)
+        return export_marian(checkpoint, tokens, out, params=params, force=force)
+    return export_ctranslate2(checkpoint, tokens, out, cfg.quantization, params=params, force=force)
 
 
 __all__ = ["Ct2Hypothesis", "Ct2Model", "build_ct2_spec", "ct2_translate", "decode_source", "export_ctranslate2",

@@ -57,7 +57,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from mtpipe import console
-from mtpipe.artifacts import CORPUS_SCHEMA, ArtifactWriter, from_numpy, to_numpy
+from mtpipe.artifacts import (
+    CORPUS_SCHEMA,
+    ArtifactWriter,
+    check_output_place,
+    check_replaceable,
+    from_numpy,
+    to_numpy,
+)
 from mtpipe.config import FetchConfig, to_dict
 from mtpipe.errors import MtpipeError
 
@@ -659,15 +666,24 @@ def _check_cfg(cfg: FetchConfig) -> None:
         raise MtpipeError(f"fetch.max_ratio={cfg.max_ratio}: must be >= 1")
 
 
-def run(cfg: FetchConfig, out: Path) -> dict[str, SplitStats]:
+def local_source(source: str) -> Path | None:
+    """The local path ``fetch.source`` names (a directory, or ``hf:PATH`` of a local dataset), else None."""
+    spec = source[3:] if source.startswith("hf:") else source
+    path = Path(spec).expanduser()
+    return path if not source.startswith("hf:") or path.exists() else None
+
+
+def run(cfg: FetchConfig, out: Path, *, force: bool = False) -> dict[str, SplitStats]:
     """Read ``cfg.source``, clean train, write the ``corpus`` artifact to ``out``; returns per-split statistics."""
     _check_cfg(cfg)
     out = Path(out)
+    check_output_place(out, [local_source(cfg.source)])
+    check_replaceable(out, "corpus", force=force)
     source = open_source(cfg)
     mapping = resolve_splits(cfg, source)
     readers = {split: source.open(name) for split, name in mapping.items()}  # fails early on a missing language
     stats: dict[str, SplitStats] = {}
-    with ArtifactWriter(out, "corpus", {"fetch": to_dict(cfg)}) as w, console.progress() as bar:
+    with ArtifactWriter(out, "corpus", {"fetch": to_dict(cfg)}, force=force) as w, console.progress() as bar:
         for split, reader in readers.items():
             cleaner = Cleaner(cfg, split, reader, SeenHashes() if cfg.dedup and split == "train" else None)
             task = bar.add_task(f"{split} ({reader.unit})", total=reader.total)

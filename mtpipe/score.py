@@ -32,6 +32,7 @@ import gzip
 import json
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -78,11 +79,26 @@ def read_lines(path: Path, what: str) -> list[str]:
         raise MtpipeError(f"{path}: cannot read {what} file ({e})") from None
 
 
+def _read_stdin_lines(what: str) -> list[str]:
+    """Lines of standard input, read as :func:`read_lines` reads a file."""
+    data = sys.stdin.buffer.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MtpipeError(f"stdin: {what} are not UTF-8 text ({e.reason} at byte {e.start})") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line.rstrip() for line in lines]
+
+
 def _read_hypotheses(hyp: Path) -> tuple[dict[int, str] | list[str], str | None]:
     """Hypotheses as ``{id: text}`` (an artifact of a corpus split) or a list (a text file / raw-text decode),
     plus the artifact's corpus split (None for a list)."""
+    if str(hyp) == "-":
+        return _read_stdin_lines("hypotheses"), None
     if not hyp.exists():
-        raise MtpipeError(f"{hyp}: hypotheses not found (a text file, or decode's output directory)")
+        raise MtpipeError(f"{hyp}: hypotheses not found (a text file, '-' for stdin, or decode's output directory)")
     if not hyp.is_dir():
         return read_lines(hyp, "hypotheses"), None
     m = artifacts.read_manifest(hyp, "hypotheses")
@@ -269,13 +285,15 @@ def check_gates(cfg: ScoreConfig, metrics: dict[str, Any], baseline: Path | None
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def run(cfg: ScoreConfig, hyp: Path, ref: Path, baseline: Path | None, out: Path) -> dict[str, Any]:
-    """Score ``hyp`` against ``ref``, write the metrics JSON to ``out``, apply the gates.
+def run(cfg: ScoreConfig, hyp: Path, ref: Path, baseline: Path | None, out: Path | None = None, *,
+        force: bool = False) -> dict[str, Any]:
+    """Score ``hyp`` against ``ref``, print the metrics and, with ``out``, write them as JSON; apply the gates.
 
     Raises :class:`MtpipeError` (exit 1, nothing written) on bad input, :class:`GateFailed` (exit 3, metrics JSON
     written) when a gate fails. Returns the metrics.
     """
-    hyp, ref, out = Path(hyp), Path(ref), Path(out)
+    hyp, ref = Path(hyp), Path(ref)
+    out = Path(out) if out is not None else None
     # Bad input must fail before anything is written, so every check (baseline included) comes first.
     if cfg.max_drop is not None and cfg.max_drop < 0:
         raise MtpipeError(f"score.max_drop: {cfg.max_drop} must be >= 0")
@@ -283,9 +301,9 @@ def run(cfg: ScoreConfig, hyp: Path, ref: Path, baseline: Path | None, out: Path
         raise MtpipeError(f"--baseline {baseline}: also give --max-drop (how many BLEU points below it fail)")
     if cfg.max_drop is not None and baseline is None:
         warn("score.max_drop is set but no --baseline was given: the drop gate is not applied")
-    for p in (hyp, ref):
-        if p.exists() and not p.is_dir() and out.exists() and out.resolve() == p.resolve():
-            raise MtpipeError(f"--out {out}: is the input {p}; choose another metrics path")
+    if out is not None:
+        artifacts.check_output_place(out, [hyp, ref, baseline])
+        artifacts.check_replaceable_metrics(out, force=force)
     base = read_baseline(Path(baseline)) if baseline is not None else None
 
     hyps, refs, split = load_pairs(cfg, hyp, ref)
@@ -293,7 +311,8 @@ def run(cfg: ScoreConfig, hyp: Path, ref: Path, baseline: Path | None, out: Path
     metrics["inputs"] = {"hyp": str(hyp), "ref": str(ref), "split": split}
     metrics["gate"], failures = check_gates(cfg, metrics, baseline, base)
 
-    artifacts.atomic_write_text(out, json.dumps(metrics, indent=2) + "\n")
+    if out is not None:
+        artifacts.atomic_write_text(out, json.dumps(metrics, indent=2) + "\n")
 
     # Signatures go on their own lines: in a table a narrow terminal would truncate them, and they are meant to be
     # copied into papers verbatim.
@@ -308,10 +327,12 @@ def run(cfg: ScoreConfig, hyp: Path, ref: Path, baseline: Path | None, out: Path
             info(f"{name} signature: {metrics['signatures'][key]}")
     if "paper_bleu" in metrics:
         info(f"{PAPER_BLEU_NAME}: {PAPER_BLEU_NOTE}")
-    info(f"metrics written to {out}")
+    if out is not None:
+        info(f"metrics written to {out}")
 
     if failures:
-        raise GateFailed("gate failed: " + "; ".join(failures) + f" (metrics still written to {out})")
+        raise GateFailed("gate failed: " + "; ".join(failures)
+                         + (f" (metrics still written to {out})" if out is not None else ""))
     if cfg.min_bleu is not None or base is not None:
         checks = []
         if cfg.min_bleu is not None:

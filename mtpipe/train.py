@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -51,7 +50,6 @@ from mtpipe.loss import label_smoothed_nll
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 TRAINER_STATE_VERSION = 1
-CHECKPOINT_RE = re.compile(r"^step_(\d+)$")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -405,16 +403,22 @@ def make_train_step(model: nn.Module, cfg: TrainConfig) -> Callable[[Tensor, Ten
 
 
 def list_checkpoints(out: Path) -> list[tuple[int, Path]]:
-    """``(step, dir)`` of the complete training checkpoints under ``out/checkpoints``, by step."""
-    ck_dir = out / "checkpoints"
-    if not ck_dir.is_dir():
-        return []
-    found = []
-    for d in ck_dir.iterdir():
-        m = CHECKPOINT_RE.match(d.name)
-        if m and d.is_dir() and (d / artifacts.MANIFEST).exists():
-            found.append((int(m.group(1)), d))
-    return sorted(found)
+    """``(step, dir)`` of the training checkpoints under ``out/checkpoints``, by step
+    (:func:`mtpipe.artifacts.list_checkpoints`, the rule averaging uses too)."""
+    return artifacts.list_checkpoints(out)
+
+
+# Train keys whose change makes a resumed run differ from the run a fresh start with the new params would give.
+# The others (when to stop, save, validate, log; threads, restarts) may change between invocations freely.
+TRAJECTORY_KEYS = ("seed", "tokens_per_update", "lr_scale", "warmup", "adam_beta1", "adam_beta2", "adam_eps",
+                   "clip_norm", "label_smoothing", "precision", "drophead_start", "drophead_end")
+
+
+def changed_trajectory_keys(ck: artifacts.Checkpoint, cfg: TrainConfig) -> list[str]:
+    """The :data:`TRAJECTORY_KEYS` whose value in ``cfg`` differs from the one the checkpoint was trained with."""
+    before = (ck.manifest.params or {}).get("train") or {}
+    now = to_dict(cfg)
+    return [k for k in TRAJECTORY_KEYS if k in before and before[k] != now[k]]
 
 
 def _first_difference(a: dict[str, Any], b: dict[str, Any]) -> str | None:
@@ -430,13 +434,15 @@ def check_resumable(ck: artifacts.Checkpoint, model_config: dict[str, Any], voca
         raise MtpipeError(
             f"{ck.path}: checkpoint was trained with another vocabulary (spm {str(ck.vocab.get('spm_sha256'))[:19]}, "
             f"size {ck.vocab.get('size')}) than --tokens gives (spm {vocab['spm_sha256'][:19]}, size {vocab['size']}); "
-            "train into a fresh --out or use the bpe artifact it was trained on"
+            f"use the bpe artifact it was trained on, train into another --out, or move {ck.path.parent} aside "
+            "(mtpipe never deletes checkpoints)"
         )
     key = _first_difference(with_model_defaults(ck.model_config), with_model_defaults(model_config))
     if key is not None:
         raise MtpipeError(
             f"{ck.path}: checkpoint has model.{key}={ck.model_config.get(key)!r} but the params give "
-            f"{model_config.get(key)!r}; train into a fresh --out or restore the model params"
+            f"{model_config.get(key)!r}; a new model needs a fresh run: restore the model params, train into another "
+            f"--out, or move {ck.path.parent} aside (mtpipe never deletes checkpoints)"
         )
     ts = ck.trainer_state
     if not isinstance(ts, dict) or ts.get("version") != TRAINER_STATE_VERSION:
@@ -718,6 +724,13 @@ class Trainer:
                               "filesystem shared by every node")
         ck = artifacts.load_checkpoint(path, trainer_state=True, device=str(self.device))
         check_resumable(ck, self.model_config, self.vocab)
+        changed = changed_trajectory_keys(ck, self.cfg)
+        if changed:
+            before = ck.manifest.params["train"]
+            warn(f"resuming {ck.path} with changed "
+                 + ", ".join(f"train.{k} ({before[k]!r} -> {getattr(self.cfg, k)!r})" for k in changed)
+                 + ": training continues from its step with the new values, which is not the run a fresh start "
+                 f"would give; for that, train into another --out or move {ck.path.parent} aside")
         return ck
 
     @rank0_only
@@ -784,7 +797,7 @@ class Trainer:
 
     @rank0_only
     def _write(self, rngs: list[dict[str, Any]]) -> None:
-        path = self.out / "checkpoints" / f"step_{self.step:08d}"
+        path = artifacts.checkpoint_path(self.out, self.step)
         artifacts.write_checkpoint(
             path, state_dict=self.model.state_dict(), model_config=self.model_config, vocab=self.vocab,
             step=self.step, trainer_state=self._trainer_state(rngs),
@@ -1025,9 +1038,13 @@ class Trainer:
         table(f"train: {self.out}", ["", "value"], rows)
 
 
-def run(model_cfg: ModelConfig, cfg: TrainConfig, tokens: Path, batches: Path, out: Path) -> dict[str, Any]:
-    """``mtpipe train``: train (or resume training) into ``out``; returns the summary written to ``out/train.json``."""
+def run(model_cfg: ModelConfig, cfg: TrainConfig, tokens: Path, batches: Path, out: Path, *,
+        force: bool = False) -> dict[str, Any]:
+    """``mtpipe train``: train (or resume training) into ``out``; returns the summary written to ``out/train.json``.
+    ``out`` must be absent, empty or a run directory of `mtpipe train` (``force`` lifts the last rule)."""
     _validate_config(cfg)
+    artifacts.check_output_place(out, [tokens, batches])
+    artifacts.check_run_dir(out, force=force)
     ctx = distributed.init(cfg.device)
     if ctx.device.type == "cpu":
         distributed.tune_cpu_allocator()

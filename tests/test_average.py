@@ -179,7 +179,7 @@ def test_bad_inputs(tmp_path: Path) -> None:
     with pytest.raises(MtpipeError, match="has no checkpoints/ directory"):
         run(cfg(), tmp_path / "run", None, tmp_path / "avg")
     (tmp_path / "run" / "checkpoints" / "junk").mkdir(parents=True)
-    with pytest.raises(MtpipeError, match=r"junk: not an mtpipe artifact"):
+    with pytest.raises(MtpipeError, match=r"junk: not an mtpipe checkpoint"):
         run(cfg(), tmp_path / "run", None, tmp_path / "avg")
     with pytest.raises(MtpipeError, match=r"not an mtpipe artifact"):
         run(cfg(), tmp_path, [tmp_path / "run" / "checkpoints" / "junk"], tmp_path / "avg")
@@ -187,7 +187,7 @@ def test_bad_inputs(tmp_path: Path) -> None:
     save(tmp_path / "two", 5, state(2), name="again")
     with pytest.raises(MtpipeError, match="two checkpoints at step 5"):
         run(cfg(last=1), tmp_path / "two", None, tmp_path / "avg")
-    with pytest.raises(MtpipeError, match="is one of the checkpoints being averaged"):
+    with pytest.raises(MtpipeError, match="is the input .*step_00000005; writing there would destroy it"):
         run(cfg(), tmp_path, [p], p)
     assert not (tmp_path / "avg").exists()
 

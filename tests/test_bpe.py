@@ -32,9 +32,9 @@ VOCAB = 500
 
 
 @pytest.fixture
-def corpus(multi30k_small: Path, tmp_path: Path) -> Path:
+def corpus(small_corpus: Path, tmp_path: Path) -> Path:
     out = tmp_path / "fetch"
-    fetch.run(FetchConfig(source=str(multi30k_small), splits={"train": "train", "valid": "val",
+    fetch.run(FetchConfig(source=str(small_corpus), splits={"train": "train", "valid": "val",
                                                               "test": "test_2016_flickr"}), out)
     return out
 

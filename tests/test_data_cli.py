@@ -14,13 +14,13 @@ from mtpipe.cli import app
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_fetch_bpe_bucket_with_params_yaml(multi30k_small: Path, tmp_path: Path, monkeypatch):
+def test_fetch_bpe_bucket_with_params_yaml(small_corpus: Path, tmp_path: Path, monkeypatch):
     work = tmp_path / "project"
     work.mkdir()
     shutil.copy(REPO / "params.yaml", work / "params.yaml")
     monkeypatch.chdir(work)
     run = CliRunner().invoke
-    r = run(app, ["fetch", "--source", str(multi30k_small)])
+    r = run(app, ["fetch", "--source", str(small_corpus)])
     assert r.exit_code == 0, r.output
     assert "pairs out" in r.output  # the summary table
     r = run(app, ["bpe", "--vocab-size", "600"])

@@ -551,7 +551,7 @@ def test_cli_bad_input_fails_cleanly(trained, case):
     expected = {"not_checkpoint": "plain_dir", "tokens_as_checkpoint": "expected 'checkpoint'",
                 "vocab_sha": "SentencePiece", "vocab_size": "vocabulary size", "beam0": "decode.beam",
                 "nbest_over_beam": "decode.nbest", "missing_split": "valid", "missing_input": "no-such-file",
-                "penalty": "length_penalty", "stop": "decode.stop: unknown rule 'early'"}[case]
+                "penalty": "length_penalty", "stop": "decode.stop = 'early' is not one of bound, finished"}[case]
     assert expected in errors[0]
     assert not out.exists()
     assert not [p for p in root.iterdir() if p.name.startswith(f".{out.name}")]  # no temporary leftovers

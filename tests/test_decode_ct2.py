@@ -148,8 +148,8 @@ def test_bad_input_fails_with_one_line_and_writes_nothing(world, tmp_path, case)
         "precision": "decode.precision: bf16 applies to engine mtpipe",
         "compute_type": "decode.ct2_compute_type: unknown type 'int3'",
         "prune": "decode.prune: not available with engine ctranslate2",
-        "engine": "decode.engine: unknown engine 'onnx'",
-        "patience": "decode.patience: 0.5 must be >= 1",
+        "engine": "decode.engine = 'onnx' is not one of mtpipe, ctranslate2",
+        "patience": "decode.patience = 0.5 must be >= 1",
         "other_spm": "trained with another SentencePiece model",
         "export_to_mtpipe_engine": "is an `mtpipe export` model; decode it with --engine ctranslate2",
     }[case]

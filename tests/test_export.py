@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import random
 import shutil
 import sys
@@ -303,17 +304,24 @@ def test_unequal_d_k_and_d_v_fail_clearly(world, tmp_path):
 
 
 def invoke(*args: str):
-    return CliRunner().invoke(app, ["export", "--params", "/nonexistent-is-fine", *args])
+    return CliRunner().invoke(app, ["export", "--params", os.devnull, *args])
 
 
 def test_cli_exports_and_replaces_the_output_atomically(world, tmp_path):
     out = tmp_path / "model"
     out.mkdir()
     (out / "stale.txt").write_text("old")
-    r = invoke("--checkpoint", str(world["checkpoint"]), "--tokens", str(world["tokens"]), "--out", str(out),
-               "--quantization", "int8_float32")
+    args = ["--checkpoint", str(world["checkpoint"]), "--tokens", str(world["tokens"]), "--out", str(out)]
+    # A folder mtpipe did not write is never replaced without --force.
+    r = invoke(*args)
+    assert r.exit_code == 1 and f"--out {out}: exists and is not an mtpipe artifact" in r.output
+    assert (out / "stale.txt").read_text() == "old"
+    r = invoke(*args, "--force")
     assert r.exit_code == 0, r.output
     assert not (out / "stale.txt").exists()
+    # An export is replaced by the next export without --force.
+    r = invoke(*args, "--quantization", "int8_float32")
+    assert r.exit_code == 0, r.output
     m = artifacts.read_manifest(out, "export")
     assert m.extra["quantization"] == "int8_float32" and m.params["export"]["format"] == "ctranslate2"
     assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temporary directory left behind

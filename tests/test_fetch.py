@@ -56,17 +56,17 @@ def small_pairs(n: int = 40) -> tuple[list[str], list[str]]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def test_multi30k_local_gz(multi30k_small: Path, tmp_path: Path):
+def test_local_gz_corpus(small_corpus: Path, tmp_path: Path):
     out = tmp_path / "fetch"
-    c = cfg(multi30k_small, splits={"train": "train", "valid": ["validation", "val"], "test": ["test_2016_flickr"]})
+    c = cfg(small_corpus, splits={"train": "train", "valid": ["validation", "val"], "test": ["test_2016_flickr"]})
     stats = fetch.run(c, out)
     m = read_manifest(out, "corpus")
     assert m.extra["source_splits"] == {"train": "train", "valid": "val", "test": "test_2016_flickr"}
     assert m.rows == {"train.parquet": stats["train"].rows_out, "valid.parquet": 100, "test.parquet": 100}
-    assert m.params["fetch"]["source"] == str(multi30k_small)
+    assert m.params["fetch"]["source"] == str(small_corpus)
     assert m.extra["pairs_in"]["train"] - sum(m.extra["filters"].values()) == m.extra["pairs_out"]["train"]
     # Ids are line indices: each row is that line of the original files, normalised.
-    with gzip.open(multi30k_small / "train.en.gz", "rt", encoding="utf-8") as f:
+    with gzip.open(small_corpus / "train.en.gz", "rt", encoding="utf-8") as f:
         en = f.read().split("\n")
     t = table(out, "train")
     assert t["id"] == sorted(set(t["id"]))

@@ -1,4 +1,4 @@
-"""The whole DVC pipeline (issue 5): `dvc repro` in a fresh git + DVC repository on a tiny corpus.
+"""The whole DVC pipeline: `dvc repro` in a fresh git + DVC repository on a tiny corpus.
 
 The repository gets the project's own dvc.yaml, stages/ and mtpipe/ sources (dvc.yaml lists the modules as deps),
 and the committed params.yaml with only the sizes shrunk, so a broken quickstart params.yaml or dvc.yaml fails here.
@@ -12,13 +12,17 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import torch
 import yaml
 
 from conftest import REPO
+from mtpipe import artifacts
 
 STAGES = ["fetch", "bpe", "bucket", "train", "average", "decode", "score"]
 
@@ -37,13 +41,17 @@ def tiny_params(corpus: Path) -> dict:
     return params
 
 
-def run(repo: Path, *args: str, check: bool = True) -> str:
+def environment() -> dict[str, str]:
     env = dict(os.environ)
     # The stages call `mtpipe` and `python`: the ones of the environment running the tests.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.update(GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com", GIT_COMMITTER_NAME="t",
                GIT_COMMITTER_EMAIL="t@example.com", DVC_NO_ANALYTICS="1", HF_HUB_OFFLINE="1")
-    p = subprocess.run(list(args), cwd=repo, env=env, capture_output=True, text=True)
+    return env
+
+
+def run(repo: Path, *args: str, check: bool = True) -> str:
+    p = subprocess.run(list(args), cwd=repo, env=environment(), capture_output=True, text=True)
     out = p.stdout + p.stderr
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {p.returncode}:\n{out[-4000:]}")
@@ -54,18 +62,26 @@ def ran_stages(output: str) -> list[str]:
     return re.findall(r"Running stage '(\w+)'", output)
 
 
-def test_dvc_repro_runs_the_seven_stages_then_only_what_changed(tmp_path: Path, multi30k_small: Path) -> None:
-    repo = tmp_path / "repo"
-    repo.mkdir()
+DVC = [sys.executable, "-m", "dvc"]
+
+
+def make_repo(repo: Path, params: dict) -> Path:
+    """A git + DVC repository with the project's dvc.yaml, stages/, mtpipe/ and ``params``."""
+    repo.mkdir(parents=True)
     shutil.copy(REPO / "dvc.yaml", repo / "dvc.yaml")
     shutil.copy(REPO / ".gitignore", repo / ".gitignore")
     shutil.copytree(REPO / "stages", repo / "stages", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "mtpipe", repo / "mtpipe", ignore=shutil.ignore_patterns("__pycache__"))
-    (repo / "params.yaml").write_text(yaml.safe_dump(tiny_params(multi30k_small), sort_keys=False), encoding="utf-8")
-    dvc = [sys.executable, "-m", "dvc"]
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
     run(repo, "git", "init", "-q")
-    run(repo, *dvc, "init", "-q")
-    run(repo, *dvc, "config", "core.analytics", "false")
+    run(repo, *DVC, "init", "-q")
+    run(repo, *DVC, "config", "core.analytics", "false")
+    return repo
+
+
+def test_dvc_repro_runs_the_seven_stages_then_only_what_changed(tmp_path: Path, small_corpus: Path) -> None:
+    repo = make_repo(tmp_path / "repo", tiny_params(small_corpus))
+    dvc = DVC
 
     out = run(repo, *dvc, "repro")
     assert ran_stages(out) == STAGES
@@ -91,3 +107,46 @@ def test_dvc_repro_runs_the_seven_stages_then_only_what_changed(tmp_path: Path, 
     rows = list(csv.DictReader(io.StringIO(run(repo, *dvc, "exp", "show", "--csv"))))
     assert {r["decode.beam"] for r in rows} >= {"1", "2"}
     assert all(r["bleu"] not in ("", "!") and r["valid.ppl"] not in ("", "!") for r in rows), rows
+
+
+def test_dvc_repro_after_an_interruption_resumes_training_bitwise(tmp_path: Path, small_corpus: Path) -> None:
+    """Ctrl-C during `dvc repro`'s training, then `dvc repro` again: training resumes from its last checkpoint (DVC
+    must not delete the checkpoints, `persist`), keeps every earlier one, and ends with the weights and loss curve of
+    an uninterrupted run, bit for bit."""
+    from safetensors.torch import load_file
+
+    params = tiny_params(small_corpus)
+    params["train"].update(max_steps=200, save_every_steps=10, keep_last=30, valid_every_steps=50, log_every_steps=10)
+    whole = make_repo(tmp_path / "whole", params)
+    cut = make_repo(tmp_path / "cut", params)
+    run(whole, *DVC, "repro")
+
+    ck_dir = cut / "artifacts" / "train" / "checkpoints"
+    p = subprocess.Popen([*DVC, "repro"], cwd=cut, env=environment(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (ck_dir / "step_00000020").exists():
+            assert p.poll() is None and time.monotonic() < deadline, "training never reached step 20"
+            time.sleep(0.01)
+        os.killpg(p.pid, signal.SIGINT)  # Ctrl-C: DVC and the training process both get it
+        p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    kept = {d.name: artifacts.manifest_hash(d) for d in ck_dir.iterdir() if not d.name.startswith(".")}
+    assert "step_00000200" not in kept, "training finished before the interruption: nothing was tested"
+
+    out = run(cut, *DVC, "repro")
+    assert ran_stages(out) == ["train", "average", "decode", "score"]
+    assert "resuming from" in out
+    for name, h in kept.items():  # the checkpoints from before the interruption are the same files
+        assert artifacts.manifest_hash(ck_dir / name) == h, name
+    for name in ("step_00000200", "step_00000100"):
+        a = load_file(str(ck_dir / name / "model.safetensors"))
+        b = load_file(str(whole / "artifacts/train/checkpoints" / name / "model.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    curve = Path("artifacts/train/live/plots/metrics/train/loss.tsv")
+    assert (cut / curve).read_text() == (whole / curve).read_text()  # no row lost, none twice
+    assert json.loads((cut / "metrics/score.json").read_text())["bleu"] == \
+        json.loads((whole / "metrics/score.json").read_text())["bleu"]
