@@ -364,13 +364,13 @@ def worker_mtpipe_train(argv: list[str]) -> None:
     a = ap.parse_args(argv)
     import torch
 
-    from mtpipe import artifacts, distributed
+    from mtpipe import artifacts, runtime
     from mtpipe import train as mtrain
     from mtpipe.config import ModelConfig, TrainConfig
     from mtpipe.model import Transformer
 
     torch.set_num_threads(a.threads)
-    distributed.tune_cpu_allocator()  # `mtpipe train` does this on CPU
+    runtime.tune_cpu_allocator()  # `mtpipe train` does this on CPU
     split = mtrain.load_split(Path(a.tokens), "train")
     table = mtrain.load_batches(Path(a.batches), "train", split)
     vocab = int(artifacts.read_manifest(a.tokens, "tokens").extra["vocab_size"])
@@ -542,13 +542,13 @@ def worker_mtpipe_decode(argv: list[str]) -> None:
     import sentencepiece as spm
     import torch
 
-    from mtpipe import artifacts, distributed
+    from mtpipe import artifacts, runtime
     from mtpipe.config import DecodeConfig
     from mtpipe.decode import translate
     from mtpipe.model import build_model
 
     torch.set_num_threads(a.threads)
-    distributed.tune_cpu_allocator()  # `mtpipe decode` does this on CPU
+    runtime.tune_cpu_allocator()  # `mtpipe decode` does this on CPU
     ck = artifacts.load_checkpoint(a.checkpoint)
     model = build_model(ck.model_config, int(ck.vocab["size"]))
     model.load_state_dict(ck.state_dict)

@@ -312,7 +312,15 @@ def bucket(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     ],
 )
 def train(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
-    """Train the Transformer (one process, or every process of a torchrun launch)."""
+    """Train the Transformer: in this process, or on train.nproc processes (torchrun) running this same command."""
+    from mtpipe.launch import launch_command
+
+    cmd = launch_command(cfg.model, cfg.train, {"tokens": opts.tokens, "batches": opts.batches, "out": opts.out},
+                         force=opts.force)
+    if cmd is not None:
+        import subprocess
+
+        raise typer.Exit(subprocess.call(cmd))
     from mtpipe.train import run
 
     run(cfg.model, cfg.train, tokens=opts.tokens, batches=opts.batches, out=opts.out, force=opts.force)

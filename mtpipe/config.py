@@ -213,7 +213,8 @@ class TrainConfig(Section):
     adam_eps: float = _h("Adam epsilon.", default=1e-9)
     clip_norm: float = _h("Clip the gradient norm to this (0 = no clipping).", default=0.0)
     label_smoothing: float = _h("epsilon_ls (paper section 5.4).", default=0.1)
-    precision: str = _h("fp32, bf16 (autocast, GPU and CPU), fp16 (GPU, grad scaler) or auto.", default="auto")
+    precision: str = _h("fp32, bf16 (autocast, GPU and CPU), fp16 (GPU, grad scaler) or auto.", default="auto",
+                        choices=("auto", "fp32", "bf16", "fp16"))
     compile: bool = _h("torch.compile the model.", default=False)
     threads: int = _h("CPU threads per process (0 = torch's default).", default=0)
     save_every_minutes: float = _h("Checkpoint every this many minutes (paper: 10). 0 = off.", default=10.0)

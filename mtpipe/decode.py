@@ -588,9 +588,9 @@ def run(cfg: DecodeConfig, checkpoint: Path, tokens: Path, input: Path | None = 
             torch.set_num_threads(cfg.threads)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if device.type == "cpu":
-            from mtpipe import distributed
+            from mtpipe import runtime
 
-            distributed.tune_cpu_allocator()
+            runtime.tune_cpu_allocator()
         model.to(device)
         device_desc, numbers = str(device), cfg.precision
         if cfg.beam > 1:

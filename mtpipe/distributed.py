@@ -7,10 +7,9 @@ same functions either way and never branches on the world size itself.
 * NCCL between GPUs (one process per GPU, ``cuda:LOCAL_RANK``), gloo between CPU processes.
 * Side effects (checkpoint writes, dvclive, summary files) happen on rank 0 only, behind :func:`rank0_only`.
   (Terminal output is already rank-0 only: :mod:`mtpipe.console` stays silent when ``RANK`` is not 0.)
-* :func:`launch` is the process launcher behind ``stages/train.py``: it resolves the process count from
-  ``train.nproc`` and runs ``torchrun`` (N > 1, multi-node, or restarts) or ``mtpipe train`` in-process (N = 1).
+* Starting the N processes is :mod:`mtpipe.launch`'s job; CPU and precision settings are :mod:`mtpipe.runtime`'s.
 
-torch is imported inside the functions: the launcher (``stages/train.py``) starts torchrun without paying for it.
+torch is imported inside the functions.
 """
 
 from __future__ import annotations
@@ -18,10 +17,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 from mtpipe.errors import MtpipeError
 
@@ -118,45 +115,6 @@ def init(device: str = "auto") -> Context:
     return _ctx
 
 
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # mallopt parameters, <malloc.h>
-
-
-@functools.cache
-def tune_cpu_allocator() -> bool:
-    """Keep freed memory in the process for reuse (glibc only; False elsewhere). Process-wide, called once.
-
-    Why: glibc serves every allocation above its mmap threshold (at most 32 MB: logits, their gradients, large
-    activations) with a fresh ``mmap`` and unmaps it on free, so a CPU training step page-faults its large tensors in
-    again every time (~170k minor faults per step of the small model). With ``M_MMAP_MAX = 0`` and a huge
-    ``M_TRIM_THRESHOLD`` freed blocks are reused: +46-56 % tokens/s for bf16 training of the small model on 2 threads
-    (bench/train_throughput.py). GPU memory is not affected (CUDA has its own caching allocator).
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
-    except (OSError, AttributeError):
-        return False
-
-
-def trim_cpu_memory() -> None:
-    """Hand the free pages of the glibc heap back to the OS (``malloc_trim(0)``); a no-op unless
-    ``tune_cpu_allocator()`` took effect.
-
-    Why: with trimming off, blocks freed by one batch shape are reused only where the next shapes fit, and the heap's
-    resident size creeps up over thousands of steps of varying batch shapes. Trimming every few hundred steps keeps
-    the resident size near the live peak, while the per-step page faults stay gone.
-    """
-    if not tune_cpu_allocator.cache_info().currsize or not tune_cpu_allocator():
-        return
-    import ctypes
-    import ctypes.util
-
-    ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-
-
 def context() -> Context:
     """The current context (``init()`` with defaults if nobody called it yet)."""
     return _ctx if _ctx is not None else init()
@@ -209,13 +167,6 @@ def _active() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
-
-
-def barrier() -> None:
-    if _active():
-        import torch.distributed as dist
-
-        dist.barrier()
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -279,117 +230,3 @@ def no_sync(module: torch.nn.Module, skip: bool) -> Iterator[None]:
             yield
     else:
         yield
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Launcher (stages/train.py)
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def resolve_nproc(nproc: str) -> int:
-    """``train.nproc``: ``auto`` = every visible CUDA GPU (1 CPU process when there is none), or a positive int."""
-    if str(nproc).strip().lower() == "auto":
-        import torch
-
-        return max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
-    try:
-        n = int(nproc)
-    except ValueError:
-        raise MtpipeError(f"train.nproc: {nproc!r} is neither 'auto' nor a number of processes") from None
-    if n < 1:
-        raise MtpipeError(f"train.nproc: {n} must be >= 1")
-    return n
-
-
-def _flag_value(argv: Sequence[str], flag: str) -> str | None:
-    """The value of ``--flag V`` or ``--flag=V`` in ``argv`` (the last one wins, as in the CLI)."""
-    value = None
-    for i, a in enumerate(argv):
-        if a == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif a.startswith(flag + "="):
-            value = a[len(flag) + 1 :]
-    return value
-
-
-def _without_flags(argv: Sequence[str], flags: set[str]) -> list[str]:
-    """``argv`` minus ``--flag V`` / ``--flag=V`` for each of ``flags``."""
-    out: list[str] = []
-    skip = False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in flags:
-            skip = True
-        elif not any(a.startswith(f + "=") for f in flags):
-            out.append(a)
-    return out
-
-
-def torchrun_command(nproc: int, train_args: Sequence[str], env: dict[str, str] | None = None,
-                     max_restarts: int = 0) -> list[str]:
-    """The ``torchrun`` command line that runs ``mtpipe train <train_args>`` in ``nproc`` processes per node.
-
-    Single node: ``--standalone``. Several nodes: ``MTPIPE_NNODES``, ``MTPIPE_NODE_RANK``, ``MTPIPE_RDZV_ENDPOINT``
-    (``host:port`` of a node every node reaches) and optionally ``MTPIPE_RDZV_ID`` (default ``mtpipe``) in ``env``
-    give torchrun's ``--nnodes``, ``--node-rank`` and the c10d rendezvous.
-    """
-    env = os.environ if env is None else env
-    nnodes = env.get("MTPIPE_NNODES", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    if nnodes in ("", "1"):
-        cmd.append("--standalone")
-    else:
-        endpoint = env.get("MTPIPE_RDZV_ENDPOINT")
-        if not endpoint:
-            raise MtpipeError(f"MTPIPE_NNODES={nnodes} needs MTPIPE_RDZV_ENDPOINT=host:port (a node every node "
-                              "can reach)")
-        cmd += ["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-                "--rdzv-id", env.get("MTPIPE_RDZV_ID", "mtpipe")]
-        if env.get("MTPIPE_NODE_RANK"):
-            cmd += ["--node-rank", env["MTPIPE_NODE_RANK"]]
-    if max_restarts:
-        cmd += ["--max-restarts", str(max_restarts)]
-    # The launcher's own flags stay here: torchrun's parser would read --nproc as an ambiguous abbreviation of
-    # --nproc-per-node, and the workers do not need them.
-    return cmd + ["-m", "mtpipe", "train", *_without_flags(train_args, {"--nproc", "--max-restarts"})]
-
-
-def launch(argv: Sequence[str]) -> int:
-    """Run ``mtpipe train argv`` on ``train.nproc`` processes (``--nproc`` in argv overrides params.yaml).
-
-    torchrun when there are several processes, several nodes, or restarts to supervise; otherwise ``mtpipe train``
-    in this process (the very same code path, at world size 1). Returns the exit status.
-    """
-    from mtpipe.config import TrainConfig, load_params, resolve
-
-    argv = list(argv)
-    try:
-        params_file = _flag_value(argv, "--params")
-        params = load_params(params_file or "params.yaml", required=params_file is not None)
-        over: dict[str, Any] = {"nproc": _flag_value(argv, "--nproc")}
-        restarts = _flag_value(argv, "--max-restarts") or os.environ.get("MTPIPE_MAX_RESTARTS")
-        if restarts is not None:
-            try:
-                over["max_restarts"] = int(restarts)
-            except ValueError:
-                raise MtpipeError(f"--max-restarts / MTPIPE_MAX_RESTARTS: {restarts!r} is not an integer") from None
-        cfg = resolve(TrainConfig, params, over, where=params_file or "params.yaml")
-        nproc = resolve_nproc(cfg.nproc)
-        multi_node = os.environ.get("MTPIPE_NNODES", "1") not in ("", "1")
-        if nproc > 1 or multi_node or cfg.max_restarts > 0:
-            cmd = torchrun_command(nproc, argv, max_restarts=cfg.max_restarts)
-        else:
-            cmd = None
-    except MtpipeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    if cmd is None:
-        from mtpipe.cli import app
-
-        try:
-            app(args=["train", *argv], prog_name="mtpipe")
-        except SystemExit as e:
-            return int(e.code or 0) if not isinstance(e.code, str) else 1
-        return 0
-    return subprocess.call(cmd)

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from mtpipe import artifacts, distributed
+from mtpipe import artifacts, distributed, runtime
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID
 from mtpipe.config import ModelConfig, TrainConfig, to_dict, with_model_defaults
 from mtpipe.console import console, info, progress, table, warn
@@ -48,7 +48,6 @@ from mtpipe.distributed import rank0_only
 from mtpipe.errors import MtpipeError
 from mtpipe.loss import label_smoothed_nll
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 TRAINER_STATE_VERSION = 1
 
 
@@ -95,53 +94,6 @@ def rank_batches(order: np.ndarray, position: int, world_size: int, accum: int, 
     """This rank's micro-batches of the update that starts at ``position`` of the epoch's ``order``: the update
     takes ``order[position : position + world_size * accum]`` and rank r every world_size-th from the r-th."""
     return order[position : position + world_size * accum][rank::world_size]
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Precision
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def cpu_supports_bf16() -> bool:
-    """Whether this CPU has native bf16 matmuls (AMX-BF16 or AVX512-BF16); without them bf16 autocast is slower
-    than fp32 on CPU."""
-    if "AMX" in torch.backends.cpu.get_cpu_capability().upper():
-        return True
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return False
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[-1].split())
-            return "amx_bf16" in flags or "avx512_bf16" in flags
-    return False
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """``train.precision`` on ``device``: ``auto`` = bf16 where the hardware has it (else fp16 + grad scaler on
-    older GPUs, fp32 on CPU); explicit choices are checked."""
-    if precision not in PRECISIONS:
-        raise MtpipeError(f"train.precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
-    if device.type == "cuda":
-        bf16 = torch.cuda.is_bf16_supported()
-        if precision == "auto":
-            return "bf16" if bf16 else "fp16"
-        if precision == "bf16" and not bf16:
-            raise MtpipeError(f"train.precision=bf16: {torch.cuda.get_device_name(device)} has no bf16; use fp16")
-        return precision
-    if precision == "fp16":
-        raise MtpipeError("train.precision=fp16 needs a CUDA GPU (its grad scaler is GPU-only); on CPU use bf16 or "
-                          "fp32")
-    if precision == "auto":
-        return "bf16" if cpu_supports_bf16() else "fp32"
-    return precision
-
-
-def autocast(device: torch.device, precision: str) -> Any:
-    """The forward pass's autocast context for ``precision`` (disabled for fp32)."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -334,7 +286,7 @@ class Updater:
         Returns the detached ``[loss_sum, nll_sum]`` (float32, on the device; no host sync).
         """
         with distributed.no_sync(self.module, skip=not sync):
-            with autocast(self.device, self.precision):
+            with runtime.autocast(self.device, self.precision):
                 loss, nll = self.module(src, tgt_in, tgt_out)
             scaled = loss * scale
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
@@ -383,7 +335,7 @@ def make_train_step(model: nn.Module, cfg: TrainConfig) -> Callable[[Tensor, Ten
     device = next(model.parameters()).device
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
-    updater = Updater(model, cfg, device, resolve_precision(cfg.precision, device))
+    updater = Updater(model, cfg, device, runtime.resolve_precision(cfg.precision, device))
     d_model = model.cfg.d_model
     count = [0]
 
@@ -564,7 +516,7 @@ class Metrics:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-# Steps between glibc heap trims on CPU (distributed.trim_cpu_memory): measured on the small preset, resident memory
+# Steps between glibc heap trims on CPU (runtime.trim_cpu_memory): measured on the small preset, resident memory
 # stays near 3 GB instead of creeping past 7 GB over a 30-minute run, at no measurable cost in tokens/s.
 _TRIM_EVERY_STEPS = 100
 
@@ -614,7 +566,7 @@ class Trainer:
             # TF32 tensor-core matmuls for the fp32 work (fp32 runs, and the fp32 ops that autocast keeps).
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
-        self.precision = resolve_precision(cfg.precision, self.device)
+        self.precision = runtime.resolve_precision(cfg.precision, self.device)
         self._load_data()
 
         # Model: identical initialisation on every rank (one seed), then one dropout stream per rank.
@@ -818,7 +770,7 @@ class Trainer:
         with torch.no_grad():
             for i in range(self.rank, len(self.valid), self.world):
                 batch = self._to_device(collate(self.valid_tokens, self.valid.batch(i)))
-                with autocast(self.device, self.precision):
+                with runtime.autocast(self.device, self.precision):
                     loss, nll = self.updater.loss_module(*batch)
                 sums += torch.stack([loss, nll]).double()
         distributed.all_reduce_sum(sums)
@@ -935,7 +887,7 @@ class Trainer:
                         info(self._line(values))
                     win_t0, win_tok, win_src = now, 0, 0
                 if advanced and self.step % _TRIM_EVERY_STEPS == 0 and self.device.type == "cpu":
-                    distributed.trim_cpu_memory()
+                    runtime.trim_cpu_memory()
                 valid_due = cfg.valid_every_steps and self.step % cfg.valid_every_steps == 0
                 if advanced and valid_due and self.valid is not None:
                     vals = self.validate()
@@ -1047,7 +999,7 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, tokens: Path, batches: Path, o
     artifacts.check_run_dir(out, force=force)
     ctx = distributed.init(cfg.device)
     if ctx.device.type == "cpu":
-        distributed.tune_cpu_allocator()
+        runtime.tune_cpu_allocator()
     try:
         return Trainer(model_cfg, cfg, Path(tokens), Path(batches), Path(out)).run()
     finally:

@@ -1,10 +1,9 @@
 #!/usr/bin/env python3
-"""DVC's train stage: ``python stages/train.py [any mtpipe train option]``.
+"""DVC's train stage: ``python stages/train.py [any mtpipe train option]`` is ``mtpipe train [...]``.
 
-Runs ``mtpipe train`` with the given options on ``train.nproc`` processes (params.yaml, or ``--nproc N``):
-``auto`` = one process per visible CUDA GPU, or one CPU process when there is none; a number = that many (gloo
-between CPU processes, NCCL between GPUs). One process runs ``mtpipe train`` in this process; more run
-``torchrun --standalone --nproc-per-node N -m mtpipe train ...``. Either way it is the same training code path.
+``mtpipe train`` starts ``train.nproc`` processes itself (``auto``: one per visible CUDA GPU, else one CPU process;
+a number: that many, gloo between CPU processes, NCCL between GPUs) through torchrun, or trains in this process when
+one is enough: the same training code path either way (:mod:`mtpipe.launch`).
 
 Restarts: ``train.max_restarts`` (params.yaml, ``--max-restarts N`` or ``MTPIPE_MAX_RESTARTS``) becomes torchrun's
 ``--max-restarts``: when a worker dies, torchrun restarts the whole group, which resumes from the last checkpoint
@@ -17,13 +16,11 @@ Several nodes: run this same command on every node with
   MTPIPE_RDZV_ID        a job id shared by the nodes (default: mtpipe)
 ``--out`` must be on a filesystem every node sees (rank 0 writes checkpoints, every rank reads them on resume).
 torchrun's own ``PET_*`` environment variables (e.g. ``PET_MASTER_PORT``) are honoured as well.
-
-Everything importable lives in :mod:`mtpipe.distributed` (``launch``); this file is launch glue only.
 """
 
 import sys
 
-from mtpipe.distributed import launch
+from mtpipe.cli import app
 
 if __name__ == "__main__":
-    sys.exit(launch(sys.argv[1:]))
+    app(args=["train", *sys.argv[1:]], prog_name="mtpipe")

@@ -451,7 +451,7 @@ def test_time_limits_stop_and_checkpoint(data: tuple[Path, Path], tmp_path: Path
 
 
 def test_precision_auto() -> None:
-    from mtpipe.train import cpu_supports_bf16, resolve_precision
+    from mtpipe.runtime import cpu_supports_bf16, resolve_precision
 
     assert resolve_precision("auto", torch.device("cpu")) == ("bf16" if cpu_supports_bf16() else "fp32")
     assert resolve_precision("fp32", torch.device("cpu")) == "fp32"
@@ -463,7 +463,8 @@ def test_precision_auto() -> None:
 
 
 def test_launcher_builds_the_torchrun_command() -> None:
-    from mtpipe.distributed import resolve_nproc, torchrun_command
+    from mtpipe.config import ModelConfig, TrainConfig
+    from mtpipe.launch import launch_command, resolve_nproc, torchrun_command
 
     if not torch.cuda.is_available():
         assert resolve_nproc("auto") == 1
@@ -471,10 +472,20 @@ def test_launcher_builds_the_torchrun_command() -> None:
     for bad in ("0", "two"):
         with pytest.raises(MtpipeError, match="train.nproc"):
             resolve_nproc(bad)
-    cmd = torchrun_command(2, ["--out", "x", "--nproc", "2", "--max-restarts=1"], env={}, max_restarts=1)
-    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--standalone" in cmd
+    paths = {"tokens": Path("t"), "batches": Path("b"), "out": Path("x")}
+    model, train = ModelConfig(preset="tiny", dropout=0.2), TrainConfig(nproc="2", max_restarts=1, compile=False)
+    cmd = launch_command(model, train, paths, env={})
+    assert cmd is not None and cmd[1:3] == ["-m", "torch.distributed.run"] and "--standalone" in cmd
     assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and cmd[cmd.index("--max-restarts") + 1] == "1"
-    assert cmd[-5:] == ["-m", "mtpipe", "train", "--out", "x"]  # launcher-only flags are not passed on
+    worker = cmd[cmd.index("mtpipe") + 1:]
+    assert worker[:7] == ["train", "--tokens", "t", "--batches", "b", "--out", "x"]
+    # The workers get every resolved value as a flag, and not the launcher's own flags.
+    assert worker[worker.index("--preset") + 1] == "tiny" and worker[worker.index("--dropout") + 1] == "0.2"
+    assert "--no-compile" in worker and "--nproc" not in worker and "--max-restarts" not in worker
+    # One process, or a worker torchrun started: train here.
+    assert launch_command(model, TrainConfig(nproc="1"), paths, env={}) is None
+    assert launch_command(model, train, paths, env={"LOCAL_RANK": "0"}) is None
+    assert launch_command(model, TrainConfig(nproc="1"), paths, env={"MTPIPE_MAX_RESTARTS": "2"}) is not None
     multi = torchrun_command(8, [], env={"MTPIPE_NNODES": "2", "MTPIPE_NODE_RANK": "1",
                                          "MTPIPE_RDZV_ENDPOINT": "node0:29400"})
     assert "--standalone" not in multi
