@@ -18,6 +18,6 @@ pipeline: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc repro
 
 test: install
-	$(VENV)/bin/python -m pytest -q tests
+	MTPIPE_NO_SKIPS=1 $(VENV)/bin/python -m pytest -q -rs tests
 
 .PHONY: install pipeline test

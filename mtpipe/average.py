@@ -67,8 +67,6 @@ def select(cfg: AverageConfig, run_dir: Path, checkpoints: list[Path] | None) ->
             chosen[d.resolve()] = (_step_of(d, m), d)
         return sorted(chosen.values(), key=lambda sd: sd[0])
 
-    if cfg.last < 1:
-        raise MtpipeError(f"average.last: {cfg.last} must be >= 1")
     found = discover(run_dir)
     where = f"{run_dir / 'checkpoints'}"
     if cfg.up_to_step is not None:

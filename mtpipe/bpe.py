@@ -65,12 +65,6 @@ def nproc() -> int:
 def _check_cfg(cfg: BpeConfig) -> None:
     if cfg.vocab_size <= len(SPECIALS):
         raise MtpipeError(f"bpe.vocab_size={cfg.vocab_size}: must be larger than the {len(SPECIALS)} special tokens")
-    if not 0.0 < cfg.character_coverage <= 1.0:
-        raise MtpipeError(f"bpe.character_coverage={cfg.character_coverage}: must be in (0, 1]")
-    if cfg.sample_sentences < 1:
-        raise MtpipeError(f"bpe.sample_sentences={cfg.sample_sentences}: must be >= 1")
-    if cfg.threads < 0:
-        raise MtpipeError(f"bpe.threads={cfg.threads}: must be >= 0 (0 = all cores)")
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -168,10 +168,6 @@ def make_batches(cfg: BucketConfig, split: str, ids: np.ndarray, src: np.ndarray
 
 
 def _check_cfg(cfg: BucketConfig) -> None:
-    if cfg.max_len < 2:
-        raise MtpipeError(f"bucket.max_len={cfg.max_len}: must be >= 2 (one token plus EOS)")
-    if cfg.multiple_of < 1:
-        raise MtpipeError(f"bucket.multiple_of={cfg.multiple_of}: must be >= 1")
     if cfg.max_tokens < cfg.max_len:
         raise MtpipeError(
             f"bucket.max_tokens={cfg.max_tokens} is smaller than bucket.max_len={cfg.max_len}: the longest allowed "

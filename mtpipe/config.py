@@ -21,16 +21,15 @@ from mtpipe.errors import MtpipeError
 PARAMS_FILE = "params.yaml"
 
 
-def _h(text: str, *, ge: float | None = None, choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
+def _h(text: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+       lt: float | None = None, choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
     """A dataclass field with a help string (shown by ``mtpipe <stage> --help``) and the rules its value must
-    follow, checked once when the section is built (:func:`make_section`): ``ge`` a lower bound (a finite number
-    at least this), ``choices`` the values allowed."""
-    meta: dict[str, Any] = {"help": text}
-    if ge is not None:
-        meta["ge"] = ge
-    if choices is not None:
-        meta["choices"] = choices
-    return field(metadata=meta, **kw)
+    follow, checked whenever a section is built (:class:`Section`): a finite number ``>= ge``, ``> gt``, ``<= le``,
+    ``< lt``;
+    one of ``choices``. ``None`` (for optional fields) passes every rule. Rules that span several keys stay with the
+    stage that needs them."""
+    rules = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices}
+    return field(metadata={"help": text, **{k: v for k, v in rules.items() if v is not None}}, **kw)
 
 
 class Section:
@@ -72,9 +71,9 @@ class FetchConfig(Section):
             "test": ["test", "test_2016_flickr"],
         },
     )
-    min_len: int = _h("Train: drop pairs with a side shorter than this many whitespace words.", default=1)
-    max_len: int = _h("Train: drop pairs with a side longer than this many whitespace words.", default=250)
-    max_ratio: float = _h("Train: drop pairs whose word-length ratio exceeds this (Moses clean-corpus-n).", default=9.0)
+    min_len: int = _h("Train: drop pairs with a side shorter than this many whitespace words.", default=1, ge=0)
+    max_len: int = _h("Train: drop pairs with a side longer than this many whitespace words.", default=250, ge=1)
+    max_ratio: float = _h("Train: drop pairs whose word-length ratio exceeds this (Moses clean-corpus-n).", default=9.0, ge=1)
     dedup: bool = _h("Train: drop exact duplicate (src, tgt) pairs.", default=True)
     revision: Optional[str] = _h("Hugging Face dataset revision (git tag / commit) for reproducibility.", default=None)
 
@@ -86,11 +85,11 @@ class BpeConfig(Section):
     SECTION: typing.ClassVar[str] = "bpe"
 
     vocab_size: int = _h("Joint BPE vocabulary size (paper: ~37000 en-de, 32000 en-fr).", default=8000)
-    character_coverage: float = _h("SentencePiece character coverage.", default=1.0)
+    character_coverage: float = _h("SentencePiece character coverage.", default=1.0, gt=0, le=1)
     sample_sentences: int = _h(
         "Cap on sentences (both sides together) sampled for BPE training on big corpora.", default=10_000_000
-    )
-    threads: int = _h("Threads for training and encoding (0 = all cores).", default=0)
+    , ge=1)
+    threads: int = _h("Threads for training and encoding (0 = all cores).", default=0, ge=0)
     seed: int = _h("Seed for the training-sentence sample.", default=1)
 
 
@@ -100,9 +99,9 @@ class BucketConfig(Section):
 
     SECTION: typing.ClassVar[str] = "bucket"
 
-    max_tokens: int = _h("Per-batch cap on padded tokens per side (one GPU / process).", default=4096)
-    max_len: int = _h("Train pairs with a side longer than this many positions (incl. EOS) are dropped.", default=256)
-    multiple_of: int = _h("Sentence count per batch is a multiple of this (tensor-core friendly).", default=8)
+    max_tokens: int = _h("Per-batch cap on padded tokens per side (one GPU / process).", default=4096, ge=1)
+    max_len: int = _h("Train pairs with a side longer than this many positions (incl. EOS) are dropped.", default=256, ge=2)
+    multiple_of: int = _h("Sentence count per batch is a multiple of this (tensor-core friendly).", default=8, ge=1)
 
 
 @dataclass(frozen=True)
@@ -111,35 +110,33 @@ class ModelConfig(Section):
 
     SECTION: typing.ClassVar[str] = "model"
 
-    preset: str = _h("Preset: base, big (paper), small, tiny (CPU-sized).", default="base")
-    encoder_layers: Optional[int] = _h("N, encoder layers.", default=None)
-    decoder_layers: Optional[int] = _h("N, decoder layers.", default=None)
-    d_model: Optional[int] = _h("d_model.", default=None)
-    d_ff: Optional[int] = _h("d_ff, inner size of the feed-forward layers.", default=None)
-    heads: Optional[int] = _h("h, attention heads.", default=None)
-    d_k: Optional[int] = _h("d_k, query/key size per head (default d_model / h).", default=None)
-    d_v: Optional[int] = _h("d_v, value size per head (default d_model / h).", default=None)
-    dropout: Optional[float] = _h("P_drop on residuals and embedding sums.", default=None)
-    attention_dropout: Optional[float] = _h("Dropout on attention weights (paper: 0).", default=None)
-    relu_dropout: Optional[float] = _h("Dropout after the FFN ReLU (paper: 0).", default=None)
-    max_positions: Optional[int] = _h("Longest sequence the model accepts (positions table size).", default=None)
+    preset: str = _h("Preset: base, big (paper), small, tiny (CPU-sized).", default="base", choices=("base", "big", "small", "tiny"))
+    encoder_layers: Optional[int] = _h("N, encoder layers.", default=None, ge=1)
+    decoder_layers: Optional[int] = _h("N, decoder layers.", default=None, ge=1)
+    d_model: Optional[int] = _h("d_model.", default=None, ge=1)
+    d_ff: Optional[int] = _h("d_ff, inner size of the feed-forward layers.", default=None, ge=1)
+    heads: Optional[int] = _h("h, attention heads.", default=None, ge=1)
+    d_k: Optional[int] = _h("d_k, query/key size per head (default d_model / h).", default=None, ge=1)
+    d_v: Optional[int] = _h("d_v, value size per head (default d_model / h).", default=None, ge=1)
+    dropout: Optional[float] = _h("P_drop on residuals and embedding sums.", default=None, ge=0, lt=1)
+    attention_dropout: Optional[float] = _h("Dropout on attention weights (paper: 0).", default=None, ge=0, lt=1)
+    relu_dropout: Optional[float] = _h("Dropout after the FFN ReLU (paper: 0).", default=None, ge=0, lt=1)
+    max_positions: Optional[int] = _h("Longest sequence the model accepts (positions table size).", default=None, ge=1)
     # Variants (mtpipe.model's docstring; off by default: the paper's model).
     norm_position: str = _h("post: LayerNorm(x + F(x)) (the paper); pre: x + F(Norm(x)) with a final norm on each "
-                            "stack (Nguyen & Salazar 2019).", default="post")
+                            "stack (Nguyen & Salazar 2019).", default="post", choices=("post", "pre"))
     norm: str = _h("layer: LayerNorm (the paper); scale: ScaleNorm g * x / ||x||, one learned g per norm, "
-                   "initialised to sqrt(d_model) (Nguyen & Salazar 2019).", default="layer")
+                   "initialised to sqrt(d_model) (Nguyen & Salazar 2019).", default="layer", choices=("layer", "scale"))
     fixnorm: bool = _h("FixNorm: word embeddings normalised to unit length, times one learned g (initialised to "
                        "sqrt(d_model), replacing the fixed sqrt(d_model)); the output projection uses the same "
                        "unit-length rows.", default=False)
     positions: str = _h("sinusoidal (the paper, section 3.5) or learned (Table 3 row E), max_positions of them.",
-                        default="sinusoidal")
+                        default="sinusoidal", choices=("sinusoidal", "learned"))
     layerdrop: float = _h("LayerDrop p (Fan et al. 2019): in training each encoder and decoder layer is skipped with "
-                          "probability p (paper: 0.2); `--prune` removes layers at inference.", default=0.0)
+                          "probability p (paper: 0.2); `--prune` removes layers at inference.", default=0.0, ge=0, lt=1)
 
     def resolved(self) -> "ModelConfig":
         """Fill every ``None`` from the preset; derive d_k/d_v; validate."""
-        if self.preset not in MODEL_PRESETS:
-            raise MtpipeError(f"model.preset: unknown preset {self.preset!r} (choose from {', '.join(MODEL_PRESETS)})")
         base = MODEL_PRESETS[self.preset]
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for k, v in base.items():
@@ -152,21 +149,7 @@ class ModelConfig(Section):
         for k in ("d_k", "d_v"):
             if values[k] is None:
                 values[k] = values["d_model"] // values["heads"]
-        for k in ("dropout", "attention_dropout", "relu_dropout", "layerdrop"):
-            if not 0.0 <= values[k] < 1.0:
-                raise MtpipeError(f"model.{k}: {values[k]} is not in [0, 1)")
-        for k, choices in MODEL_CHOICES.items():
-            if values[k] not in choices:
-                raise MtpipeError(f"model.{k}: unknown value {values[k]!r} (choose from {', '.join(choices)})")
-        return ModelConfig(**values)
-
-
-# The variants' choices; the first is the default (the paper's model).
-MODEL_CHOICES: dict[str, tuple[str, ...]] = {
-    "norm_position": ("post", "pre"),
-    "norm": ("layer", "scale"),
-    "positions": ("sinusoidal", "learned"),
-}
+        return ModelConfig(**values)  # the preset's values pass the fields' rules too
 
 
 def with_model_defaults(model_config: dict[str, Any]) -> dict[str, Any]:
@@ -196,41 +179,42 @@ class TrainConfig(Section):
 
     SECTION: typing.ClassVar[str] = "train"
 
-    seed: int = _h("Random seed (model init, dropout, batch order).", default=1)
+    seed: int = _h("Random seed (model init, dropout, batch order).", default=1, ge=0)
     nproc: str = _h("Processes for the torchrun launcher: 'auto' (every visible GPU, else 1 CPU process) or a number.",
                     default="auto")
     tokens_per_update: int = _h(
         "Target tokens per optimizer step across all processes (paper ~25000); sets gradient accumulation.",
         default=25000,
+        ge=1,
     )
-    max_steps: int = _h("Stop after this many updates (paper: base 100k, big 300k). 0 = no limit.", default=100_000)
-    max_epochs: int = _h("Stop after this many epochs. 0 = no limit.", default=0)
-    max_time: float = _h("Stop after this many minutes of training. 0 = no limit.", default=0.0)
-    lr_scale: float = _h("Multiplier on the paper's learning-rate formula.", default=1.0)
-    warmup: int = _h("warmup_steps of the paper's schedule.", default=4000)
+    max_steps: int = _h("Stop after this many updates (paper: base 100k, big 300k). 0 = no limit.", default=100_000, ge=0)
+    max_epochs: int = _h("Stop after this many epochs. 0 = no limit.", default=0, ge=0)
+    max_time: float = _h("Stop after this many minutes of training. 0 = no limit.", default=0.0, ge=0)
+    lr_scale: float = _h("Multiplier on the paper's learning-rate formula.", default=1.0, gt=0)
+    warmup: int = _h("warmup_steps of the paper's schedule.", default=4000, ge=1)
     adam_beta1: float = _h("Adam beta1.", default=0.9)
     adam_beta2: float = _h("Adam beta2.", default=0.98)
-    adam_eps: float = _h("Adam epsilon.", default=1e-9)
-    clip_norm: float = _h("Clip the gradient norm to this (0 = no clipping).", default=0.0)
-    label_smoothing: float = _h("epsilon_ls (paper section 5.4).", default=0.1)
+    adam_eps: float = _h("Adam epsilon.", default=1e-9, gt=0)
+    clip_norm: float = _h("Clip the gradient norm to this (0 = no clipping).", default=0.0, ge=0)
+    label_smoothing: float = _h("epsilon_ls (paper section 5.4).", default=0.1, ge=0, lt=1)
     precision: str = _h("fp32, bf16 (autocast, GPU and CPU), fp16 (GPU, grad scaler) or auto.", default="auto",
                         choices=("auto", "fp32", "bf16", "fp16"))
     compile: bool = _h("torch.compile the model.", default=False)
-    threads: int = _h("CPU threads per process (0 = torch's default).", default=0)
-    save_every_minutes: float = _h("Checkpoint every this many minutes (paper: 10). 0 = off.", default=10.0)
-    save_every_steps: int = _h("Checkpoint every this many updates. 0 = off.", default=0)
-    keep_last: int = _h("Keep this many most recent checkpoints (>= the average stage's count).", default=20)
+    threads: int = _h("CPU threads per process (0 = torch's default).", default=0, ge=0)
+    save_every_minutes: float = _h("Checkpoint every this many minutes (paper: 10). 0 = off.", default=10.0, ge=0)
+    save_every_steps: int = _h("Checkpoint every this many updates. 0 = off.", default=0, ge=0)
+    keep_last: int = _h("Keep this many most recent checkpoints (>= the average stage's count).", default=20, ge=1)
     valid_every_steps: int = _h("Validation loss/perplexity every this many updates. 0 = only at the end.",
-                                default=1000)
-    log_every_steps: int = _h("Log training metrics every this many updates.", default=10)
-    max_bad_steps: int = _h("Stop with an error after this many non-finite losses in a row.", default=5)
+                                default=1000, ge=0)
+    log_every_steps: int = _h("Log training metrics every this many updates.", default=10, ge=1)
+    max_bad_steps: int = _h("Stop with an error after this many non-finite losses in a row.", default=5, ge=1)
     device: str = _h("auto (cuda:LOCAL_RANK when a GPU is visible, else cpu), cpu or cuda.", default="auto")
     max_restarts: int = _h("torchrun --max-restarts for the stages/train.py launcher: a crashed worker group is "
-                           "restarted and resumes from the last checkpoint.", default=0)
+                           "restarted and resumes from the last checkpoint.", default=0, ge=0)
     drophead_start: float = _h("Scheduled DropHead (Zhou et al. 2020): probability of dropping a whole attention head "
                                "at step 0; it falls linearly to 0 at train.warmup, then rises to drophead_end at the "
-                               "last step. 0 = off.", default=0.0)
-    drophead_end: Optional[float] = _h("DropHead probability at the last step (null = drophead_start).", default=None)
+                               "last step. 0 = off.", default=0.0, ge=0, lt=1)
+    drophead_end: Optional[float] = _h("DropHead probability at the last step (null = drophead_start).", default=None, ge=0, lt=1)
 
 
 PRUNE_HELP = ("LayerDrop pruning (Fan et al. 2019) of the model, without fine-tuning: '' = none; 'every_other' = drop "
@@ -245,8 +229,8 @@ class AverageConfig(Section):
 
     SECTION: typing.ClassVar[str] = "average"
 
-    last: int = _h("Average the last N checkpoints by step (paper: base 5, big 20).", default=5)
-    up_to_step: Optional[int] = _h("Only consider checkpoints at or before this step.", default=None)
+    last: int = _h("Average the last N checkpoints by step (paper: base 5, big 20).", default=5, ge=1)
+    up_to_step: Optional[int] = _h("Only consider checkpoints at or before this step.", default=None, ge=0)
     allow_fewer: bool = _h("Warn instead of failing when fewer checkpoints than asked exist.", default=False)
     prune: str = _h(PRUNE_HELP, default="")
 
@@ -324,7 +308,7 @@ class ScoreConfig(Section):
     min_bleu: Optional[float] = _h("Gate: exit with status 3 when BLEU is below this (the metrics JSON is still "
                                    "written).", default=None)
     max_drop: Optional[float] = _h("Gate: exit with status 3 when BLEU is more than this below the --baseline "
-                                   "metrics JSON's BLEU.", default=None)
+                                   "metrics JSON's BLEU.", default=None, ge=0)
     paper_bleu: bool = _h("Also report the paper's tokenised, compound-split BLEU (not comparable to sacreBLEU).",
                           default=False)
 
@@ -392,10 +376,16 @@ def _check_rules(cls: type, key: str, value: Any, meta: Any, where: str) -> None
     if value is None:
         return
     name = f"{cls.SECTION}.{key}"
-    if "ge" in meta and not (math.isfinite(value) and value >= meta["ge"]):
-        raise MtpipeError(f"{where}: {name} = {value!r} must be >= {meta['ge']:g}")
+    bounds = [(op, meta[op]) for op in ("ge", "gt", "le", "lt") if op in meta]
+    if bounds and not (math.isfinite(value) and all(_BOUND[op](value, b) for op, b in bounds)):
+        want = " and ".join(f"{_SYMBOL[op]} {b:g}" for op, b in bounds)
+        raise MtpipeError(f"{where}: {name} = {value!r} must be {want}")
     if "choices" in meta and value not in meta["choices"]:
         raise MtpipeError(f"{where}: {name} = {value!r} is not one of {', '.join(meta['choices'])}")
+
+
+_BOUND = {"ge": lambda v, b: v >= b, "gt": lambda v, b: v > b, "le": lambda v, b: v <= b, "lt": lambda v, b: v < b}
+_SYMBOL = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 
 
 def make_section(cls: type, values: dict[str, Any], where: str = PARAMS_FILE,

@@ -662,8 +662,6 @@ def _check_cfg(cfg: FetchConfig) -> None:
         raise MtpipeError(f"fetch.src_lang and fetch.tgt_lang are both '{cfg.src_lang}'")
     if cfg.min_len < 0 or cfg.max_len < max(cfg.min_len, 1):
         raise MtpipeError(f"fetch.min_len={cfg.min_len} / fetch.max_len={cfg.max_len}: need 0 <= min_len <= max_len")
-    if cfg.max_ratio < 1:
-        raise MtpipeError(f"fetch.max_ratio={cfg.max_ratio}: must be >= 1")
 
 
 def local_source(source: str) -> Path | None:

@@ -295,8 +295,6 @@ def run(cfg: ScoreConfig, hyp: Path, ref: Path, baseline: Path | None, out: Path
     hyp, ref = Path(hyp), Path(ref)
     out = Path(out) if out is not None else None
     # Bad input must fail before anything is written, so every check (baseline included) comes first.
-    if cfg.max_drop is not None and cfg.max_drop < 0:
-        raise MtpipeError(f"score.max_drop: {cfg.max_drop} must be >= 0")
     if baseline is not None and cfg.max_drop is None:
         raise MtpipeError(f"--baseline {baseline}: also give --max-drop (how many BLEU points below it fail)")
     if cfg.max_drop is not None and baseline is None:

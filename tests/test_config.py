@@ -119,3 +119,58 @@ def test_bad_params_file_is_a_one_line_error(tmp_path: Path):
     assert res.exit_code == 1
     assert "max_tokenz" in res.output and str(p) in res.output
     assert len(res.output.strip().splitlines()) == 1
+
+
+def _leaves(data: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in data.items():
+        if isinstance(v, dict) and prefix == "":
+            out.update(_leaves(v, f"{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _commented_keys(path: Path) -> set[str]:
+    """``section.key`` of every line of a params file that carries a ``#`` comment."""
+    keys, section = set(), None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line and not line.startswith((" ", "#")):
+            section = line.split(":")[0]
+        elif line.startswith("  ") and not line.startswith("   ") and ":" in line and section:
+            if "#" in line:
+                keys.add(f"{section}.{line.strip().split(':')[0]}")
+    return keys
+
+
+@pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_recipes_differ_from_params_yaml_only_where_they_say_why(recipe: Path):
+    """A recipe is a whole params.yaml (``cp recipe params.yaml``): the same keys, and every value that differs
+    from the quickstart's carries a comment saying why, so the two cannot drift apart unnoticed."""
+    import yaml
+
+    base = _leaves(yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8")))
+    ours = _leaves(yaml.safe_load(recipe.read_text(encoding="utf-8")))
+    # model.* may be left to the recipe's preset; every other key of params.yaml is spelled out.
+    missing = sorted(k for k in set(base) - set(ours) if not k.startswith("model."))
+    assert not missing, f"keys of params.yaml missing in {recipe.name}: {missing}"
+    undocumented = sorted(k for k in ours if ours[k] != base.get(k) and k not in _commented_keys(recipe))
+    assert not undocumented, f"{recipe.name}: values that differ from params.yaml without a comment: {undocumented}"
+
+
+def test_every_field_rule_is_enforced_from_params_and_flags(tmp_path: Path):
+    """Ranges and choices live in the fields (config owns validation): a bad value fails however it arrives."""
+    from mtpipe.config import MODEL_PRESETS, TrainConfig, make_section
+
+    preset = next(f for f in dataclasses.fields(ModelConfig) if f.name == "preset")
+    assert set(preset.metadata["choices"]) == set(MODEL_PRESETS)
+    with pytest.raises(MtpipeError, match=r"p.yaml: train.label_smoothing = 1.5 must be >= 0 and < 1"):
+        make_section(TrainConfig, {"label_smoothing": 1.5}, "p.yaml")
+    with pytest.raises(MtpipeError, match=r"params: model.norm = 'rms' is not one of layer, scale"):
+        ModelConfig(norm="rms")
+    p = tmp_path / "params.yaml"
+    p.write_text("bucket:\n  multiple_of: 0\n")
+    res = CliRunner().invoke(app, ["bucket", "--params", str(p)])
+    assert res.exit_code == 1 and f"{p}: bucket.multiple_of = 0 must be >= 1" in res.output
+    res = CliRunner().invoke(app, ["bucket", "--max-len", "1", "--out", str(tmp_path / "b")])
+    assert res.exit_code == 1 and "--max-len: bucket.max_len = 1 must be >= 2" in res.output

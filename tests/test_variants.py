@@ -1,4 +1,4 @@
-"""The Transformer variants (issue 6): pre-norm, ScaleNorm, FixNorm, learned positions, LayerDrop with pruning and
+"""The Transformer variants: pre-norm, ScaleNorm, FixNorm, learned positions, LayerDrop with pruning and
 scheduled DropHead. Each: shapes, gradients reaching its new parameters, deterministic eval, incremental decoding
 equal to the full forward pass, and its defining property; then a tiny model trained with the variants through
 ``mtpipe.train.run`` resumes bitwise and decodes (pruned or not) through the CLI with no extra flag."""
