@@ -264,7 +264,7 @@ def fetch(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
 
 
 def _local_source(source: str) -> Path | None:
-    from mtpipe.fetch import local_source
+    from mtpipe.sources import local_source
 
     return local_source(source)
 

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from mtpipe import fetch
+from mtpipe import fetch, sources
 from mtpipe.artifacts import read_manifest, read_table
 from mtpipe.cli import app
 from mtpipe.config import FetchConfig
@@ -114,8 +114,8 @@ def test_streaming_chunks_do_not_change_the_result(tmp_path: Path, monkeypatch):
     de[10] = de[4]  # a duplicate pair in another batch once batches hold 7 rows
     src = parallel_dir(tmp_path / "src", {"train": (en, de), "val": (en[:9], de[:9]), "test": (en[:3], de[:3])})
     fetch.run(cfg(src), tmp_path / "a")
-    monkeypatch.setattr(fetch, "BATCH_ROWS", 7)
-    monkeypatch.setattr(fetch, "READ_CHUNK", 61)  # lines straddle chunk boundaries
+    monkeypatch.setattr(sources, "BATCH_ROWS", 7)
+    monkeypatch.setattr(sources, "READ_CHUNK", 61)  # lines straddle chunk boundaries
     fetch.run(cfg(src), tmp_path / "b")
     for split in ("train", "valid", "test"):
         assert table(tmp_path / "a", split) == table(tmp_path / "b", split)
