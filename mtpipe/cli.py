@@ -7,12 +7,13 @@ keeps ``mtpipe --help`` instant.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import typer
 
@@ -135,44 +136,17 @@ def stage_command(name: str, sections: list[type], opts: list[Opt] = (), help: s
                   config_inputs: Callable[[SimpleNamespace], list[Any]] | None = None) -> Callable:
     """Register ``impl(cfg, opts)`` as command ``name`` with one flag per key of ``sections``.
 
-    ``config_inputs(cfg)`` names input paths that come from params rather than options (fetch's local source), so
-    that the output is checked against them too.
-
     ``cfg`` has one attribute per section (``cfg.train``), resolved defaults <- params.yaml <- flags; ``opts`` has
     the extra options, the output resolved and checked (:func:`resolve_output`, :func:`check_output`) and
-    ``force`` when the command writes one.
+    ``force`` when the command writes one. ``config_inputs(cfg)`` names input paths that come from params rather
+    than options (fetch's local source), so that the output is checked against them too.
     """
 
     def register(impl: Callable) -> Callable:
-        sig: list[inspect.Parameter] = [
-            inspect.Parameter("params_file", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
-                              default=typer.Option(None, "--params", show_default=False,
-                                                   help="params.yaml to read \\[default: ./params.yaml if it exists, "
-                                                        "else built-in defaults]."))
-        ]
-        owner: dict[str, tuple[type, str]] = {}
         out_opt = next((o for o in opts if o.role == "out"), None)
-        for o in opts:
-            # An output's default is applied after parsing, so that a default path and an explicit one differ.
-            default = None if o.role == "out" else o.default
-            sig.append(inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, annotation=o.type,
-                                         default=typer.Option(default, *o.flags, help=o.help,
-                                                              show_default=o.role != "out")))
-            owner[o.name] = (None, o.name)
-        if out_opt is not None:
-            sig.append(inspect.Parameter("force", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
-                False, "--force", help="Replace --out even when it is not an mtpipe output of this kind.")))
-        for section in sections:
-            for key, tp in field_types(section).items():
-                if key in owner:
-                    raise RuntimeError(f"option {key} of '{name}' is defined twice")  # programming error
-                ann, option = _param_option(section, key, tp)
-                pname = f"{section.SECTION}__{key}"
-                sig.append(inspect.Parameter(pname, inspect.Parameter.KEYWORD_ONLY, annotation=ann, default=option))
-                owner[key] = (section, key)
 
         def command(**kwargs: Any) -> None:
-            try:
+            with _one_line_errors():
                 params_file = kwargs.pop("params_file")
                 params = load_params(params_file or PARAMS_FILE, required=params_file is not None)
                 where = str(params_file or PARAMS_FILE)
@@ -185,27 +159,60 @@ def stage_command(name: str, sections: list[type], opts: list[Opt] = (), help: s
                         check_output(out_opt, out, inputs + (config_inputs(cfg) if config_inputs else []),
                                      kwargs["force"])
                 impl(cfg, SimpleNamespace(**kwargs))
-            except MtpipeError as e:
-                typer.echo(f"error: {e}", err=True)
-                # 1 = bad input; a subclass may set another status (score's gate failure: 3).
-                raise typer.Exit(getattr(e, "exit_code", 1)) from None
-            except OSError as e:  # a full disk, a read-only filesystem, no permission: one line, not a traceback
-                from mtpipe.artifacts import os_reason
 
-                where = f"{e.filename}: " if e.filename else ""
-                typer.echo(f"error: {where}{os_reason(e)}", err=True)
-                raise typer.Exit(1) from None
-            except KeyboardInterrupt:
-                typer.echo("interrupted", err=True)
-                raise typer.Exit(130) from None
-
-        command.__signature__ = inspect.Signature(sig)  # type: ignore[attr-defined]
+        command.__signature__ = _signature(name, sections, opts)  # type: ignore[attr-defined]
         command.__doc__ = help or impl.__doc__
         command.__name__ = name
         app.command(name)(command)
         return impl
 
     return register
+
+
+def _signature(name: str, sections: list[type], opts: list[Opt]) -> inspect.Signature:
+    """The command's parameters as Typer reads them: --params, the extra options (--force with an output), and one
+    option per params key (named ``section__key``)."""
+    kw = inspect.Parameter.KEYWORD_ONLY
+    sig = [inspect.Parameter("params_file", kw, annotation=Optional[Path], default=typer.Option(
+        None, "--params", show_default=False,
+        help="params.yaml to read \\[default: ./params.yaml if it exists, else built-in defaults]."))]
+    for o in opts:
+        # An output's default is applied after parsing, so that a default path and an explicit one differ.
+        default = None if o.role == "out" else o.default
+        sig.append(inspect.Parameter(o.name, kw, annotation=o.type, default=typer.Option(
+            default, *o.flags, help=o.help, show_default=o.role != "out")))
+    if any(o.role == "out" for o in opts):
+        sig.append(inspect.Parameter("force", kw, annotation=bool, default=typer.Option(
+            False, "--force", help="Replace --out even when it is not an mtpipe output of this kind.")))
+    taken = {o.name for o in opts}
+    for section in sections:
+        for key, tp in field_types(section).items():
+            if key in taken:
+                raise RuntimeError(f"option {key} of '{name}' is defined twice")  # programming error
+            taken.add(key)
+            ann, option = _param_option(section, key, tp)
+            sig.append(inspect.Parameter(f"{section.SECTION}__{key}", kw, annotation=ann, default=option))
+    return inspect.Signature(sig)
+
+
+@contextlib.contextmanager
+def _one_line_errors() -> Iterator[None]:
+    """What users see when a stage fails: ``error: <file or key>: <problem>`` on one line and an exit status, never a
+    traceback (1 = bad input or an OS error such as a full disk; 3 = score's gate; 130 = interrupted)."""
+    try:
+        yield
+    except MtpipeError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(getattr(e, "exit_code", 1)) from None
+    except OSError as e:
+        from mtpipe.artifacts import os_reason
+
+        where = f"{e.filename}: " if e.filename else ""
+        typer.echo(f"error: {where}{os_reason(e)}", err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        raise typer.Exit(130) from None
 
 
 def _overrides(section: type, kwargs: dict[str, Any]) -> dict[str, Any]:
