@@ -76,7 +76,7 @@ def pruned_layers(repo: Path) -> tuple[int, int]:
     """Layer counts of the half-depth pruned model, from the repository's model params."""
     sys.path.insert(0, str(repo))
     from mtpipe.config import ModelConfig, load_params, resolve
-    from mtpipe.model import every_other
+    from mtpipe.pruning import every_other
 
     cfg = resolve(ModelConfig, load_params(repo / "params.yaml")).resolved()
     return len(every_other(cfg.encoder_layers, 0.5)), len(every_other(cfg.decoder_layers, 0.5))

@@ -365,14 +365,15 @@ def worker_mtpipe_train(argv: list[str]) -> None:
     import torch
 
     from mtpipe import artifacts, runtime
+    from mtpipe import batches as mbatches
     from mtpipe import train as mtrain
     from mtpipe.config import ModelConfig, TrainConfig
     from mtpipe.model import Transformer
 
     torch.set_num_threads(a.threads)
     runtime.tune_cpu_allocator()  # `mtpipe train` does this on CPU
-    split = mtrain.load_split(Path(a.tokens), "train")
-    table = mtrain.load_batches(Path(a.batches), "train", split)
+    split = mbatches.load_split(Path(a.tokens), "train")
+    table = mbatches.load_batches(Path(a.batches), "train", split)
     vocab = int(artifacts.read_manifest(a.tokens, "tokens").extra["vocab_size"])
     p, pa, pr = DROPOUTS[a.dropout]
     cfg = ModelConfig(preset=a.dims, dropout=p, attention_dropout=pa, relu_dropout=pr)
@@ -380,12 +381,12 @@ def worker_mtpipe_train(argv: list[str]) -> None:
     model = Transformer(cfg, vocab).train()
     step = mtrain.make_train_step(model, TrainConfig(precision=a.precision, threads=a.threads, warmup=4000,
                                                      label_smoothing=0.1, tokens_per_update=4096))
-    order = mtrain.epoch_order(len(table), 1, 0)
+    order = mbatches.epoch_order(len(table), 1, 0)
     intervals, src_n, tgt_n = [], 0, 0
     t0 = time.perf_counter()
     for k in range(1, a.updates + 1):
         b = int(order[(k - 1) % len(order)])
-        src, tgt_in, tgt_out = mtrain.collate(split, table.batch(b))
+        src, tgt_in, tgt_out = mbatches.collate(split, table.batch(b))
         step(src, tgt_in, tgt_out)
         src_n, tgt_n = src_n + int(table.src_tokens[b]), tgt_n + int(table.tgt_tokens[b])
         if k % a.interval == 0:

@@ -54,7 +54,8 @@ from mtpipe import artifacts  # noqa: E402
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: E402
 from mtpipe.config import DecodeConfig, ModelConfig, to_dict  # noqa: E402
 from mtpipe.console import console, fmt, progress, table  # noqa: E402
-from mtpipe.decode import Hypothesis, make_batches, translate  # noqa: E402
+from mtpipe.decode import make_batches, translate  # noqa: E402
+from mtpipe.search import Hypothesis  # noqa: E402
 from mtpipe.model import Transformer, build_model  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data" / "multi30k"

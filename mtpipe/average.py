@@ -20,7 +20,7 @@ Output: a weights-only checkpoint (no ``trainer.pt``: it cannot be resumed, only
 largest input step, whose manifest lists the inputs in ``extra["averaged"]`` (path, step, manifest hash) and their
 manifest hashes under ``upstream``.
 
-``average.prune`` (LayerDrop, Fan et al. 2019; :func:`mtpipe.model.prune_plan`) then removes layers from the average:
+``average.prune`` (LayerDrop, Fan et al. 2019; :func:`mtpipe.pruning.prune_plan`) then removes layers from the average:
 the output's model config has the reduced layer counts (``layerdrop`` kept as a record), so ``mtpipe decode`` runs
 the smaller model without any flag; ``extra["pruned"]`` lists the kept layers (0-based, of the inputs' stacks).
 """
@@ -182,7 +182,7 @@ def run(cfg: AverageConfig, run_dir: Path, checkpoints: list[Path] | None, out: 
     upstream = {f"checkpoint_{i}": d for i, (_, d) in enumerate(inputs)}  # explicit inputs may share a step
     extra: dict[str, Any] = {"averaged": averaged}
     if plan is not None:
-        from mtpipe.model import prune_state_dict
+        from mtpipe.pruning import prune_state_dict
 
         state = prune_state_dict(state, plan)
         extra["pruned"] = {"spec": cfg.prune, "encoder_kept": list(plan.encoder), "decoder_kept": list(plan.decoder)}
@@ -202,7 +202,7 @@ def _prune_plan(cfg: AverageConfig, first: Path) -> tuple[Any, dict[str, Any]]:
     config), before any weights are read; ``(None, {})`` without pruning."""
     if not cfg.prune.strip():
         return None, {}
-    from mtpipe.model import prune_plan, pruned_config
+    from mtpipe.pruning import prune_plan, pruned_config
 
     m = artifacts.read_manifest(first, "checkpoint")
     try:

@@ -73,7 +73,8 @@ class FetchConfig(Section):
     )
     min_len: int = _h("Train: drop pairs with a side shorter than this many whitespace words.", default=1, ge=0)
     max_len: int = _h("Train: drop pairs with a side longer than this many whitespace words.", default=250, ge=1)
-    max_ratio: float = _h("Train: drop pairs whose word-length ratio exceeds this (Moses clean-corpus-n).", default=9.0, ge=1)
+    max_ratio: float = _h("Train: drop pairs whose word-length ratio exceeds this (Moses clean-corpus-n).",
+                          default=9.0, ge=1)
     dedup: bool = _h("Train: drop exact duplicate (src, tgt) pairs.", default=True)
     revision: Optional[str] = _h("Hugging Face dataset revision (git tag / commit) for reproducibility.", default=None)
 
@@ -100,7 +101,8 @@ class BucketConfig(Section):
     SECTION: typing.ClassVar[str] = "bucket"
 
     max_tokens: int = _h("Per-batch cap on padded tokens per side (one GPU / process).", default=4096, ge=1)
-    max_len: int = _h("Train pairs with a side longer than this many positions (incl. EOS) are dropped.", default=256, ge=2)
+    max_len: int = _h("Train pairs with a side longer than this many positions (incl. EOS) are dropped.",
+                      default=256, ge=2)
     multiple_of: int = _h("Sentence count per batch is a multiple of this (tensor-core friendly).", default=8, ge=1)
 
 
@@ -110,7 +112,8 @@ class ModelConfig(Section):
 
     SECTION: typing.ClassVar[str] = "model"
 
-    preset: str = _h("Preset: base, big (paper), small, tiny (CPU-sized).", default="base", choices=("base", "big", "small", "tiny"))
+    preset: str = _h("Preset: base, big (paper), small, tiny (CPU-sized).", default="base",
+                     choices=("base", "big", "small", "tiny"))
     encoder_layers: Optional[int] = _h("N, encoder layers.", default=None, ge=1)
     decoder_layers: Optional[int] = _h("N, decoder layers.", default=None, ge=1)
     d_model: Optional[int] = _h("d_model.", default=None, ge=1)
@@ -187,7 +190,8 @@ class TrainConfig(Section):
         default=25000,
         ge=1,
     )
-    max_steps: int = _h("Stop after this many updates (paper: base 100k, big 300k). 0 = no limit.", default=100_000, ge=0)
+    max_steps: int = _h("Stop after this many updates (paper: base 100k, big 300k). 0 = no limit.", default=100_000,
+                        ge=0)
     max_epochs: int = _h("Stop after this many epochs. 0 = no limit.", default=0, ge=0)
     max_time: float = _h("Stop after this many minutes of training. 0 = no limit.", default=0.0, ge=0)
     lr_scale: float = _h("Multiplier on the paper's learning-rate formula.", default=1.0, gt=0)
@@ -214,7 +218,8 @@ class TrainConfig(Section):
     drophead_start: float = _h("Scheduled DropHead (Zhou et al. 2020): probability of dropping a whole attention head "
                                "at step 0; it falls linearly to 0 at train.warmup, then rises to drophead_end at the "
                                "last step. 0 = off.", default=0.0, ge=0, lt=1)
-    drophead_end: Optional[float] = _h("DropHead probability at the last step (null = drophead_start).", default=None, ge=0, lt=1)
+    drophead_end: Optional[float] = _h("DropHead probability at the last step (null = drophead_start).", default=None,
+                                       ge=0, lt=1)
 
 
 PRUNE_HELP = ("LayerDrop pruning (Fan et al. 2019) of the model, without fine-tuning: '' = none; 'every_other' = drop "
@@ -273,6 +278,9 @@ class DecodeConfig(Section):
         "int8_float32, int8_float16, int8_bfloat16, int16, float16, bfloat16 (precision applies to engine mtpipe "
         "only).",
         default="default",
+        # CTranslate2's compute types (ctranslate2.Translator(compute_type=...)); "default" keeps the weights' type.
+        choices=("default", "auto", "float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16",
+                 "float16", "bfloat16"),
     )
     stop: str = _h(
         "When a sentence's beam search stops: 'bound' (exact: when no live hypothesis can beat the finished ones; "
@@ -321,9 +329,12 @@ class ExportConfig(Section):
 
     format: str = _h("ctranslate2 (a CTranslate2 model directory; needs the optional ctranslate2 package) or marian "
                      "(a Hugging Face MarianMTModel directory; needs the optional transformers package).",
-                     default="ctranslate2")
+                     default="ctranslate2", choices=("ctranslate2", "marian"))
+    # CTranslate2's weight types (ctranslate2.specs.model_spec.ACCEPTED_MODEL_TYPES), plus "none" = keep float32.
     quantization: str = _h("CTranslate2 weight type: none (float32), int8, int8_float32, int8_float16, int8_bfloat16, "
-                           "int16, float16, bfloat16 or float32.", default="none")
+                           "int16, float16, bfloat16 or float32.", default="none",
+                           choices=("none", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16",
+                                    "float16", "bfloat16", "float32"))
 
 
 SECTIONS: dict[str, type] = {

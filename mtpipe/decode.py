@@ -1,55 +1,28 @@
-"""``mtpipe decode``: batched beam search with a length penalty, as the paper decodes (section 6.1).
+"""``mtpipe decode``: translate a bpe split or raw text, as the paper decodes (section 6.1: beam 4, alpha 0.6, maximum
+output length input + 50, early termination).
 
-"We used beam search with a beam size of 4 and length penalty alpha = 0.6 ... We set the maximum output length during
-inference to input length + 50, but terminate early when possible." The paper's numbers come from tensor2tensor,
-whose length penalty is GNMT's (Wu et al. 2016, section 7)::
+The rules -- the length penalty and its score, the maximum output length, when a sentence stops -- are
+:class:`mtpipe.search.DecodeRules`, and the beam search is :func:`mtpipe.search.beam_search` (its docstring states the
+search). This module is mtpipe's own :class:`~mtpipe.search.Engine` (:class:`MtpipeEngine`, :func:`translate`) and
+the stage (:func:`run`: resolve the inputs -> translate -> write).
 
-    gnmt:     lp(Y) = ((5 + |Y|) / 6) ^ alpha          (the paper, tensor2tensor; the default)
-    fairseq:  lp(Y) = |Y| ^ alpha                       (fairseq's --lenpen)
-
-and a finished hypothesis is ranked by ``log P(Y | X) / lp(Y)``. ``|Y|`` counts the generated tokens including the
-final EOS (as tensor2tensor and fairseq both count).
-
-The search (:func:`beam_search`), per sentence:
-
-* the beam at step t is the ``beam`` best one-token extensions (by log-probability) of the live hypotheses; the ones
-  that end in EOS leave the beam as *finished* hypotheses, the others stay *live* (the next step refills the beam to
-  ``beam`` from their extensions). PAD and BOS are never generated.
-* the output may hold at most ``max_len = max_len_a * S + max_len_b`` tokens before EOS (S = source tokens without
-  EOS; capped so that the positions fit the model); at that length only EOS may follow.
-* **early stopping** -- a sentence is done when no live hypothesis can still beat the finished ones. Log-probabilities
-  only decrease as tokens are added, and ``lp`` is monotonic in ``|Y|``, so a live hypothesis with log-probability
-  ``s <= 0`` that has ``t`` tokens now can finish with a score of at most ``s / max(lp(t + 1), lp(max_len + 1))``
-  (for alpha >= 0 that is ``s / lp(max_len + 1)``, tensor2tensor's bound). When the best live bound is no higher than
-  the ``nbest``-th best finished score, nothing better can appear and the sentence stops; it also stops when no
-  hypothesis is live. The best result therefore does not depend on ``nbest``.
-* ``decode.stop=finished`` is fairseq's and CTranslate2's search instead: the ``2 x beam`` best extensions are
-  ranked, those among the top ``beam`` that end in EOS finish, the live beam is refilled to ``beam`` from the best
-  ones that do not, and a sentence stops once ``round(beam x patience)`` of its hypotheses have finished (patience
-  1 by default). It takes fewer decoder steps and keeps no empty beam slots, but can miss a better, longer
-  hypothesis under a length penalty: the opt-in fast mode, and the rule to compare those tools under
-  (BENCHMARKS.md gives speed and BLEU of both rules on the same model).
-* **beam 1 is greedy search**: the single best extension is taken each step, and when it is EOS the beam is empty.
-
-The search works on any ``step(tokens [N], state) -> (log_probs [N, V], state)`` whose state has
-``select(index, beams)`` (:class:`mtpipe.model.DecoderState`, :class:`PrefixState`, or a hand-made one in the
-tests). Speed: sentences are sorted by length and packed into batches of at most ``max_tokens`` padded source
-tokens; the encoder runs once per batch and its keys/values are projected once (:meth:`Transformer.start`) and kept
-once per sentence, its beams attending to them together; each step computes the new position only (self-attention
-cache written in place, :meth:`Transformer.step`); sentences that are done leave the batch at once
-(``state.select``); ``torch.inference_mode`` and optional bf16 autocast (CPU and GPU).
+Speed: sentences are sorted by length and packed into batches of at most ``max_tokens`` padded source tokens; the
+encoder runs once per batch and its keys/values are projected once (:meth:`Transformer.start`) and kept once per
+sentence, its beams attending to them together; each step computes the new position only (self-attention cache
+written in place, :meth:`Transformer.step`); sentences that are done leave the batch at once (``state.select``);
+``torch.inference_mode`` and optional bf16 autocast (CPU and GPU).
 
 Blank input lines are not decoded: they give blank output lines (so paragraph breaks survive). Sources longer than
 the model's ``max_positions`` are truncated (with a warning naming how many and the first id):
 one output line per input line matters more for scoring than failing the whole run.
 
-``decode.prune`` decodes a LayerDrop-trained model with fewer layers (:func:`mtpipe.model.prune_plan`: ``every_other``,
+``decode.prune`` runs a LayerDrop-trained model with fewer layers (:func:`mtpipe.pruning.prune_plan`: ``every_other``,
 ``every_other:RATE`` or ``enc:0,2,4;dec:0,2,4``), pruned on the fly; ``mtpipe average --prune`` writes such a model
 as a checkpoint instead, which decodes with no flag.
 
-``decode.engine=ctranslate2`` decodes through CTranslate2 (:func:`translate_ct2`, :func:`mtpipe.export.ct2_translate`)
-with the same inputs, outputs and settings: ``--checkpoint`` is a ``mtpipe export`` directory or a checkpoint
-(exported to a temporary directory first). Greedy output is mtpipe's; at beam > 1 CTranslate2 stops a sentence once
+``decode.engine=ctranslate2`` decodes through CTranslate2 (:class:`mtpipe.engine_ct2.Ct2Engine`) with the same
+inputs, outputs and settings: ``--checkpoint`` is a ``mtpipe export`` directory or a checkpoint (exported to a
+temporary directory first). Greedy output is mtpipe's; at beam > 1 CTranslate2 stops a sentence once
 ``beam x patience`` hypotheses have finished (fairseq's rule, ``decode.stop=finished``) whatever ``decode.stop``
 says, and its own length penalty is |Y|^alpha, so ``gnmt`` is applied by re-ranking the hypotheses it finished
 (scores are mtpipe's).
@@ -59,204 +32,24 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import sys
 import time
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from mtpipe import artifacts
-from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID
+from mtpipe.artifacts import EOS_ID, PAD_ID
 from mtpipe.config import DecodeConfig, to_dict
 from mtpipe.errors import MtpipeError
+from mtpipe.search import DecodeRules, Engine, Hypothesis, StepFn, beam_search, max_source_len
 
-PENALTIES = ("gnmt", "fairseq")
-PRECISIONS = ("fp32", "bf16")
-ENGINES = ("mtpipe", "ctranslate2")
-STOPS = ("bound", "finished")
 INPUT_SPLIT = "input"  # file name ({INPUT_SPLIT}.parquet / .txt) of the output when translating --input text
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Length penalty (section 6.1; GNMT section 7)
-# --------------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LengthPenalty:
-    """``lp(|Y|)``: ``gnmt`` = ((5 + |Y|) / 6) ^ alpha (tensor2tensor, the paper), ``fairseq`` = |Y| ^ alpha."""
-
-    kind: str = "gnmt"
-    alpha: float = 0.6
-
-    def __post_init__(self) -> None:
-        if self.kind not in PENALTIES:
-            raise MtpipeError(f"decode.length_penalty: unknown penalty {self.kind!r} "
-                              f"(choose from {', '.join(PENALTIES)})")
-
-    def __call__(self, length: int) -> float:
-        if self.kind == "gnmt":
-            return ((5.0 + length) / 6.0) ** self.alpha
-        return float(length) ** self.alpha
-
-
-@dataclass
-class Hypothesis:
-    """A finished translation: ``tokens`` without EOS, ``score`` = ``logprob / lp(len(tokens) + 1)``."""
-
-    tokens: list[int]
-    score: float
-    logprob: float
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Beam search over any step function
-# --------------------------------------------------------------------------------------------------------------------
-
-
-class State(Protocol):
-    def select(self, index: Tensor, beams: int) -> "State": ...
-
-
-StepFn = Callable[[Tensor, Any], "tuple[Tensor | Callable[[int, int], Tensor], Any]"]
-
-# Rows of log-probabilities ranked at a time (:func:`beam_search`): 256 x 8k vocabulary x 4 bytes = 8 MB, which stays
-# in a server CPU's cache between the projection, the softmax, the score update and the top-k.
-_BLOCK_ROWS = 256
-
-
-def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, penalty: LengthPenalty,
-                nbest: int = 1, device: torch.device | str = "cpu",
-                on_done: Callable[[int], None] | None = None,
-                stop_after: int | None = None) -> list[list[Hypothesis]]:
-    """Beam search for ``len(max_lens)`` sentences at once; returns each sentence's ``nbest`` best, best first.
-
-    ``state`` has one row per sentence; ``step(tokens [N], state)`` gives the log-probabilities ``[N, V]`` of the
-    next token after ``tokens`` (BOS first; a new tensor each call, which the search overwrites), or a function
-    ``(lo, hi) -> [hi - lo, V]`` that makes rows ``lo:hi`` of them on demand (:meth:`Transformer.step` with
-    ``lazy``), and the advanced state. ``max_lens[b]``: the most tokens sentence b may have before its EOS.
-    ``on_done(n)`` is called as n sentences finish. After each step the state is narrowed with
-    ``state.select(rows, beams)``: rows of the kept hypotheses, ``beams`` consecutive rows per sentence still in the
-    batch. ``stop_after=None`` stops a sentence by the exact bound, ``stop_after=m`` once m of its hypotheses have
-    finished (fairseq's and CTranslate2's rule, ``decode.stop=finished``; m >= nbest). See the module docstring for
-    the search rules.
-    """
-    if stop_after is not None and stop_after < nbest:
-        raise MtpipeError(f"beam search: stop_after {stop_after} is below nbest {nbest}")
-    if beam < 1:
-        raise MtpipeError(f"decode.beam: {beam} is not >= 1")
-    n_sent = len(max_lens)
-    finished: list[list[Hypothesis]] = [[] for _ in range(n_sent)]
-    n_finished = [0] * n_sent  # hypotheses each sentence has finished (its pool keeps the nbest best of them)
-    if n_sent == 0:
-        return finished
-    neg_inf = float("-inf")
-    # stop_after (fairseq's and CTranslate2's search): rank 2 x beam candidates, so that the live beam is refilled
-    # to `beam` hypotheses from the runners-up when some of the top `beam` end in EOS.
-    refill = stop_after is not None
-    candidates = 2 * beam if refill else beam
-    active = list(range(n_sent))  # the sentences still in the batch, in the order of their row blocks
-    limits = torch.tensor(list(max_lens), dtype=torch.long, device=device)  # [n]
-    k = 1  # slots per active sentence: 1 at the start, since every beam would hold the same BOS prefix
-    tokens = torch.full((n_sent,), BOS_ID, dtype=torch.long, device=device)  # [n*k] the last token of each row
-    scores = torch.zeros(n_sent, 1, device=device)  # [n, k] log-probabilities of the live hypotheses (-inf: empty)
-    history = torch.zeros(n_sent, 0, dtype=torch.long, device=device)  # [n*k, t] tokens after BOS
-    banned = torch.tensor([PAD_ID, BOS_ID], device=device)
-    t = 0
-    while active:
-        out, state = step(tokens, state)  # [n*k, V] (a fresh tensor: updated in place below), or rows on demand
-        n = len(active)
-        forced = limits == t  # [n] sentences at their length limit: only EOS may follow
-        any_forced = bool(forced.any())
-        # Rank the candidates a block of sentences at a time: each block's log-probabilities are made, masked,
-        # added to the hypotheses' scores and ranked while they are in the CPU's cache.
-        block = max(1, _BLOCK_ROWS // k)  # sentences per block
-        tops, idxs = [], []
-        for lo in range(0, n, block):
-            hi = min(n, lo + block)
-            logp = out(lo * k, hi * k) if callable(out) else out[lo * k : hi * k]
-            logp = logp.float().index_fill_(1, banned, neg_inf)  # [c*k, V]
-            vocab = logp.size(-1)
-            if any_forced:
-                f = forced[lo:hi].repeat_interleave(k)[:, None]  # [c*k, 1]
-                eos = logp[:, EOS_ID].clone()
-                logp.masked_fill_(f, neg_inf)[:, EOS_ID] = eos
-            cand = logp.view(hi - lo, k, vocab).add_(scores[lo:hi].unsqueeze(2)).view(hi - lo, k * vocab)
-            top, idx = cand.topk(min(candidates, k * vocab), dim=1)  # [c, candidates], best first
-            tops.append(top)
-            idxs.append(idx)
-        top, idx = (tops[0], idxs[0]) if len(tops) == 1 else (torch.cat(tops), torch.cat(idxs))  # [n, cands]
-        width = min(beam, top.size(1))
-        parent, token = idx // vocab, idx % vocab
-        is_eos, finite = token == EOS_ID, torch.isfinite(top)
-        ends = is_eos & finite
-        ends[:, width:] = False  # only the top `beam` candidates finish (with refill, as fairseq and CTranslate2)
-        if refill:
-            # The live beam: the first `width` candidates that do not end in EOS, in rank order (stable: a
-            # candidate's key is its rank, pushed past every valid one when it is EOS or impossible).
-            valid = ~is_eos & finite
-            cols = torch.arange(top.size(1), device=device)
-            order = (cols + (~valid).long() * top.size(1)).argsort(dim=1)[:, :width]  # [n, width]
-            live = top.gather(1, order).masked_fill_(~valid.gather(1, order), neg_inf)
-            next_parent, next_token = parent.gather(1, order), token.gather(1, order)
-        else:
-            live = top.masked_fill(is_eos | ~finite, neg_inf)  # [n, width]
-            next_parent, next_token = parent, token
-
-        # Finished hypotheses: a little Python per EOS candidate (at most `width` per sentence and step).
-        where = ends.nonzero().tolist()
-        if where:
-            parents = parent.tolist()
-            rows = torch.tensor([i * k + parents[i][j] for i, j in where], device=device)
-            prefixes = history.index_select(0, rows).tolist()
-            logprobs = top[ends].tolist()  # row-major, the same order as `where`
-            lp = penalty(t + 1)
-            for (i, _), prefix, lprob in zip(where, prefixes, logprobs):
-                pool = finished[active[i]]
-                n_finished[active[i]] += 1
-                pool.append(Hypothesis(tokens=prefix, score=lprob / lp, logprob=lprob))
-                pool.sort(key=lambda h: -h.score)
-                del pool[nbest:]
-
-        # Which sentences are done: nothing live, or no live hypothesis can beat the nbest-th finished one (or, with
-        # stop_after, enough hypotheses have finished).
-        best_live = live[:, 0] if width == 1 else live.max(dim=1).values
-        best_live_l, limits_l = best_live.tolist(), limits.tolist()
-        keep = []
-        lp_next = penalty(t + 2)  # a live hypothesis has t+1 tokens now, so at least t+2 with its EOS
-        for i, (s, lim) in enumerate(zip(best_live_l, limits_l)):
-            pool = finished[active[i]]
-            if s == neg_inf:
-                continue
-            if stop_after is not None:
-                if n_finished[active[i]] >= stop_after:
-                    continue
-            elif len(pool) >= nbest and s / max(lp_next, penalty(lim + 1)) <= pool[-1].score:
-                continue
-            keep.append(i)
-        if on_done is not None and len(keep) < n:
-            on_done(n - len(keep))
-        if not keep:
-            break
-
-        # Reorder the beams and drop the finished sentences from the batch in one select.
-        keep_t = torch.tensor(keep, device=device)
-        rows = (keep_t[:, None] * k + next_parent.index_select(0, keep_t)).view(-1)  # [n', width] -> [n'*width]
-        state = state.select(rows, width)
-        tokens = next_token.index_select(0, keep_t).view(-1)  # [n'*width]
-        history = torch.cat([history.index_select(0, rows), tokens[:, None]], dim=1)  # [n'*width, t+1]
-        scores = live.index_select(0, keep_t)
-        limits = limits.index_select(0, keep_t)
-        active = [active[i] for i in keep]
-        k = width
-        t += 1
-    return finished
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -292,7 +85,7 @@ def uncached_step(model: Any) -> StepFn:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Batching and translation
+# mtpipe's engine: batching and translation
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -330,40 +123,37 @@ def bf16_copy(model: Any) -> Any:
     return twin
 
 
-def max_output_len(src_len: int, cfg: DecodeConfig, max_positions: int) -> int:
-    """``max_len_a * S + max_len_b`` tokens before EOS (S without EOS), capped so BOS + tokens fit the positions."""
-    return max(0, min(int(math.floor(cfg.max_len_a * src_len + cfg.max_len_b)), max_positions - 1))
-
-
-def stop_after_finished(cfg: DecodeConfig) -> int:
-    """``decode.stop=finished``: a sentence stops once this many hypotheses have finished (CTranslate2 rounds
-    ``beam x patience`` the same way; never fewer than ``nbest``)."""
-    return max(cfg.nbest, int(math.floor(cfg.beam * cfg.patience + 0.5)))  # std::round: halves away from zero
-
-
 def translate(model: Any, sources: Sequence[Sequence[int]], cfg: DecodeConfig, device: torch.device | str = "cpu",
               cache: bool = True, on_done: Callable[[int], None] | None = None) -> list[list[Hypothesis]]:
-    """Translate token-id sources (without EOS; at most ``max_positions - 1`` tokens) with beam search.
+    """Translate token-id sources (without EOS; at most ``max_positions - 1`` tokens) with beam search under the
+    rules of ``cfg`` (:class:`~mtpipe.search.DecodeRules`; the paper's section 6.1: beam 4, alpha 0.6, max length
+    input + 50), in batches of ``cfg.max_tokens`` at ``cfg.precision``.
 
     Returns the ``cfg.nbest`` best hypotheses of every source, in input order. An empty source (a blank input line)
     is not decoded: its translation is empty, with score 0. ``cache=False`` re-decodes the whole prefix each step
     (:func:`uncached_step`; for tests and the benchmark).
     """
+    return translate_batches(model, sources, DecodeRules.from_config(cfg), max_tokens=cfg.max_tokens,
+                             precision=cfg.precision, device=device, cache=cache, on_done=on_done)
+
+
+def translate_batches(model: Any, sources: Sequence[Sequence[int]], rules: DecodeRules, *, max_tokens: int,
+                      precision: str = "fp32", device: torch.device | str = "cpu", cache: bool = True,
+                      on_done: Callable[[int], None] | None = None) -> list[list[Hypothesis]]:
+    """:func:`translate` with the rules given as :class:`~mtpipe.search.DecodeRules`."""
     device = torch.device(device)
-    penalty = LengthPenalty(cfg.length_penalty, cfg.alpha)
     max_positions = model.cfg.max_positions
     lengths = [len(s) + 1 for s in sources]  # + EOS
     results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] if not s else [] for s in sources]
     todo = [i for i, s in enumerate(sources) if s]
-    stop_after = stop_after_finished(cfg) if cfg.stop == "finished" else None
     model.eval()
-    if cache and cfg.precision == "bf16":
+    if cache and precision == "bf16":
         model = bf16_copy(model)
     step = (lambda tokens, state: model.step(tokens, state, lazy=True)) if cache else uncached_step(model)
     if on_done is not None and len(todo) < len(sources):
         on_done(len(sources) - len(todo))
-    with torch.inference_mode(), precision_context(device, cfg.precision):
-        for sub in make_batches([lengths[i] for i in todo], cfg.max_tokens):
+    with torch.inference_mode(), precision_context(device, precision):
+        for sub in make_batches([lengths[i] for i in todo], max_tokens):
             batch = [todo[j] for j in sub]
             width = lengths[batch[0]]
             src = torch.full((len(batch), width), PAD_ID, dtype=torch.long)  # [B, S] right-padded
@@ -375,79 +165,86 @@ def translate(model: Any, sources: Sequence[Sequence[int]], cfg: DecodeConfig, d
                 state: Any = model.start(memory, src_mask)  # cross-attention keys/values projected once
             else:
                 state = PrefixState(memory, src_mask, torch.zeros(len(batch), 0, dtype=torch.long, device=device))
-            max_lens = [max_output_len(lengths[i] - 1, cfg, max_positions) for i in batch]
-            hyps = beam_search(step, state, max_lens, cfg.beam, penalty, cfg.nbest, device, on_done, stop_after)
+            max_lens = [rules.max_output_len(lengths[i] - 1, max_positions) for i in batch]
+            hyps = beam_search(step, state, max_lens, rules.beam, rules.penalty, rules.nbest, device, on_done,
+                               rules.stop_after)
             for i, h in zip(batch, hyps):
                 results[i] = h
     return results
 
 
-def translate_ct2(model: Any, sources: Sequence[Sequence[int]], cfg: DecodeConfig,
+@dataclass
+class MtpipeEngine:
+    """mtpipe's beam search on a checkpoint's model, as an :class:`~mtpipe.search.Engine`."""
+
+    model: Any  # mtpipe.model.Transformer, on ``device``
+    device: torch.device
+    precision: str
+    max_tokens: int
+    threads: int = 0  # torch's CPU threads while translating (0: leave them)
+    plan: Any = None  # the mtpipe.pruning.PrunePlan applied (decode.prune), or None
+
+    @classmethod
+    def open(cls, model: Any, cfg: DecodeConfig) -> "MtpipeEngine":
+        """``model`` pruned by ``decode.prune`` and moved to the GPU when there is one."""
+        from mtpipe import runtime
+        from mtpipe.console import info
+        from mtpipe.pruning import prune, prune_plan
+
+        plan = prune_plan(model.cfg, cfg.prune, where="decode.prune")
+        if plan is not None:
+            info(f"pruned (decode.prune={cfg.prune!r}): {plan.describe(model.cfg)}")
+            model = prune(model, plan)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if device.type == "cpu":
+            runtime.tune_cpu_allocator()
+        return cls(model.to(device), device, cfg.precision, cfg.max_tokens, cfg.threads, plan)
+
+    @property
+    def max_positions(self) -> int:
+        return self.model.cfg.max_positions
+
+    def describe(self) -> str:
+        return str(self.device)
+
+    def settings(self, rules: DecodeRules) -> str:
+        if rules.beam == 1:
+            return self.precision  # greedy: no stopping rule to name
+        return (f"{self.precision}, stop {rules.stop}"
+                + (f" (patience {rules.patience:g})" if rules.stop == "finished" else ""))
+
+    def note(self, rules: DecodeRules) -> str | None:
+        return None
+
+    def translate(self, sources: Sequence[Sequence[int]], rules: DecodeRules,
                   on_done: Callable[[int], None] | None = None) -> list[list[Hypothesis]]:
-    """:func:`translate` through CTranslate2 (``decode.engine=ctranslate2``; ``model``: a loaded
-    :class:`mtpipe.export.Ct2Model`): the same inputs and outputs -- each source's ``nbest`` hypotheses in input
-    order with mtpipe's scores, blank sources give the empty output. :func:`mtpipe.export.ct2_translate` states
-    where CTranslate2's search differs (only at beam > 1: its stopping rule).
-
-    Sentences are sorted by length and handed over in blocks of about 4 x ``max_tokens`` source tokens: the progress
-    bar moves, and each block still fills CTranslate2's ``max_tokens`` batches with sentences of similar lengths.
-    """
-    from mtpipe.export import ct2_translate
-
-    penalty = LengthPenalty(cfg.length_penalty, cfg.alpha)
-    results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] if not s else [] for s in sources]
-    todo = sorted((i for i, s in enumerate(sources) if s), key=lambda i: (len(sources[i]), i))
-    if on_done is not None and len(todo) < len(sources):
-        on_done(len(sources) - len(todo))
-    blocks: list[list[int]] = [[]]
-    size = 0
-    for i in todo:
-        if blocks[-1] and size + len(sources[i]) + 1 > 4 * cfg.max_tokens:
-            blocks.append([])
-            size = 0
-        blocks[-1].append(i)
-        size += len(sources[i]) + 1
-    for block in blocks:
-        if not block:
-            continue
-        hyps = ct2_translate(model, [sources[i] for i in block], beam=cfg.beam, alpha=cfg.alpha,
-                             length_penalty=cfg.length_penalty, max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b,
-                             nbest=cfg.nbest, patience=cfg.patience, max_tokens=cfg.max_tokens)
-        for i, hs in zip(block, hyps):
-            # logprob back from mtpipe's score: score = log P(Y + EOS | X) / lp(|Y| + 1)
-            results[i] = [Hypothesis(list(h.ids), h.score, h.score * penalty(len(h.ids) + 1)) for h in hs]
-        if on_done is not None:
-            on_done(len(block))
-    return results
+        threads_before = torch.get_num_threads()
+        if self.threads > 0:
+            torch.set_num_threads(self.threads)
+        try:
+            return translate_batches(self.model, sources, rules, max_tokens=self.max_tokens,
+                                     precision=self.precision, device=self.device, on_done=on_done)
+        finally:
+            torch.set_num_threads(threads_before)  # run() may be called in-process (tests, notebooks)
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# The stage
+# The stage: resolve the inputs -> translate -> write
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def validate(cfg: DecodeConfig) -> None:
+def validate(cfg: DecodeConfig) -> DecodeRules:
     """The decode params' rules that span several keys (each key's own range and choices are checked when the
-    section is built, :mod:`mtpipe.config`)."""
-    if cfg.nbest > cfg.beam:
-        raise MtpipeError(f"decode.nbest: {cfg.nbest} is not between 1 and decode.beam ({cfg.beam})")
+    section is built, :mod:`mtpipe.config`); returns the decoding rules."""
+    rules = DecodeRules.from_config(cfg)  # nbest <= beam
     if cfg.engine == "ctranslate2":
-        from mtpipe.export import COMPUTE_TYPES
-
         if cfg.precision != "fp32":
             raise MtpipeError(f"decode.precision: {cfg.precision} applies to engine mtpipe; with engine ctranslate2 "
                               "set decode.ct2_compute_type (e.g. bfloat16, int8)")
-        if cfg.ct2_compute_type not in COMPUTE_TYPES:
-            raise MtpipeError(f"decode.ct2_compute_type: unknown type {cfg.ct2_compute_type!r} "
-                              f"(choose from {', '.join(COMPUTE_TYPES)})")
         if cfg.prune:
             raise MtpipeError("decode.prune: not available with engine ctranslate2; write a pruned checkpoint with "
                               "`mtpipe average --prune` and decode (or export) that")
-
-
-def _bare_sha(value: Any) -> str:
-    text = str(value).strip().lower()
-    return text.split(":", 1)[1] if text.startswith("sha256:") else text
+    return rules
 
 
 def read_lines(path: Path) -> list[str]:
@@ -476,134 +273,89 @@ def read_lines(path: Path) -> list[str]:
     return [unicodedata.normalize("NFC", line).strip() for line in lines]
 
 
-def run(cfg: DecodeConfig, checkpoint: Path, tokens: Path, input: Path | None = None,
-        out: Path | None = None, *, force: bool = False) -> None:
-    """Translate a split of the bpe artifact (``cfg.split``) or raw text (``input``; '-' = stdin).
+@dataclass
+class Inputs:
+    """What a decode run translates, all checked before any work."""
 
-    The translations go to stdout, one line per sentence in id order; with ``out`` also a ``hypotheses`` artifact
-    (``{split}.parquet`` / ``{split}.txt``, or ``input.*`` for raw text) is written there. All checks run before any
-    output is written.
-    """
-    import sentencepiece as spm
+    ids: list[int]  # the split's ids, or input line numbers
+    sources: list[list[int]]  # token ids without EOS, cut to the model's positions
+    split: str | None  # None: --input text
+    desc: str  # where the sources come from (the log line and the manifest)
+    sp: Any  # the SentencePiece model (sentencepiece.SentencePieceProcessor)
+    step: int  # the checkpoint's training step
+    upstream: dict[str, Path]  # the hypotheses manifest's lineage
+    truncated: int  # sources cut to the model's positions
+    pruned: dict[str, list[int]] | None  # decode.prune's kept layers
 
-    from mtpipe.console import info, progress, table, warn
-    from mtpipe.model import build_model, prune, prune_plan
 
-    from rich.progress import TextColumn
-
-    validate(cfg)
-    if out is not None:
-        artifacts.prepare_output(out, "hypotheses", inputs=[checkpoint, tokens, input], force=force)
-
-    # -- inputs, all checked before any work --------------------------------------------------------------------
-    ct2 = cfg.engine == "ctranslate2"
-    ck: artifacts.Checkpoint | None = None
-    source_manifest: artifacts.Manifest | None = None
-    if ct2:
-        from mtpipe.export import decode_source
-
-        source_manifest = decode_source(checkpoint)  # a CTranslate2 export or a checkpoint, else one error line
-        vocab = source_manifest.extra["vocab"]
-        step = int(source_manifest.extra["checkpoint_step" if source_manifest.kind == "export" else "step"])
-    else:
-        if (Path(checkpoint) / artifacts.MANIFEST).is_file() and artifacts.read_manifest(checkpoint).kind == "export":
-            raise MtpipeError(f"{checkpoint}: is an `mtpipe export` model; decode it with --engine ctranslate2 "
-                              "(or give the checkpoint it was exported from)")
-        ck = artifacts.load_checkpoint(checkpoint)
-        vocab, step = ck.vocab, ck.step
-    # An export carries its spm.model: raw text can be translated with the export alone (no bpe artifact at hand).
-    export_spm = (source_manifest is not None and source_manifest.kind == "export" and input is not None
-                  and not Path(tokens).exists())
-    if export_spm:
-        assert source_manifest is not None
-        spm_path = artifacts.verify_file(checkpoint, "spm.model", source_manifest)
-        spm_sha = _bare_sha(source_manifest.files["spm.model"])
-    else:
-        tm = artifacts.read_manifest(tokens, "tokens")
-        spm_path = artifacts.verify_file(tokens, "spm.model", tm)
-        spm_sha = _bare_sha(tm.files["spm.model"])
-    if _bare_sha(vocab.get("spm_sha256")) != spm_sha:
-        raise MtpipeError(f"{checkpoint}: trained with another SentencePiece model than {spm_path} "
-                          f"(checkpoint vocab sha256 {_bare_sha(vocab.get('spm_sha256'))[:12]}..., "
-                          f"spm.model {spm_sha[:12]}...)")
-    sp = spm.SentencePieceProcessor(model_file=str(spm_path))
-    if int(vocab.get("size", -1)) != sp.get_piece_size():
-        raise MtpipeError(f"{checkpoint}: vocabulary size {vocab.get('size')} does not match {spm_path} "
-                          f"({sp.get_piece_size()} pieces)")
-
+def read_sources(cfg: DecodeConfig, tokens: Path, input: Path | None,
+                 sp: Any) -> tuple[list[int], list[list[int]], str | None, str]:
+    """``(ids, sources, split, description)``: the split ``cfg.split`` of the bpe artifact, or the lines of
+    ``input`` ('-' = stdin) encoded with ``sp``."""
     if input is None:
-        split = cfg.split
         available = artifacts.splits_of(tokens, "tokens")
-        if split not in available:
-            raise MtpipeError(f"{tokens}: has no split '{split}' (decode.split; available: {', '.join(available)})")
-        t = artifacts.read_table(tokens, f"{split}.parquet", "tokens", columns=["id", "src"])
-        ids = t.column("id").to_pylist()
-        sources = t.column("src").to_pylist()
-        source_desc = f"{tokens}/{split}.parquet"
+        if cfg.split not in available:
+            raise MtpipeError(f"{tokens}: has no split '{cfg.split}' (decode.split; available: "
+                              f"{', '.join(available)})")
+        t = artifacts.read_table(tokens, f"{cfg.split}.parquet", "tokens", columns=["id", "src"])
+        return t.column("id").to_pylist(), t.column("src").to_pylist(), cfg.split, f"{tokens}/{cfg.split}.parquet"
+    lines = read_lines(input)
+    return list(range(len(lines))), sp.encode(lines, out_type=int), None, "stdin" if str(input) == "-" else str(input)
+
+
+def resolve_inputs(cfg: DecodeConfig, checkpoint: Path, tokens: Path,
+                   input: Path | None) -> tuple[Inputs, Engine]:
+    """The model (a checkpoint, or with engine ctranslate2 also an export) and its vocabulary checked against the
+    bpe artifact, the sources read, the engine opened and the sources cut to its positions."""
+    from mtpipe.console import warn
+
+    upstream = {"checkpoint": checkpoint, "tokens": tokens}
+    if cfg.engine == "ctranslate2":
+        from mtpipe import engine_ct2
+
+        manifest = engine_ct2.decode_source(checkpoint)  # a CTranslate2 export or a checkpoint, else one error line
+        # An export carries its spm.model: raw text can be translated with the export alone (no bpe artifact).
+        own_spm = manifest.kind == "export" and input is not None and not Path(tokens).exists()
+        if own_spm:
+            upstream = {"checkpoint": checkpoint}
+        sp, step = engine_ct2.source_vocab(checkpoint, manifest, tokens, own_spm)
+        ids, sources, split, desc = read_sources(cfg, tokens, input, sp)
+        engine: Engine = engine_ct2.Ct2Engine.open(checkpoint, manifest, tokens, cfg)
+        pruned = None
     else:
-        split = None
-        lines = read_lines(input)
-        sources = sp.encode(lines, out_type=int)
-        ids = list(range(len(lines)))
-        source_desc = "stdin" if str(input) == "-" else str(input)
+        loaded = _load_checkpoint(checkpoint, tokens)
+        sp, step = loaded.sp, loaded.ck.step
+        ids, sources, split, desc = read_sources(cfg, tokens, input, sp)
+        mtpipe_engine = MtpipeEngine.open(loaded.model, cfg)
+        plan, engine = mtpipe_engine.plan, mtpipe_engine
+        pruned = None if plan is None else {"encoder_kept": list(plan.encoder), "decoder_kept": list(plan.decoder)}
 
-    plan = None
-    if ct2:
-        from mtpipe.export import open_for_decode
-
-        assert source_manifest is not None
-        if source_manifest.kind == "checkpoint":
-            info(f"exporting {checkpoint} to CTranslate2 (float32) for this run; `mtpipe export` does it once")
-        ct2_model = open_for_decode(checkpoint, source_manifest, tokens, compute_type=cfg.ct2_compute_type,
-                                    threads=cfg.threads or torch.get_num_threads())
-        max_positions = ct2_model.max_positions
-    else:
-        assert ck is not None
-        try:
-            model = build_model(ck.model_config, int(ck.vocab["size"]))
-            model.load_state_dict(ck.state_dict)
-        except (TypeError, RuntimeError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise MtpipeError(f"{checkpoint}: weights do not fit the checkpoint's model config ({first})") from None
-        plan = prune_plan(model.cfg, cfg.prune, where="decode.prune")
-        if plan is not None:
-            info(f"pruned (decode.prune={cfg.prune!r}): {plan.describe(model.cfg)}")
-            model = prune(model, plan)
-        max_positions = model.cfg.max_positions
-
-    limit = max_positions - 1  # room for EOS
+    limit = max_source_len(engine.max_positions)
     long_rows = [i for i, s in enumerate(sources) if len(s) > limit]
     if long_rows:
         warn(f"{len(long_rows)} source(s) longer than the model's {limit} tokens (max_positions "
-             f"{max_positions} with EOS) truncated, the first with id {ids[long_rows[0]]}")
+             f"{engine.max_positions} with EOS) truncated, the first with id {ids[long_rows[0]]}")
         sources = [s[:limit] for s in sources]
+    return Inputs(ids, sources, split, desc, sp, step, upstream, len(long_rows), pruned), engine
 
-    # -- decode --------------------------------------------------------------------------------------------------
-    threads_before = torch.get_num_threads()
-    if ct2:
-        device_desc = f"{ct2_model.translator.device} (CTranslate2, compute type {cfg.ct2_compute_type})"
-        numbers = f"stop finished, patience {cfg.patience:g}"
-    else:
-        if cfg.threads > 0:
-            torch.set_num_threads(cfg.threads)
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if device.type == "cpu":
-            from mtpipe import runtime
 
-            runtime.tune_cpu_allocator()
-        model.to(device)
-        device_desc, numbers = str(device), cfg.precision
-        if cfg.beam > 1:
-            numbers += f", stop {cfg.stop}" + (f" (patience {cfg.patience:g})" if cfg.stop == "finished" else "")
-    info(f"decoding {len(sources):,} sentences of {source_desc} with {checkpoint} (step {step:,}) on {device_desc}, "
-         f"beam {cfg.beam}, {cfg.length_penalty} alpha {cfg.alpha}, {numbers}")
-    if ct2 and cfg.beam > 1:
-        info("note: CTranslate2 stops a sentence once beam x patience hypotheses have finished (fairseq's rule, "
-             "= --stop finished; mtpipe's default --stop bound stops when none can improve), so at beam > 1 outputs "
-             "can differ from --engine mtpipe; "
-             f"the {cfg.length_penalty} length penalty and the scores are mtpipe's"
-             + (" (CTranslate2's own is |Y|^alpha: its finished hypotheses are re-ranked with GNMT)"
-                if cfg.length_penalty == "gnmt" else ""))
+def _load_checkpoint(checkpoint: Path, tokens: Path) -> Any:
+    """:func:`mtpipe.loading.load_model_and_vocab`, refusing an export first (it is CTranslate2's, not mtpipe's)."""
+    from mtpipe.loading import load_model_and_vocab
+
+    if (Path(checkpoint) / artifacts.MANIFEST).is_file() and artifacts.read_manifest(checkpoint).kind == "export":
+        raise MtpipeError(f"{checkpoint}: is an `mtpipe export` model; decode it with --engine ctranslate2 "
+                          "(or give the checkpoint it was exported from)")
+    return load_model_and_vocab(checkpoint, tokens)
+
+
+def translate_sources(engine: Engine, sources: list[list[int]],
+                      rules: DecodeRules) -> tuple[list[list[Hypothesis]], float]:
+    """``(hypotheses, seconds)``: the engine's translations, with a progress bar and its sentences per second."""
+    from rich.progress import TextColumn
+
+    from mtpipe.console import progress
+
     start = time.perf_counter()
     with progress(TextColumn("{task.fields[rate]}")) as bar:
         task = bar.add_task("decode", total=len(sources), rate="")
@@ -615,61 +367,91 @@ def run(cfg: DecodeConfig, checkpoint: Path, tokens: Path, input: Path | None = 
             rate = done / max(time.perf_counter() - start, 1e-9)
             bar.update(task, advance=n, rate=f"{rate:,.1f} sent/s")
 
-        try:
-            if ct2:
-                results = translate_ct2(ct2_model, sources, cfg, on_done=on_done)
-            else:
-                results = translate(model, sources, cfg, device, on_done=on_done)
-        finally:
-            torch.set_num_threads(threads_before)  # run() may be called in-process (tests, notebooks)
-    seconds = time.perf_counter() - start
+        results = engine.translate(sources, rules, on_done=on_done)
+    return results, time.perf_counter() - start
 
-    # -- write ---------------------------------------------------------------------------------------------------
+
+def hypothesis_rows(results: list[list[Hypothesis]], inputs: Inputs, nbest: int) -> dict[str, list[Any]]:
+    """The hypotheses table (:data:`mtpipe.artifacts.HYPOTHESES_SCHEMA`), detokenised; n-best columns only when
+    ``nbest`` > 1."""
+
     def detok(hyp_tokens: list[list[int]]) -> list[str]:
         # One line per hypothesis no matter what the model emits.
-        return [s.replace("\r", " ").replace("\n", " ") for s in sp.decode(hyp_tokens)]
+        return [s.replace("\r", " ").replace("\n", " ") for s in inputs.sp.decode(hyp_tokens)]
 
     best = [r[0] for r in results]
-    texts = detok([h.tokens for h in best])
-    nbest_texts = [detok([h.tokens for h in r]) if cfg.nbest > 1 else [] for r in results]
-    rows = {
-        "id": ids,
-        "hypothesis": texts,
+    return {
+        "id": inputs.ids,
+        "hypothesis": detok([h.tokens for h in best]),
         "tokens": [h.tokens for h in best],
         "score": [h.score for h in best],
-        "nbest": nbest_texts,
-        "nbest_scores": [[h.score for h in r] if cfg.nbest > 1 else [] for r in results],
+        "nbest": [detok([h.tokens for h in r]) if nbest > 1 else [] for r in results],
+        "nbest_scores": [[h.score for h in r] if nbest > 1 else [] for r in results],
     }
-    out_tokens = sum(len(h.tokens) + 1 for h in best)
-    if out is not None:
-        import pyarrow as pa
 
-        name = split if split is not None else INPUT_SPLIT
-        upstream = {"checkpoint": checkpoint} if export_spm else {"checkpoint": checkpoint, "tokens": tokens}
-        with artifacts.ArtifactWriter(out, "hypotheses", {"decode": to_dict(cfg)}, upstream=upstream,
-                                      force=force) as w:
-            w.write_table(f"{name}.parquet", pa.table(rows, schema=artifacts.HYPOTHESES_SCHEMA))
-            w.path(f"{name}.txt").write_text("".join(s + "\n" for s in texts), encoding="utf-8")
-            w.extra.update({
-                "split": split,
-                "input": None if input is None else source_desc,
-                "checkpoint": str(checkpoint),
-                "checkpoint_step": step,
-                "decode": to_dict(cfg),
-                "device": device_desc,
-                "truncated_sources": len(long_rows),
-                "pruned": None if plan is None else {"encoder_kept": list(plan.encoder),
-                                                     "decoder_kept": list(plan.decoder)},
-            })
-    sys.stdout.write("".join(s + "\n" for s in texts))
+
+def write_hypotheses(out: Path, rows: dict[str, list[Any]], inputs: Inputs, cfg: DecodeConfig, checkpoint: Path,
+                     device: str, *, force: bool = False) -> None:
+    """The ``hypotheses`` artifact: ``{split}.parquet`` and ``{split}.txt`` (``input.*`` for raw text)."""
+    import pyarrow as pa
+
+    name = inputs.split if inputs.split is not None else INPUT_SPLIT
+    with artifacts.ArtifactWriter(out, "hypotheses", {"decode": to_dict(cfg)}, upstream=inputs.upstream,
+                                  force=force) as w:
+        w.write_table(f"{name}.parquet", pa.table(rows, schema=artifacts.HYPOTHESES_SCHEMA))
+        w.path(f"{name}.txt").write_text("".join(s + "\n" for s in rows["hypothesis"]), encoding="utf-8")
+        w.extra.update({
+            "split": inputs.split,
+            "input": None if inputs.split is not None else inputs.desc,
+            "checkpoint": str(checkpoint),
+            "checkpoint_step": inputs.step,
+            "decode": to_dict(cfg),
+            "device": device,
+            "truncated_sources": inputs.truncated,
+            "pruned": inputs.pruned,
+        })
+
+
+def run(cfg: DecodeConfig, checkpoint: Path, tokens: Path, input: Path | None = None,
+        out: Path | None = None, *, force: bool = False) -> None:
+    """Translate a split of the bpe artifact (``cfg.split``) or raw text (``input``; '-' = stdin).
+
+    The translations go to stdout, one line per sentence in id order; with ``out`` also a ``hypotheses`` artifact
+    (``{split}.parquet`` / ``{split}.txt``, or ``input.*`` for raw text) is written there. All checks run before any
+    output is written.
+    """
+    from mtpipe.console import info, table
+
+    rules = validate(cfg)
+    if out is not None:
+        artifacts.prepare_output(out, "hypotheses", inputs=[checkpoint, tokens, input], force=force)
+    inputs, engine = resolve_inputs(cfg, checkpoint, tokens, input)
+
+    info(f"decoding {len(inputs.sources):,} sentences of {inputs.desc} with {checkpoint} (step {inputs.step:,}) on "
+         f"{engine.describe()}, beam {cfg.beam}, {cfg.length_penalty} alpha {cfg.alpha}, {engine.settings(rules)}")
+    if (note := engine.note(rules)) is not None:
+        info(note)
+    results, seconds = translate_sources(engine, inputs.sources, rules)
+
+    rows = hypothesis_rows(results, inputs, cfg.nbest)
+    if out is not None:
+        write_hypotheses(out, rows, inputs, cfg, checkpoint, engine.describe(), force=force)
+    sys.stdout.write("".join(s + "\n" for s in rows["hypothesis"]))
     sys.stdout.flush()
+    out_tokens = sum(len(t) + 1 for t in rows["tokens"])
+    n = len(inputs.sources)
     table("decode", ["", "value"], [
         ["engine", cfg.engine],
-        ["sentences", len(sources)],
+        ["sentences", n],
         ["output tokens (with EOS)", out_tokens],
         ["seconds", round(seconds, 2)],
-        ["sentences/s", len(sources) / max(seconds, 1e-9)],
+        ["sentences/s", n / max(seconds, 1e-9)],
         ["tokens/s", out_tokens / max(seconds, 1e-9)],
-        ["mean score", sum(h.score for h in best) / max(len(best), 1)],
+        ["mean score", sum(rows["score"]) / max(n, 1)],
         ["written to", str(out) if out is not None else "stdout"],
     ])
+
+
+__all__ = ["INPUT_SPLIT", "Inputs", "MtpipeEngine", "PrefixState", "bf16_copy", "make_batches", "precision_context",
+           "read_lines", "read_sources", "resolve_inputs", "run", "translate", "translate_batches", "translate_sources",
+           "uncached_step", "validate", "write_hypotheses"]

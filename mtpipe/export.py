@@ -34,8 +34,9 @@ The output directory is an mtpipe artifact (kind ``export``): CTranslate2's ``mo
 ``shared_vocabulary.json``, the ``spm.model`` beside them, and a ``manifest.json`` whose ``upstream`` holds the
 hashes of the checkpoint and tokens manifests; it is written to a temporary directory and renamed into place.
 
-:func:`ct2_translate` decodes through ``ctranslate2.Translator`` with mtpipe's decode settings; its docstring states
-exactly where CTranslate2's search and length penalty differ from :func:`mtpipe.decode.beam_search`.
+Decoding an export (``mtpipe decode --engine ctranslate2``, :func:`mtpipe.engine_ct2.ct2_translate`) is
+:mod:`mtpipe.engine_ct2`; the checkpoint and its SentencePiece model are loaded and cross-checked by
+:func:`mtpipe.loading.load_model_and_vocab`, as ``mtpipe decode`` loads them.
 
 Hugging Face Marian (:func:`export_marian`): ``MarianMTModel`` is the same post-norm Transformer (no
 ``layernorm_embedding``, no final encoder/decoder norm, positions from 0 with sines in the first half and the paper's
@@ -49,19 +50,15 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from numbers import Integral
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any
 
 from mtpipe import artifacts
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from mtpipe.config import ExportConfig
 from mtpipe.errors import MtpipeError
+from mtpipe.loading import load_model_and_vocab
 
-FORMATS = ("ctranslate2", "marian")
-# CTranslate2's weight types (ctranslate2.specs.model_spec.ACCEPTED_MODEL_TYPES), plus "none" = keep float32.
-QUANTIZATIONS = ("none", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16",
-                 "float32")
-PENALTIES = ("gnmt", "fairseq")
 SPECIAL_PIECES = {PAD_ID: "<pad>", UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>"}
 INSTALL_CT2 = "pip install 'mtpipe[ctranslate2]'"
 INSTALL_HF = "pip install 'mtpipe[marian]'"
@@ -72,17 +69,13 @@ INSTALL_HF = "pip install 'mtpipe[marian]'"
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _require_ctranslate2() -> Any:
+def require_ctranslate2() -> Any:
+    """The ``ctranslate2`` module, or one line naming the extra that installs it."""
     try:
         import ctranslate2
     except ImportError:
         raise MtpipeError(f"ctranslate2 is not installed: {INSTALL_CT2}") from None
     return ctranslate2
-
-
-def _bare_sha(value: Any) -> str:
-    text = str(value).strip().lower()
-    return text.split(":", 1)[1] if text.startswith("sha256:") else text
 
 
 @dataclass
@@ -98,25 +91,12 @@ class _Source:
 
 
 def _load_source(checkpoint: Path, tokens: Path) -> _Source:
-    """Load and cross-check the checkpoint and the tokens artifact; every failure is one MtpipeError line."""
-    import sentencepiece as spm
-
-    from mtpipe.model import build_model
-
-    checkpoint, tokens = Path(checkpoint), Path(tokens)
-    ck = artifacts.load_checkpoint(checkpoint)  # refuses anything that is not an mtpipe checkpoint artifact
-    tm = artifacts.read_manifest(tokens, "tokens")
-    spm_path = artifacts.verify_file(tokens, "spm.model", tm)
-    want = _bare_sha(tm.extra.get("spm_sha256") or tm.files.get("spm.model", ""))
-    got = _bare_sha(ck.vocab.get("spm_sha256"))
-    if got != want:
-        raise MtpipeError(f"{checkpoint}: trained with another SentencePiece model than {spm_path} "
-                          f"(checkpoint vocab sha256 {got[:12]}..., tokens spm_sha256 {want[:12]}...)")
-    sp = spm.SentencePieceProcessor(model_file=str(spm_path))
+    """The checkpoint and the tokens artifact, cross-checked (:func:`mtpipe.loading.load_model_and_vocab`), and the
+    vocabulary's pieces, which become the export's token list: mtpipe's special ids must hold their pieces and every
+    piece must have one id. Every failure is one MtpipeError line."""
+    loaded = load_model_and_vocab(checkpoint, tokens)
+    sp, spm_path = loaded.sp, loaded.spm_path
     size = sp.get_piece_size()
-    if int(ck.vocab.get("size", -1)) != size:
-        raise MtpipeError(f"{checkpoint}: vocabulary size {ck.vocab.get('size')} does not match {spm_path} "
-                          f"({size} pieces)")
     pieces = [sp.id_to_piece(i) for i in range(size)]
     for i, name in SPECIAL_PIECES.items():
         if i >= size or pieces[i] != name:
@@ -124,13 +104,7 @@ def _load_source(checkpoint: Path, tokens: Path) -> _Source:
                               "(mtpipe's special ids: <pad>=0 <unk>=1 <s>=2 </s>=3)")
     if len(set(pieces)) != size:
         raise MtpipeError(f"{spm_path}: duplicate pieces; a token vocabulary needs one id per piece")
-    try:
-        model = build_model(ck.model_config, size)
-        model.load_state_dict(ck.state_dict)
-    except (TypeError, RuntimeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise MtpipeError(f"{checkpoint}: weights do not fit the checkpoint's model config ({first})") from None
-    return _Source(checkpoint, tokens, ck, model.eval(), spm_path, pieces)
+    return _Source(Path(checkpoint), Path(tokens), loaded.ck, loaded.model, spm_path, pieces)
 
 
 class _Weights:
@@ -189,10 +163,12 @@ def _positions(model: Any, where: Path) -> Any:
     return table
 
 
-def _check_quantization(quantization: str | None) -> str | None:
+def _quantization(quantization: str | None) -> str | None:
+    """CTranslate2's weight type for ``quantization`` (None / "none": keep float32). The choices are
+    ``export.quantization``'s (:class:`mtpipe.config.ExportConfig`): a section built from the value checks it, so a
+    call from code fails as the params would ("params: export.quantization = ... is not one of ...")."""
     q = "none" if quantization in (None, "") else str(quantization)
-    if q not in QUANTIZATIONS:
-        raise MtpipeError(f"export.quantization: unknown type {q!r} (choose from {', '.join(QUANTIZATIONS)})")
+    ExportConfig(quantization=q)
     return None if q == "none" else q
 
 
@@ -203,29 +179,49 @@ def _check_quantization(quantization: str | None) -> str | None:
 
 def build_ct2_spec(src: _Source) -> Any:
     """A validated ``ctranslate2.specs.TransformerSpec`` holding the model's weights and vocabulary."""
-    _require_ctranslate2()
+    require_ctranslate2()
     from ctranslate2.specs import common_spec, transformer_spec
 
-    model, cfg, where = src.model, src.model.cfg, src.checkpoint
-    d, h, dk, dv, ff = cfg.d_model, cfg.heads, cfg.d_k, cfg.d_v, cfg.d_ff
-    vocab = len(src.pieces)
+    cfg, where = src.model.cfg, src.checkpoint
     if why := _unsupported(cfg):
         raise MtpipeError(f"{where}: cannot be exported to CTranslate2: {why}")
+    if cfg.d_k != cfg.d_v:
+        raise MtpipeError(f"{where}: d_k={cfg.d_k} != d_v={cfg.d_v}; CTranslate2 attention has one head size")
     pre_norm = getattr(cfg, "norm_position", "post") == "pre"
-    if dk != dv:
-        raise MtpipeError(f"{where}: d_k={dk} != d_v={dv}; CTranslate2 attention has one head size")
     # head_dim only when it is not CTranslate2's default d_model / heads.
-    head_dim = None if dk * h == d else dk
+    head_dim = None if cfg.d_k * cfg.heads == cfg.d_model else cfg.d_k
     relu = common_spec.Activation.RELU
-    encoder = transformer_spec.TransformerEncoderSpec(cfg.encoder_layers, h, pre_norm=pre_norm, activation=relu,
-                                                      head_dim=head_dim)
-    decoder = transformer_spec.TransformerDecoderSpec(cfg.decoder_layers, h, pre_norm=pre_norm, activation=relu,
-                                                      head_dim=head_dim)
+    encoder = transformer_spec.TransformerEncoderSpec(cfg.encoder_layers, cfg.heads, pre_norm=pre_norm,
+                                                      activation=relu, head_dim=head_dim)
+    decoder = transformer_spec.TransformerDecoderSpec(cfg.decoder_layers, cfg.heads, pre_norm=pre_norm,
+                                                      activation=relu, head_dim=head_dim)
     spec = transformer_spec.TransformerSpec(encoder, decoder)
+    _fill_ct2_weights(encoder, decoder, src, pre_norm)
 
-    w = _Weights(model, where)
-    embed = w.take("embed.weight", (vocab, d))
-    table = _positions(model, where).numpy()
+    config = spec.config
+    config.unk_token = src.pieces[UNK_ID]
+    config.bos_token = src.pieces[BOS_ID]
+    config.eos_token = src.pieces[EOS_ID]
+    config.decoder_start_token = src.pieces[BOS_ID]  # tgt_in = [BOS] + tgt
+    config.add_source_bos = False
+    config.add_source_eos = True  # src = tokens + [EOS]
+    config.layer_norm_epsilon = _layer_norm_eps(src.model, where)
+    spec.register_source_vocabulary(list(src.pieces))
+    spec.register_target_vocabulary(list(src.pieces))
+    try:
+        spec.validate()
+    except ValueError as e:
+        raise MtpipeError(f"{where}: CTranslate2 rejected the converted model ({str(e).splitlines()[0]})") from None
+    return spec
+
+
+def _fill_ct2_weights(encoder: Any, decoder: Any, src: _Source, pre_norm: bool) -> None:
+    """Every parameter of the model into its CTranslate2 variable (the mapping in the module docstring)."""
+    model, cfg = src.model, src.model.cfg
+    d, h, dk, dv, ff = cfg.d_model, cfg.heads, cfg.d_k, cfg.d_v, cfg.d_ff
+    w = _Weights(model, src.checkpoint)
+    embed = w.take("embed.weight", (len(src.pieces), d))
+    table = _positions(model, src.checkpoint).numpy()
     if getattr(cfg, "positions", "sinusoidal") == "learned":
         w.take("positions", (cfg.max_positions, d))  # the table above
     scale = float(getattr(model, "scale", math.sqrt(d)))
@@ -271,22 +267,6 @@ def build_ct2_spec(src: _Source) -> Any:
         norm(decoder.layer_norm, "decoder_norm")
     w.done()
 
-    config = spec.config
-    config.unk_token = src.pieces[UNK_ID]
-    config.bos_token = src.pieces[BOS_ID]
-    config.eos_token = src.pieces[EOS_ID]
-    config.decoder_start_token = src.pieces[BOS_ID]  # tgt_in = [BOS] + tgt
-    config.add_source_bos = False
-    config.add_source_eos = True  # src = tokens + [EOS]
-    config.layer_norm_epsilon = _layer_norm_eps(model, where)
-    spec.register_source_vocabulary(list(src.pieces))
-    spec.register_target_vocabulary(list(src.pieces))
-    try:
-        spec.validate()
-    except ValueError as e:
-        raise MtpipeError(f"{where}: CTranslate2 rejected the converted model ({str(e).splitlines()[0]})") from None
-    return spec
-
 
 def export_ctranslate2(checkpoint: Path, tokens: Path, out: Path, quantization: str | None = None,
                        params: dict[str, Any] | None = None, summary: bool = True, *,
@@ -295,8 +275,8 @@ def export_ctranslate2(checkpoint: Path, tokens: Path, out: Path, quantization: 
     directory ``out`` (atomically). ``quantization``: None/"none" keeps float32 weights, else a CTranslate2 weight
     type (int8, int8_float32, int16, float16, ...). ``summary``: print the summary table. Returns the manifest's
     ``extra``."""
-    q = _check_quantization(quantization)
-    ct2 = _require_ctranslate2()
+    q = _quantization(quantization)
+    ct2 = require_ctranslate2()
     src = _load_source(checkpoint, tokens)
     spec = build_ct2_spec(src)
     spec.optimize(quantization=q)  # aliases the three tied embedding copies, then quantizes
@@ -340,225 +320,6 @@ def _extra(src: _Source, fmt: str, quantization: str | None) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Decoding through CTranslate2
-# --------------------------------------------------------------------------------------------------------------------
-
-
-class Ct2Hypothesis(NamedTuple):
-    """A finished translation: SentencePiece ``pieces`` and their ``ids`` (no EOS), and mtpipe's score
-    ``log P(Y + EOS | X) / lp(|Y| + 1)``."""
-
-    pieces: list[str]
-    ids: list[int]
-    score: float
-
-
-@dataclass
-class Ct2Model:
-    """A loaded exported model: the ``ctranslate2.Translator`` and what decoding needs from the manifest."""
-
-    path: Path
-    translator: Any
-    pieces: list[str]  # the vocabulary, id order
-    ids: dict[str, int]
-    max_positions: int
-    vocab: dict[str, Any]  # the checkpoint's {"spm_sha256", "size"}: check it against a tokens artifact
-
-
-def load_ct2(model_dir: Path, *, device: str = "cpu", compute_type: str = "default", threads: int = 0) -> Ct2Model:
-    """Open an exported model directory (``threads``: CTranslate2 intra-op threads, 0 = its default)."""
-    ct2 = _require_ctranslate2()
-    model_dir = Path(model_dir)
-    m = artifacts.read_manifest(model_dir, "export")
-    if m.extra.get("format") != "ctranslate2":
-        raise MtpipeError(f"{model_dir}: is a '{m.extra.get('format')}' export, not a CTranslate2 model")
-    vocab_path = model_dir / m.extra.get("vocabulary", "shared_vocabulary.json")
-    try:
-        pieces = json.loads(vocab_path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise MtpipeError(f"{vocab_path}: unreadable CTranslate2 vocabulary ({e})") from None
-    if threads < 0:
-        raise MtpipeError(f"threads: {threads} is not >= 0")
-    try:
-        translator = ct2.Translator(str(model_dir), device=device, compute_type=compute_type, intra_threads=threads)
-    except (RuntimeError, ValueError) as e:
-        raise MtpipeError(f"{model_dir}: CTranslate2 cannot load it ({str(e).splitlines()[0]})") from None
-    return Ct2Model(model_dir, translator, pieces, {p: i for i, p in enumerate(pieces)},
-                    int(m.extra["max_positions"]), dict(m.extra.get("vocab", {})))
-
-
-def _lp(kind: str, alpha: float, length: int) -> float:
-    """mtpipe's length penalties (:class:`mtpipe.decode.LengthPenalty`), ``length`` counting EOS."""
-    return ((5.0 + length) / 6.0) ** alpha if kind == "gnmt" else float(length) ** alpha
-
-
-def ct2_translate(model: Ct2Model | Path, sources: Sequence[Sequence[str | int]], *, beam: int = 4,
-                  alpha: float = 0.6, length_penalty: str = "gnmt", max_len_a: float = 1.0, max_len_b: int = 50,
-                  nbest: int = 1, patience: float = 1.0, max_tokens: int = 8000,
-                  threads: int = 0) -> list[list[Ct2Hypothesis]]:
-    """Translate sources (SentencePiece pieces or ids, no EOS, any order) with CTranslate2's beam search.
-
-    Returns each source's ``nbest`` hypotheses, best first, in input order, scored with mtpipe's formula
-    ``log P(Y + EOS | X) / lp(|Y| + 1)``, ``gnmt`` lp(n) = ((5 + n) / 6)^alpha or ``fairseq`` lp(n) = n^alpha.
-
-    How mtpipe's decode settings are honoured, and what differs (CTranslate2 4.x, ``src/decoding.cc``):
-
-    * **Length penalty.** CTranslate2 has one formula: a finished hypothesis scores ``log P / n^length_penalty``
-      (``log P`` including its EOS) where n counts the hypothesis' tokens *and* its EOS (checked on CTranslate2
-      4.8.5: the score is the same with or without ``return_end_token``; this function sets it to see the EOS), so
-      ``length_penalty = alpha`` is exactly mtpipe's ``fairseq`` penalty |Y|^alpha with |Y| counting EOS.
-      mtpipe's default ``gnmt`` ((5 + |Y|) / 6)^alpha has no CTranslate2 equivalent; for it every finished
-      hypothesis CTranslate2 returns (``beam`` of them) is re-scored with GNMT (log P = score * n^alpha) and
-      re-ranked. The penalty only ranks *finished* hypotheses in both decoders, so the ranking is exact; what
-      differs is the search below.
-    * **Search.** CTranslate2 keeps ``beam`` live hypotheses, refilling from the top 2*beam candidates when some of
-      the top ``beam`` end in EOS, and stops a sentence once ``round(beam * patience)`` hypotheses have finished
-      (fairseq's rule; with alpha = 0, as soon as the best-scoring candidate is EOS). mtpipe lets finished
-      hypotheses leave the beam and stops only when no live hypothesis can still beat the n-best finished score
-      (tensor2tensor's bound). Greedy search (beam 1) is the same algorithm. At beam > 1, with ``patience`` 1 (the
-      CTranslate2 and fairseq default), short low-probability hypotheses that end early can fill the quota before
-      the best one finishes -- on very peaked models (e.g. a model that memorised its data) CTranslate2 then returns
-      a worse translation than mtpipe; ``patience`` 2 waits for twice as many and closes that gap.
-    * **Scores.** CTranslate2 masks PAD and BOS *before* its log-softmax, mtpipe *after* (so CTranslate2's token
-      log-probabilities are renormalised over the other tokens): per token the two differ by
-      ``-log(1 - P(PAD) - P(BOS))``, about 1e-5 for a trained model (PAD and BOS are never training targets). The
-      rankings of tokens are the same.
-    * **Max length.** mtpipe allows ``floor(max_len_a * S + max_len_b)`` tokens before EOS per sentence (S = source
-      tokens without EOS, capped at max_positions - 1) and then forces EOS. CTranslate2 has one absolute
-      ``max_decoding_length`` per call, so sentences are grouped by their limit L and each group decoded with
-      ``max_decoding_length = L``: no output has more than L tokens, as in mtpipe. A hypothesis cut at L tokens
-      without EOS is re-scored with CTranslate2's ``score_batch`` on Y + EOS (mtpipe's forced EOS), so its score is
-      mtpipe's too; L = 0 gives the empty output scored log P(EOS | X). Sources longer than max_positions - 1 are
-      truncated (``max_input_length``; EOS kept last), as mtpipe's decode truncates them.
-    * PAD and BOS are never generated (``suppress_sequences``), as in mtpipe.
-    * ``nbest`` <= ``beam``: CTranslate2 is asked for ``beam`` finished hypotheses, which are re-scored, sorted and
-      cut to ``nbest``.
-
-    ``threads`` is only used when ``model`` is a path (a loaded :class:`Ct2Model` keeps its own). ``max_tokens``
-    caps the source tokens per CTranslate2 batch.
-    """
-    if beam < 1:
-        raise MtpipeError(f"decode.beam: {beam} is not >= 1")
-    if not 1 <= nbest <= beam:
-        raise MtpipeError(f"decode.nbest: {nbest} is not between 1 and decode.beam ({beam})")
-    if length_penalty not in PENALTIES:
-        raise MtpipeError(f"decode.length_penalty: unknown penalty {length_penalty!r} "
-                          f"(choose from {', '.join(PENALTIES)})")
-    if not math.isfinite(alpha):
-        raise MtpipeError(f"decode.alpha: {alpha} is not a finite number")
-    if max_len_a < 0 or max_len_b < 0:
-        raise MtpipeError(f"decode.max_len_a / max_len_b: {max_len_a} / {max_len_b} must be >= 0")
-    if max_tokens < 1:
-        raise MtpipeError(f"decode.max_tokens: {max_tokens} is not >= 1")
-    if not (math.isfinite(patience) and patience >= 1):
-        raise MtpipeError(f"patience: {patience} must be >= 1 (CTranslate2 waits for beam * patience hypotheses)")
-    m = model if isinstance(model, Ct2Model) else load_ct2(Path(model), threads=threads)
-    eos = m.pieces[EOS_ID]
-    limit_in = m.max_positions - 1  # source tokens that fit with their EOS
-
-    pieces: list[list[str]] = []
-    for n, s in enumerate(sources):
-        if any(isinstance(t, Integral) and not 0 <= t < len(m.pieces) for t in s):
-            raise MtpipeError(f"source {n}: token id out of the vocabulary (0..{len(m.pieces) - 1})")
-        row = [m.pieces[int(t)] if isinstance(t, Integral) else str(t) for t in s]
-        pieces.append(row[:limit_in])
-    limits = [max(0, min(int(math.floor(max_len_a * len(p) + max_len_b)), m.max_positions - 1)) for p in pieces]
-    groups: dict[int, list[int]] = {}
-    for i, lim in enumerate(limits):
-        groups.setdefault(lim, []).append(i)
-
-    results: list[list[Ct2Hypothesis]] = [[] for _ in pieces]
-    raw: list[list[tuple[list[str], float | None]]] = [[] for _ in pieces]  # pieces, log P (None: rescore)
-    rescore: list[tuple[int, int]] = []  # (source, index in raw[source]) of hypotheses needing log P(Y + EOS)
-    common = dict(max_batch_size=max_tokens, batch_type="tokens", max_input_length=m.max_positions)
-    for lim, idx in sorted(groups.items()):
-        if lim == 0:
-            for i in idx:  # nothing may precede EOS: the empty output
-                rescore.append((i, len(raw[i])))
-                raw[i].append(([], None))
-            continue
-        out = m.translator.translate_batch(
-            [pieces[i] for i in idx], beam_size=beam, patience=patience, num_hypotheses=beam, length_penalty=alpha,
-            max_decoding_length=lim, min_decoding_length=0, return_end_token=True, return_scores=True,
-            suppress_sequences=[[m.pieces[PAD_ID]], [m.pieces[BOS_ID]]], **common)
-        for i, r in zip(idx, out):
-            for hyp, score in zip(r.hypotheses, r.scores):
-                if hyp and hyp[-1] == eos:
-                    # CTranslate2's score is log P / n^alpha with n = len(hyp) (EOS included).
-                    raw[i].append((hyp[:-1], float(score) * float(len(hyp)) ** alpha))
-                else:  # cut at the length limit: mtpipe would force EOS here
-                    rescore.append((i, len(raw[i])))
-                    raw[i].append((list(hyp), None))
-    if rescore:
-        # score_batch gives the log-probabilities of every target token and of the EOS it appends.
-        scored = m.translator.score_batch([pieces[i] for i, _ in rescore], [raw[i][j][0] for i, j in rescore],
-                                          **common)
-        for (i, j), s in zip(rescore, scored):
-            raw[i][j] = (raw[i][j][0], float(sum(s.log_probs)))
-    for i, r in enumerate(raw):
-        best: dict[tuple[str, ...], Ct2Hypothesis] = {}
-        for hyp, lp in r:
-            assert lp is not None
-            h = Ct2Hypothesis(list(hyp), [m.ids.get(p, UNK_ID) for p in hyp], lp / _lp(length_penalty, alpha,
-                                                                                       len(hyp) + 1))
-            if tuple(hyp) not in best or h.score > best[tuple(hyp)].score:
-                best[tuple(hyp)] = h
-        results[i] = sorted(best.values(), key=lambda h: -h.score)[:nbest]
-    return results
-
-
-# CTranslate2's compute types (``ctranslate2.Translator(compute_type=...)``); "default" keeps the weights' type.
-COMPUTE_TYPES = ("default", "auto", "float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16",
-                 "float16", "bfloat16")
-ENGINE_INPUTS = "a CTranslate2 export (`mtpipe export`) or an mtpipe checkpoint"
-
-
-def decode_source(path: Path) -> artifacts.Manifest:
-    """The manifest of what ``mtpipe decode --engine ctranslate2 --checkpoint PATH`` names: a CTranslate2 export
-    (kind ``export``, format ``ctranslate2``) or an mtpipe checkpoint; anything else fails with one line."""
-    path = Path(path)
-    try:
-        m = artifacts.read_manifest(path)
-    except MtpipeError as e:
-        raise MtpipeError(f"{e}; --engine ctranslate2 needs {ENGINE_INPUTS}") from None
-    if m.kind == "export" and m.extra.get("format") != "ctranslate2":
-        raise MtpipeError(f"{path}: is a '{m.extra.get('format')}' export, not a CTranslate2 model; --engine "
-                          f"ctranslate2 needs {ENGINE_INPUTS}")
-    if m.kind not in ("export", "checkpoint"):
-        raise MtpipeError(f"{path}: is a '{m.kind}' artifact; --engine ctranslate2 needs {ENGINE_INPUTS}")
-    for key in ("vocab", "checkpoint_step" if m.kind == "export" else "step"):
-        if key not in m.extra:
-            raise MtpipeError(f"{path}: {m.kind} manifest lacks '{key}'")
-    return m
-
-
-def open_for_decode(path: Path, manifest: artifacts.Manifest, tokens: Path | None, *, compute_type: str = "default",
-                    threads: int = 0, device: str = "auto") -> Ct2Model:
-    """A loaded CTranslate2 model for ``mtpipe decode --engine ctranslate2``: an export is opened as it is; a
-    checkpoint (with the SentencePiece model of ``tokens``) is first exported with float32 weights to a temporary
-    directory, which is removed once CTranslate2 has read it (the translator keeps its weights in memory), so nothing
-    is left behind. ``compute_type`` may still quantise at load time (``int8``...). ``device`` "auto": the first
-    GPU CTranslate2 sees, else the CPU."""
-    import dataclasses
-    import tempfile
-
-    if device == "auto":
-        device = "cuda" if _require_ctranslate2().get_cuda_device_count() > 0 else "cpu"
-    if compute_type not in COMPUTE_TYPES:
-        raise MtpipeError(f"decode.ct2_compute_type: unknown type {compute_type!r} (choose from "
-                          f"{', '.join(COMPUTE_TYPES)})")
-    path = Path(path)
-    if manifest.kind == "export":
-        return load_ct2(path, device=device, compute_type=compute_type, threads=threads)
-    if tokens is None:
-        raise MtpipeError(f"{path}: exporting a checkpoint to CTranslate2 needs --tokens (its bpe artifact)")
-    with tempfile.TemporaryDirectory(prefix="mtpipe-ct2-") as tmp:
-        export_ctranslate2(path, tokens, Path(tmp) / "model", summary=False)
-        m = load_ct2(Path(tmp) / "model", device=device, compute_type=compute_type, threads=threads)
-    return dataclasses.replace(m, path=path)
-
-
-# --------------------------------------------------------------------------------------------------------------------
 # Hugging Face Marian
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -585,13 +346,41 @@ def export_marian(checkpoint: Path, tokens: Path, out: Path, params: dict[str, A
     ``source.spm``/``target.spm`` and ``vocab.json`` for ``MarianTokenizer``), atomically."""
     try:
         import transformers
-        from transformers import GenerationConfig, MarianConfig, MarianMTModel
     except ImportError:
         raise MtpipeError(f"transformers is not installed: {INSTALL_HF}") from None
-    import torch
 
     transformers.utils.logging.disable_progress_bar()  # "Writing model shards" bars; mtpipe prints its own summary
     src = _load_source(checkpoint, tokens)
+    hf = _marian_model(src)
+    with artifacts.ArtifactWriter(out, "export", params, upstream={"checkpoint": checkpoint, "tokens": tokens},
+                                  force=force) as w:
+        assert w.tmp is not None
+        hf.save_pretrained(str(w.tmp), safe_serialization=True)
+        spm_bytes = src.spm_path.read_bytes()
+        for name in ("spm.model", "source.spm", "target.spm"):
+            w.path(name).write_bytes(spm_bytes)
+        w.path("vocab.json").write_text(json.dumps({p: i for i, p in enumerate(src.pieces)}, ensure_ascii=False),
+                                        encoding="utf-8")
+        w.path("tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "MarianTokenizer", "unk_token": src.pieces[UNK_ID], "eos_token": src.pieces[EOS_ID],
+            "pad_token": src.pieces[PAD_ID], "model_max_length": src.model.cfg.max_positions,
+            "separate_vocabs": False, "additional_special_tokens": [],
+        }, indent=2), encoding="utf-8")
+        w.extra.update(_extra(src, "marian", None))
+        w.extra["transformers_version"] = transformers.__version__
+    from mtpipe import console
+
+    console.info(f"export: {checkpoint} -> {out} (Hugging Face MarianMTModel, transformers {transformers.__version__})")
+    return artifacts.read_manifest(out, "export").extra
+
+
+def _marian_model(src: _Source) -> Any:
+    """The model as a ``MarianMTModel`` (eval mode) with its generation config, or one line naming what does not
+    map exactly."""
+    import torch
+    import transformers
+    from transformers import GenerationConfig, MarianConfig, MarianMTModel
+
     model, cfg, where = src.model, src.model.cfg, src.checkpoint
     if why := marian_mismatch(cfg):
         raise MtpipeError(f"{where}: does not map exactly onto Hugging Face Marian: {why}")
@@ -615,8 +404,27 @@ def export_marian(checkpoint: Path, tokens: Path, out: Path, params: dict[str, A
         # Marian rebuilds this table on load (it is not saved): it must be ours, up to float rounding.
         if pos.weight.shape != table.shape or not torch.allclose(pos.weight, table, atol=1e-5):
             raise MtpipeError(f"{where}: does not map exactly onto Hugging Face Marian: its sinusoid table differs")
+    sd = _marian_state_dict(src, table)
+    want = set(hf.state_dict())
+    if set(sd) != want:
+        extra, missing = sorted(set(sd) - want)[:3], sorted(want - set(sd))[:3]
+        raise MtpipeError(f"{where}: the Marian mapping does not cover transformers {transformers.__version__}'s "
+                          f"MarianMTModel (unexpected {extra}, missing {missing})")
+    hf.load_state_dict({k: v.contiguous().clone() for k, v in sd.items()}, strict=True)
+    hf.generation_config = GenerationConfig(decoder_start_token_id=BOS_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                                            pad_token_id=PAD_ID, forced_eos_token_id=EOS_ID,
+                                            bad_words_ids=[[PAD_ID], [BOS_ID]], max_length=cfg.max_positions,
+                                            num_beams=4)
+    return hf
 
-    w = _Weights(model, where)
+
+def _marian_state_dict(src: _Source, table: Any) -> dict[str, Any]:
+    """The model's parameters under ``MarianMTModel``'s names (``table``: the position table, both stacks)."""
+    import torch
+
+    cfg = src.model.cfg
+    d, ff, vocab = cfg.d_model, cfg.d_ff, len(src.pieces)
+    w = _Weights(src.model, src.checkpoint)
     hk = cfg.heads * cfg.d_k
     sd: dict[str, Any] = {}
     embed = torch.from_numpy(w.take("embed.weight", (vocab, d)))
@@ -656,37 +464,7 @@ def export_marian(checkpoint: Path, tokens: Path, out: Path, params: dict[str, A
             lin(f"{q}.fc2", f"{p}.ffn.w2", d, ff)
             ln(f"{q}.final_layer_norm", f"{p}.norm3" if side == "decoder" else f"{p}.norm2")
     w.done()
-    want = set(hf.state_dict())
-    if set(sd) != want:
-        extra, missing = sorted(set(sd) - want)[:3], sorted(want - set(sd))[:3]
-        raise MtpipeError(f"{where}: the Marian mapping does not cover transformers {transformers.__version__}'s "
-                          f"MarianMTModel (unexpected {extra}, missing {missing})")
-    hf.load_state_dict({k: v.contiguous().clone() for k, v in sd.items()}, strict=True)
-    hf.generation_config = GenerationConfig(decoder_start_token_id=BOS_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
-                                            pad_token_id=PAD_ID, forced_eos_token_id=EOS_ID,
-                                            bad_words_ids=[[PAD_ID], [BOS_ID]], max_length=cfg.max_positions,
-                                            num_beams=4)
-
-    with artifacts.ArtifactWriter(out, "export", params, upstream={"checkpoint": checkpoint, "tokens": tokens},
-                                  force=force) as w2:
-        assert w2.tmp is not None
-        hf.save_pretrained(str(w2.tmp), safe_serialization=True)
-        spm_bytes = src.spm_path.read_bytes()
-        for name in ("spm.model", "source.spm", "target.spm"):
-            w2.path(name).write_bytes(spm_bytes)
-        w2.path("vocab.json").write_text(json.dumps({p: i for i, p in enumerate(src.pieces)}, ensure_ascii=False),
-                                         encoding="utf-8")
-        w2.path("tokenizer_config.json").write_text(json.dumps({
-            "tokenizer_class": "MarianTokenizer", "unk_token": src.pieces[UNK_ID], "eos_token": src.pieces[EOS_ID],
-            "pad_token": src.pieces[PAD_ID], "model_max_length": cfg.max_positions, "separate_vocabs": False,
-            "additional_special_tokens": [],
-        }, indent=2), encoding="utf-8")
-        w2.extra.update(_extra(src, "marian", None))
-        w2.extra["transformers_version"] = transformers.__version__
-    from mtpipe import console
-
-    console.info(f"export: {checkpoint} -> {out} (Hugging Face MarianMTModel, transformers {transformers.__version__})")
-    return artifacts.read_manifest(out, "export").extra
+    return sd
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -698,17 +476,15 @@ def run(cfg: Any, checkpoint: Path, tokens: Path, out: Path, *, force: bool = Fa
     """``mtpipe export``: ``cfg`` is an :class:`mtpipe.config.ExportConfig`."""
     from mtpipe.config import to_dict
 
-    if cfg.format not in FORMATS:
-        raise MtpipeError(f"export.format: unknown format {cfg.format!r} (choose from {', '.join(FORMATS)})")
+    # export.format and export.quantization are checked against their choices when the section is built (config).
     params = {"export": to_dict(cfg)}
     artifacts.prepare_output(out, "export", inputs=[checkpoint, tokens], force=force)
     if cfg.format == "marian":
-        if _check_quantization(cfg.quantization) is not None:
+        if cfg.quantization != "none":
             raise MtpipeError(f"export.quantization: {cfg.quantization!r} applies to CTranslate2 only; use 'none' "
                               "with format marian")
         return export_marian(checkpoint, tokens, out, params=params, force=force)
     return export_ctranslate2(checkpoint, tokens, out, cfg.quantization, params=params, force=force)
 
 
-__all__ = ["Ct2Hypothesis", "Ct2Model", "build_ct2_spec", "ct2_translate", "decode_source", "export_ctranslate2",
-           "export_marian", "load_ct2", "marian_mismatch", "open_for_decode", "run"]
+__all__ = ["build_ct2_spec", "export_ctranslate2", "export_marian", "marian_mismatch", "require_ctranslate2", "run"]

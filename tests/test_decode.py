@@ -20,9 +20,10 @@ from mtpipe import artifacts
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mtpipe.cli import app
 from mtpipe.config import DecodeConfig, ModelConfig, to_dict
-from mtpipe.decode import LengthPenalty, beam_search, make_batches, max_output_len, translate
+from mtpipe.decode import make_batches, translate
 from mtpipe.errors import MtpipeError
 from mtpipe.model import Transformer
+from mtpipe.search import DecodeRules, LengthPenalty, beam_search
 
 # --------------------------------------------------------------------------------------------------------------------
 # Helpers: a hand-made step function, a random peaked model, an independent greedy decoder
@@ -53,6 +54,10 @@ def table_step(table):
         return logp, PrefixRows(prefixes, state.calls)
 
     return step
+
+
+def max_output_len(src_len: int, cfg: DecodeConfig, max_positions: int) -> int:
+    return DecodeRules.from_config(cfg).max_output_len(src_len, max_positions)
 
 
 def start(n: int) -> PrefixRows:
@@ -334,7 +339,7 @@ def test_incremental_decoding_matches_full_re_decoding(model):
 def test_ranking_in_blocks_of_rows_gives_the_same_search(model, monkeypatch, block_rows):
     """Beam search ranks the candidates a block of rows at a time (log-probabilities made on demand per block):
     blocks of one sentence, or of a sentence and a bit, must find what one block of all rows finds."""
-    import mtpipe.decode as md
+    import mtpipe.search as md
 
     cfg = DecodeConfig(beam=4, max_len_b=6, nbest=2)
     srcs = sources(9, seed=11)

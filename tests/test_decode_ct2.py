@@ -146,7 +146,7 @@ def test_bad_input_fails_with_one_line_and_writes_nothing(world, tmp_path, case)
         "tokens_dir": "is a 'tokens' artifact; --engine ctranslate2 needs a CTranslate2 export",
         "plain_dir": "not an mtpipe artifact (no manifest.json); --engine ctranslate2 needs",
         "precision": "decode.precision: bf16 applies to engine mtpipe",
-        "compute_type": "decode.ct2_compute_type: unknown type 'int3'",
+        "compute_type": "--ct2-compute-type: decode.ct2_compute_type = 'int3' is not one of default, auto",
         "prune": "decode.prune: not available with engine ctranslate2",
         "engine": "decode.engine = 'onnx' is not one of mtpipe, ctranslate2",
         "patience": "decode.patience = 0.5 must be >= 1",

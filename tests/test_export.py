@@ -27,7 +27,8 @@ from mtpipe.cli import app  # noqa: E402
 from mtpipe.config import DecodeConfig, ModelConfig, to_dict  # noqa: E402
 from mtpipe.decode import translate  # noqa: E402
 from mtpipe.errors import MtpipeError  # noqa: E402
-from mtpipe.export import ct2_translate, export_ctranslate2, load_ct2  # noqa: E402
+from mtpipe.engine_ct2 import ct2_translate, load_ct2  # noqa: E402
+from mtpipe.export import export_ctranslate2  # noqa: E402
 from mtpipe.model import Transformer  # noqa: E402
 from conftest import memorise, train_spm  # noqa: E402
 
@@ -343,8 +344,10 @@ def test_cli_bad_input_fails_with_one_line_and_writes_nothing(world, other_token
         "not_a_checkpoint": (["--checkpoint", tok, "--tokens", tok], "is a 'tokens' artifact, expected 'checkpoint'"),
         "missing": (["--checkpoint", str(tmp_path / "nope"), "--tokens", tok], "artifact not found"),
         "other_spm": (["--checkpoint", ck, "--tokens", str(other_tokens)], "another SentencePiece model"),
-        "bad_quantization": (["--checkpoint", ck, "--tokens", tok, "--quantization", "int3"], "unknown type 'int3'"),
-        "bad_format": (["--checkpoint", ck, "--tokens", tok, "--format", "onnx"], "unknown format 'onnx'"),
+        "bad_quantization": (["--checkpoint", ck, "--tokens", tok, "--quantization", "int3"],
+                             "--quantization: export.quantization = 'int3' is not one of none, int8"),
+        "bad_format": (["--checkpoint", ck, "--tokens", tok, "--format", "onnx"],
+                       "--format: export.format = 'onnx' is not one of ctranslate2, marian"),
         "marian_quantized": (["--checkpoint", ck, "--tokens", tok, "--format", "marian", "--quantization", "int8"],
                              "applies to CTranslate2 only"),
     }[case]

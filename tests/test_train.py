@@ -184,7 +184,7 @@ def test_fused_loss_gradient_equals_autograd_of_the_formula(eps: float, dtype: t
 
 
 def test_accumulation_keeps_the_global_batch() -> None:
-    from mtpipe.train import accumulation
+    from mtpipe.batches import accumulation
 
     assert accumulation(25000, 1, 4096) == 7
     assert accumulation(25000, 8, 4096) == 1
@@ -196,7 +196,7 @@ def test_accumulation_keeps_the_global_batch() -> None:
 
 
 def test_ranks_take_disjoint_batches_and_epochs_reshuffle() -> None:
-    from mtpipe.train import epoch_order, rank_batches
+    from mtpipe.batches import epoch_order, rank_batches
 
     n, world, accum = 23, 2, 3
     order = epoch_order(n, seed=5, epoch=0)
@@ -217,7 +217,7 @@ def test_ranks_take_disjoint_batches_and_epochs_reshuffle() -> None:
 
 
 def test_collate_layout() -> None:
-    from mtpipe.train import TokenSplit, collate
+    from mtpipe.batches import TokenSplit, collate
 
     split = TokenSplit("t", src=np.array([5, 6, 7], np.int32), src_off=np.array([0, 2, 3]),
                        tgt=np.array([8, 9, 10, 11], np.int32), tgt_off=np.array([0, 1, 4]), ids=np.array([0, 1]))
@@ -231,7 +231,7 @@ def test_collate_layout() -> None:
 
 def test_batches_map_ids_and_count_tokens(tmp_path: Path) -> None:
     """Batch ids are values of the tokens' id column (not row numbers); token counts match the bucket's."""
-    from mtpipe.train import load_batches, load_split
+    from mtpipe.batches import load_batches, load_split
 
     tokens, batches = make_artifacts(tmp_path, n_train=40, id_base=1000)
     split = load_split(tokens, "train")

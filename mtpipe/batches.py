@@ -1,0 +1,281 @@
+"""The data side of ``mtpipe train``: sentences and batches in memory, the epoch's batch order, collation.
+
+* Sentences (section 5.1): the bpe artifact's ``{split}.parquet`` read into one flat int32 array per side with
+  offsets (:class:`TokenSplit`), not one Python object per sentence: a WMT-sized corpus stays a few arrays.
+* Batches (section 5.1, "sentence pairs were batched together by approximate sequence length"): the bucket
+  artifact's ``{split}.parquet`` as row positions into a :class:`TokenSplit` (:class:`BatchTable`); the token counts
+  are recomputed from the sentences, so they cannot disagree with what is collated.
+* Order: each epoch's batch order is a permutation drawn from ``(train.seed, epoch)`` alone (:func:`epoch_order`);
+  an update takes the next ``world_size * accum`` batches and rank r every world_size-th of them
+  (:func:`rank_batches`), so ranks never share a batch and any world size walks the same batch sequence.
+* Collation (section 3, "the output embeddings are offset by one position"): ``src = tokens + EOS``,
+  ``tgt_in = BOS + tgt``, ``tgt_out = tgt + EOS``, right-padded, batch-first (:func:`collate`).
+* :func:`load_train_data` reads and checks both artifacts for a run of ``world_size`` processes (:class:`TrainData`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from mtpipe import artifacts
+from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID
+from mtpipe.console import warn
+from mtpipe.errors import MtpipeError
+
+# --------------------------------------------------------------------------------------------------------------------
+# Batch size and order
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def accumulation(tokens_per_update: int, world_size: int, max_tokens: int) -> int:
+    """Micro-batches per process per update so that ``world_size * accum`` batches of ``max_tokens`` cover
+    ``tokens_per_update`` (section 5.1's ~25000 source + 25000 target tokens per update): the same global batch on
+    any number of processes."""
+    return max(1, math.ceil(tokens_per_update / (world_size * max_tokens)))
+
+
+def epoch_order(n_batches: int, seed: int, epoch: int) -> np.ndarray:
+    """The batch order of an epoch: a permutation drawn from ``(seed, epoch)`` alone, so a resumed run (or any rank)
+    recomputes it instead of storing it."""
+    return np.random.default_rng([seed, epoch]).permutation(n_batches)
+
+
+def rank_batches(order: np.ndarray, position: int, world_size: int, accum: int, rank: int) -> np.ndarray:
+    """This rank's micro-batches of the update that starts at ``position`` of the epoch's ``order``: the update
+    takes ``order[position : position + world_size * accum]`` and rank r every world_size-th from the r-th."""
+    return order[position : position + world_size * accum][rank::world_size]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Sentences and batches: flat token arrays (no Python object per sentence)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenSplit:
+    """One split of the bpe artifact: every sentence's ids in one flat int32 array per side, with offsets."""
+
+    name: str
+    src: np.ndarray  # int32 [total source tokens]
+    src_off: np.ndarray  # int64 [n + 1]
+    tgt: np.ndarray  # int32 [total target tokens]
+    tgt_off: np.ndarray  # int64 [n + 1]
+    ids: np.ndarray  # int64 [n]: the rows' ``id`` column
+
+    @property
+    def src_len(self) -> np.ndarray:
+        return np.diff(self.src_off)
+
+    @property
+    def tgt_len(self) -> np.ndarray:
+        return np.diff(self.tgt_off)
+
+    def rows(self, ids: np.ndarray, where: str) -> np.ndarray:
+        """Row positions of ``ids`` (values of the ``id`` column); an unknown id is an error naming ``where``."""
+        n = len(self.ids)
+        # The bpe stage writes ids 0..n-1 in order: then an id is its row, and the sort below is not needed.
+        if n and self.ids[0] == 0 and self.ids[-1] == n - 1 and np.array_equal(self.ids, np.arange(n)):
+            rows = ids
+            bad = (ids < 0) | (ids >= n)
+        else:
+            order = np.argsort(self.ids, kind="stable")
+            pos = np.searchsorted(self.ids, ids, sorter=order)
+            pos = np.minimum(pos, max(n - 1, 0))
+            rows = order[pos] if n else pos
+            bad = (self.ids[rows] != ids) if n else np.ones(len(ids), bool)
+        if bad.any():
+            raise MtpipeError(f"{where}: references id {int(ids[bad.argmax()])}, which is not in the tokens artifact's "
+                              f"{self.name} split (batches and tokens come from different runs: re-run "
+                              "`mtpipe bucket`)")
+        return rows.astype(np.int64)
+
+
+def load_split(tokens: Path, split: str) -> TokenSplit:
+    """Read ``{split}.parquet`` of the bpe artifact into flat arrays."""
+    table_ = artifacts.read_table(tokens, f"{split}.parquet", "tokens")
+
+    def flat(column: str) -> tuple[np.ndarray, np.ndarray]:
+        arr = table_.column(column).combine_chunks()  # one ListArray; offsets index into arr.values
+        offsets = artifacts.to_numpy(arr.offsets).astype(np.int64)
+        values = np.asarray(artifacts.to_numpy(arr.values), dtype=np.int32)
+        if offsets[0] != 0 or offsets[-1] != len(values):  # a sliced array: rebase so offsets start at 0
+            values, offsets = values[offsets[0] : offsets[-1]], offsets - offsets[0]
+        return values, offsets
+
+    src, src_off = flat("src")
+    tgt, tgt_off = flat("tgt")
+    ids = artifacts.to_numpy(table_.column("id")).astype(np.int64)
+    return TokenSplit(split, src, src_off, tgt, tgt_off, ids)
+
+
+@dataclass
+class BatchTable:
+    """The bucket artifact's batches of one split as row positions into a :class:`TokenSplit`."""
+
+    rows: np.ndarray  # int64 [sum of batch sizes]: every batch's sentence rows, batch after batch
+    off: np.ndarray  # int64 [n_batches + 1]
+    src_tokens: np.ndarray  # int64 [n_batches]: real source tokens incl. EOS
+    tgt_tokens: np.ndarray  # int64 [n_batches]: real target tokens incl. EOS (= tokens the loss is computed on)
+    src_width: np.ndarray  # int64 [n_batches]: padded source length (EOS included)
+    tgt_width: np.ndarray  # int64 [n_batches]: padded target length (BOS / EOS included)
+
+    def __len__(self) -> int:
+        return len(self.off) - 1
+
+    def batch(self, i: int) -> np.ndarray:
+        return self.rows[self.off[i] : self.off[i + 1]]
+
+    def subset(self, keep: np.ndarray) -> BatchTable:
+        """The batches ``keep`` (indices, in that order) as a table of their own."""
+        sizes = np.diff(self.off)[keep]  # [len(keep)]
+        rows = np.concatenate([self.batch(int(i)) for i in keep])
+        return BatchTable(rows=rows, off=np.concatenate([[0], np.cumsum(sizes)]), src_tokens=self.src_tokens[keep],
+                          tgt_tokens=self.tgt_tokens[keep], src_width=self.src_width[keep],
+                          tgt_width=self.tgt_width[keep])
+
+
+def load_batches(batches: Path, split: str, tokens: TokenSplit) -> BatchTable:
+    """Read ``{split}.parquet`` of the bucket artifact; token counts are recomputed from the sentences themselves."""
+    name = f"{split}.parquet"
+    t = artifacts.read_table(batches, name, "batches", columns=["batch", "ids"])
+    arr = t.column("ids").combine_chunks()
+    off = artifacts.to_numpy(arr.offsets).astype(np.int64)
+    ids = artifacts.to_numpy(arr.values).astype(np.int64)[off[0] : off[-1]]
+    off = off - off[0]
+    if len(off) < 2:
+        raise MtpipeError(f"{batches / name}: has no batches")
+    sizes = np.diff(off)
+    if (sizes == 0).any():
+        raise MtpipeError(f"{batches / name}: batch {int(np.argmin(sizes))} is empty")
+    rows = tokens.rows(ids, str(batches / name))
+    src_len = tokens.src_len[rows] + 1  # + EOS
+    tgt_len = tokens.tgt_len[rows] + 1  # + EOS (tgt_out) / + BOS (tgt_in)
+    starts = off[:-1]
+    return BatchTable(
+        rows=rows, off=off,
+        src_tokens=np.add.reduceat(src_len, starts), tgt_tokens=np.add.reduceat(tgt_len, starts),
+        src_width=np.maximum.reduceat(src_len, starts), tgt_width=np.maximum.reduceat(tgt_len, starts),
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Collation
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _pad(values: np.ndarray, off: np.ndarray, rows: np.ndarray, bos: bool, eos: bool) -> np.ndarray:
+    """Right-padded ``[B, max_len + 1]`` int64 matrix of the sentences ``rows``, with BOS in front or EOS after.
+
+    Vectorised: one scatter of every token of the batch, no Python loop over sentences."""
+    starts, lens = off[rows], off[rows + 1] - off[rows]  # [B], [B]
+    b = len(rows)
+    out = np.full((b, int(lens.max()) + 1), PAD_ID, dtype=np.int64)  # [B, max_len + 1]
+    total = int(lens.sum())
+    r = np.repeat(np.arange(b), lens)  # [total]: the batch row of every token
+    c = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)  # [total]: its position in the sentence
+    out[r, c + int(bos)] = values[np.repeat(starts, lens) + c]
+    if bos:
+        out[:, 0] = BOS_ID
+    if eos:
+        out[np.arange(b), lens] = EOS_ID
+    return out
+
+
+def collate(split: TokenSplit, rows: np.ndarray) -> tuple[Tensor, Tensor, Tensor]:
+    """``src [B, S]`` = tokens + EOS, ``tgt_in [B, T]`` = BOS + tgt, ``tgt_out [B, T]`` = tgt + EOS; PAD on the
+    right (section 3: the decoder input is the target shifted right by one position)."""
+    src = _pad(split.src, split.src_off, rows, bos=False, eos=True)
+    tgt_in = _pad(split.tgt, split.tgt_off, rows, bos=True, eos=False)
+    tgt_out = _pad(split.tgt, split.tgt_off, rows, bos=False, eos=True)
+    return torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out)
+
+
+def to_device(device: torch.device, tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """A collated batch on ``device``; to CUDA through pinned memory, so the copy does not block the host."""
+    if device.type == "cuda":
+        return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
+    return tensors
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A training run's data
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainData:
+    """Everything a training run reads from the bpe (``tokens``) and bucket (``batches``) artifacts, and the batch
+    arithmetic of its world size: ``per_update = world_size * accum`` batches per update, of which the first
+    ``usable`` of an epoch's order are used (the tail too short for a whole update is left out of that epoch)."""
+
+    vocab: dict[str, Any]  # {"spm_sha256", "size"}: what a checkpoint must have been trained with to resume
+    max_tokens: int  # the bucket stage's token budget per batch
+    train_tokens: TokenSplit
+    train: BatchTable
+    valid_tokens: TokenSplit | None
+    valid: BatchTable | None
+    accum: int
+    per_update: int
+    usable: int
+
+    def drop_long_valid(self, max_positions: int, where: Path) -> None:
+        """The bucket stage never drops valid pairs, so an over-long one sits alone in its batch: leave such batches
+        out of the validation loss (with a warning) instead of failing after hours of training."""
+        v = self.valid
+        if v is None:
+            return
+        ok = np.maximum(v.src_width, v.tgt_width) <= max_positions  # [n_batches]
+        if ok.all():
+            return
+        warn(f"{where}: {int((~ok).sum())} valid batch(es) hold sentences longer than "
+             f"model.max_positions={max_positions}: left out of the validation loss")
+        if not ok.any():
+            self.valid = self.valid_tokens = None
+            return
+        self.valid = v.subset(np.flatnonzero(ok))
+
+
+def _vocab_and_max_tokens(tokens: Path, batches: Path) -> tuple[dict[str, Any], int, set[str], set[str]]:
+    """The manifests' facts training needs: the vocabulary, the batches' token budget, each artifact's files."""
+    tm = artifacts.read_manifest(tokens, "tokens")
+    spm, size = tm.extra.get("spm_sha256"), tm.extra.get("vocab_size")
+    if not spm or not isinstance(size, int):
+        raise MtpipeError(f"{tokens}: tokens manifest lacks extra.spm_sha256 / extra.vocab_size")
+    bm = artifacts.read_manifest(batches, "batches")
+    try:
+        max_tokens = int(bm.params["bucket"]["max_tokens"])
+    except (KeyError, TypeError, ValueError):
+        raise MtpipeError(f"{batches}: batches manifest lacks params.bucket.max_tokens") from None
+    if bm.upstream and artifacts.manifest_hash(tokens) not in bm.upstream.values():
+        raise MtpipeError(f"{batches}: these batches were made from another bpe artifact than {tokens} "
+                          "(upstream hash differs): re-run `mtpipe bucket` on it")
+    return {"spm_sha256": spm, "size": size}, max_tokens, set(tm.files), set(bm.files)
+
+
+def load_train_data(tokens: Path, batches: Path, tokens_per_update: int, world_size: int) -> TrainData:
+    """Read and check the artifacts for a run of ``world_size`` processes updating on ``tokens_per_update``."""
+    vocab, max_tokens, token_files, batch_files = _vocab_and_max_tokens(tokens, batches)
+    train_tokens = load_split(tokens, "train")
+    train = load_batches(batches, "train", train_tokens)
+    accum = accumulation(tokens_per_update, world_size, max_tokens)
+    per_update = world_size * accum
+    usable = (len(train) // per_update) * per_update
+    if usable == 0:
+        raise MtpipeError(f"{batches}: train has {len(train)} batches, fewer than one update needs "
+                          f"({world_size} processes x {accum} accumulation): lower train.tokens_per_update "
+                          "or bucket.max_tokens")
+    valid_tokens = valid = None
+    if "valid.parquet" in batch_files and "valid.parquet" in token_files:
+        valid_tokens = load_split(tokens, "valid")
+        valid = load_batches(batches, "valid", valid_tokens)
+    else:
+        warn(f"{batches}: no valid split: validation is skipped")
+    return TrainData(vocab=vocab, max_tokens=max_tokens, train_tokens=train_tokens, train=train,
+                     valid_tokens=valid_tokens, valid=valid, accum=accum, per_update=per_update, usable=usable)

@@ -1,0 +1,163 @@
+"""CPU speed tricks behind :mod:`mtpipe.model`: how its operations are computed, never what they compute.
+
+Each function here is a drop-in for a plain torch formulation (named in its docstring) that was measurably slow on
+CPU for this model's shapes; the measurements are in BENCHMARKS.md (``bench/train_throughput.py``,
+``bench/decode_speed.py``). On GPUs, under ``torch.compile`` and wherever the trick does not apply, each falls back
+to the plain formulation. In fp32 eval under ``no_grad`` (validation, decoding) the outputs are bit-identical to the
+plain formulation; with gradients on, :func:`explicit_attention` differs from the fused kernel by float rounding only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# --------------------------------------------------------------------------------------------------------------------
+# Dropout (section 5.4) from cheap random bits
+# --------------------------------------------------------------------------------------------------------------------
+
+# Masks are drawn 16 bits per element: p is applied as a multiple of 2^-16.
+_MASK_BITS = 16
+
+
+def keep_mask(like: Tensor, p: float) -> tuple[Tensor, float]:
+    """A Bernoulli(1 - p) keep-mask shaped like ``like`` (1 = keep, 0 = drop, in ``like``'s dtype) and the
+    ``1/(1-p)`` scale that dropout multiplies the kept values by (applied by the caller in float32 arithmetic).
+
+    Why not ``F.dropout``: on CPU it draws one ``bernoulli_`` per element, a large share of a training step. Instead
+    one full-range int64 ``random_`` per four elements gives 16 uniform random bits per element, and an element is
+    kept when its bits, read as an int16, are at least ``round(p * 2^16) - 2^15`` (one comparison written straight
+    into ``like``'s dtype). So the drop probability is ``p`` rounded to a multiple of 2^-16 (off by at most 7.6e-6)
+    and the scale is ``1/(1 - that p)``: the mean of ``mask * scale`` is exactly 1, as dropout's must be. The bits
+    come from torch's default generator, so seeding and saved RNG states reproduce the masks exactly. (Full range
+    matters: ``random_()`` without bounds leaves the sign bit of an int64 at 0.)
+    """
+    levels = 1 << _MASK_BITS
+    dropped = round(p * levels)  # the drop probability is dropped / 2^16
+    n = like.numel()
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=like.device).random_(-(2**63), 2**63 - 1)
+    bits = words.view(torch.int16)[:n].view(like.shape)  # [ceil(n/4)] int64 -> [4 ceil(n/4)] int16 -> like's shape
+    keep = torch.ge(bits, dropped - levels // 2, out=torch.empty_like(like))
+    return keep, levels / (levels - dropped)
+
+
+def _fused_dropout_available(x: Tensor) -> bool:
+    """``F.dropout`` is cheap on GPUs (one fused kernel), and under ``torch.compile`` it is what dynamo can trace
+    (``random_`` would break the graph; inductor draws the random numbers inside its own kernels). Only eager CPU
+    code needs :func:`keep_mask`."""
+    return x.device.type != "cpu" or torch.compiler.is_compiling()
+
+
+def dropout(x: Tensor, p: float, training: bool) -> Tensor:
+    """``Dropout(x)`` (section 5.4): the cheap mask of :func:`keep_mask` in eager CPU code, ``F.dropout`` elsewhere."""
+    if not training or p == 0.0:
+        return x
+    if _fused_dropout_available(x):
+        return F.dropout(x, p, training=True)
+    keep, scale = keep_mask(x, p)
+    return x * keep * scale
+
+
+def residual(x: Tensor, sublayer_out: Tensor, p: float, training: bool) -> Tensor:
+    """``x + Dropout(Sublayer(x))``, the residual connection of section 5.4 (the LayerNorm follows).
+
+    Why: on CPU the mask, the scale and the residual add become one ``addcmul`` pass computed in float32 (``value``
+    is the exact ``1/(1-p)`` even for bf16 tensors), and autograd keeps only the mask for the backward pass."""
+    if not training or p == 0.0:
+        return x + sublayer_out
+    if _fused_dropout_available(x):
+        return x + F.dropout(sublayer_out, p, training=True)
+    keep, scale = keep_mask(sublayer_out, p)
+    return torch.addcmul(x, sublayer_out, keep, value=scale)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Linear layers with repeating shapes under CPU bf16 autocast
+# --------------------------------------------------------------------------------------------------------------------
+
+# In CPU bf16 training, linear layers see their row count rounded up to a multiple of this (see `linear`).
+_ROW_BLOCK = 128
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x W^T + b`` over the last dimension of ``x``, as ``F.linear``.
+
+    Why: training under CPU bf16 autocast runs the matmuls in oneDNN, which JIT-compiles a kernel for every new
+    (rows, in, out) shape and caches it. rows = batch x length differs in nearly every token-bucketed batch, so each
+    new batch paid for kernel generation and grew the kernel cache. Padding the rows up to a multiple of 128 (zeros,
+    sliced off again; at most 127 rows of extra work) makes the shapes repeat, so the kernels are reused from the
+    cache. Not when decoding (no grad): a few beams' rows would be padded to 128. Elsewhere this is plain
+    ``F.linear``.
+    """
+    if (x.device.type != "cpu" or not torch.is_grad_enabled() or not torch.is_autocast_enabled("cpu")
+            or torch.compiler.is_compiling()):
+        return F.linear(x, weight, bias)
+    rows = x.numel() // x.size(-1)
+    pad = -rows % _ROW_BLOCK
+    if pad == 0:
+        return F.linear(x, weight, bias)
+    padded = F.pad(x.reshape(rows, x.size(-1)), (0, 0, 0, pad))  # [..., in] -> [rows, in] -> [rows + pad, in]
+    y = F.linear(padded, weight, bias)[:rows]  # [rows + pad, out] -> [rows, out] (a contiguous prefix)
+    return y.view(*x.shape[:-1], y.size(-1))  # [rows, out] -> [..., out]
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same state-dict names) computed by :func:`linear`."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# bf16 activations under CPU autocast
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def autocast_activations(x: Tensor) -> Tensor:
+    """``x`` in the CPU autocast dtype (bf16) when CPU autocast is on, else ``x`` itself.
+
+    Why: applied to the embedded inputs, it keeps the activations between sub-layers in bf16 from there on (CPU
+    autocast keeps LayerNorm's output in its input dtype, and the residual sums stay bf16), so no linear layer has
+    to cast its input and every elementwise pass moves half the bytes. Weights, gradients and Adam stay float32;
+    LayerNorm statistics, softmax and the loss are computed in float32 internally.
+    """
+    if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        return x.to(torch.get_autocast_dtype("cpu"))
+    return x
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Scaled dot-product attention (section 3.2.1) as two matmuls
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def prefer_explicit_attention(q: Tensor) -> bool:
+    """Whether :func:`explicit_attention` beats ``F.scaled_dot_product_attention`` for queries ``q [B, h, Lq, d]``.
+
+    Why, on CPU only: in training (gradients on), torch's CPU flash-attention backward is slower than three plain
+    ops on these short sentences (L ~ 10-60, d_k 64), in fp32 and much more so in bf16. In decoding (a step's query
+    per row, or a sentence's ``beams`` queries in cross-attention: at most 8 queries), two batched matmuls beat the
+    fused kernel, which reads the keys/values at a fraction of memory bandwidth on these shapes.
+    """
+    return q.device.type == "cpu" and (torch.is_grad_enabled() or q.size(2) <= 8)
+
+
+def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, p: float) -> Tensor:
+    """``softmax(Q K^T / sqrt(d_k) + bias) V`` (section 3.2.1) with ``bias`` = -inf where attending is not allowed,
+    attention dropout ``p`` on the weights (section 5.4).
+
+    ``q`` ``[B, h, Lq, d_k]``, ``k`` ``[B, h, Lk, d_k]``, ``v`` ``[B, h, Lk, d_v]``; ``mask`` broadcasts to
+    ``[B, h, Lq, Lk]`` (True = may attend). The scale and the bias are applied in one ``add`` pass over the scores.
+    Every row keeps at least one key (a source has its EOS, a causal row its own position), so no row is all -inf.
+    Returns ``[B, h, Lq, d_v]``.
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2))  # [B, h, Lq, d_k] x [B, h, d_k, Lk] -> [B, h, Lq, Lk]
+    lq, lk = scores.shape[-2:]
+    bias = torch.zeros((lq, lk) if mask is None else mask.shape, dtype=scores.dtype, device=scores.device)
+    if mask is not None:
+        bias.masked_fill_(~mask, float("-inf"))
+    if causal:  # position i sees keys j <= i (section 3.2.3)
+        bias = bias + torch.full((lq, lk), float("-inf"), dtype=scores.dtype, device=scores.device).triu_(1)
+    weights = torch.softmax(torch.add(bias, scores, alpha=q.size(-1) ** -0.5), dim=-1)  # [B, h, Lq, Lk]
+    return torch.matmul(dropout(weights, p, True).to(v.dtype), v)  # [B, h, Lq, Lk] x [B, h, Lk, d_v]

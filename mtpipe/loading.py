@@ -1,0 +1,83 @@
+"""A checkpoint as a model, with the SentencePiece model of its bpe artifact: what ``decode`` and ``export`` load.
+
+A checkpoint records the vocabulary it was trained with (``vocab``: the sha256 of the SentencePiece model and its
+size); decoding or exporting it with another SentencePiece model would map ids to the wrong pieces without any error,
+so both are checked here, once, each failure one :class:`~mtpipe.errors.MtpipeError` line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mtpipe import artifacts
+from mtpipe.errors import MtpipeError
+
+SPM_MODEL = "spm.model"  # the SentencePiece model's name in a bpe artifact and in an export
+
+
+@dataclass
+class ModelAndVocab:
+    """A checkpoint rebuilt as a model (eval mode), with the SentencePiece model it was trained with."""
+
+    checkpoint: Path
+    ck: artifacts.Checkpoint
+    model: Any  # mtpipe.model.Transformer
+    sp: Any  # sentencepiece.SentencePieceProcessor
+    spm_path: Path
+
+
+def bare_sha(value: Any) -> str:
+    """A sha256 as bare lowercase hex (manifests write ``sha256:<hex>``)."""
+    text = str(value).strip().lower()
+    return text.split(":", 1)[1] if text.startswith("sha256:") else text
+
+
+def artifact_spm(directory: Path, manifest: artifacts.Manifest) -> tuple[Path, str]:
+    """``(path, bare sha256)`` of the ``spm.model`` an artifact (a bpe artifact, or an export) lists, its hash
+    verified."""
+    return artifacts.verify_file(directory, SPM_MODEL, manifest), bare_sha(manifest.files[SPM_MODEL])
+
+
+def load_vocab(checkpoint: Path, vocab: dict[str, Any], spm_path: Path, spm_sha: str) -> Any:
+    """The SentencePiece model at ``spm_path`` (sha256 ``spm_sha``), after checking that it is the one the checkpoint
+    (its ``vocab`` record) was trained with: the same hash and the same number of pieces."""
+    import sentencepiece as spm
+
+    got = bare_sha(vocab.get("spm_sha256"))
+    if got != spm_sha:
+        raise MtpipeError(f"{checkpoint}: trained with another SentencePiece model than {spm_path} "
+                          f"(checkpoint vocab sha256 {got[:12]}..., spm.model {spm_sha[:12]}...)")
+    sp = spm.SentencePieceProcessor(model_file=str(spm_path))
+    if int(vocab.get("size", -1)) != sp.get_piece_size():
+        raise MtpipeError(f"{checkpoint}: vocabulary size {vocab.get('size')} does not match {spm_path} "
+                          f"({sp.get_piece_size()} pieces)")
+    return sp
+
+
+def build_checkpoint_model(ck: artifacts.Checkpoint) -> Any:
+    """The checkpoint's Transformer with its weights, in eval mode."""
+    from mtpipe.model import build_model
+
+    try:
+        model = build_model(ck.model_config, int(ck.vocab["size"]))
+        model.load_state_dict(ck.state_dict)
+    except (TypeError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise MtpipeError(f"{ck.path}: weights do not fit the checkpoint's model config ({first})") from None
+    return model.eval()
+
+
+def load_model_and_vocab(checkpoint: Path, tokens: Path) -> ModelAndVocab:
+    """Load ``checkpoint`` (an mtpipe checkpoint artifact, nothing else) and the SentencePiece model of the bpe
+    artifact ``tokens``, check that they belong together, and rebuild the model."""
+    checkpoint, tokens = Path(checkpoint), Path(tokens)
+    ck = artifacts.load_checkpoint(checkpoint)
+    spm_path, spm_sha = artifact_spm(tokens, artifacts.read_manifest(tokens, "tokens"))
+    sp = load_vocab(checkpoint, ck.vocab, spm_path, spm_sha)
+    return ModelAndVocab(checkpoint, ck, build_checkpoint_model(ck), sp, spm_path)
+
+
+__all__ = ["ModelAndVocab", "SPM_MODEL", "artifact_spm", "bare_sha", "build_checkpoint_model", "load_model_and_vocab",
+           "load_vocab"]

@@ -1,0 +1,227 @@
+"""Exact resume of ``mtpipe train``: what a checkpoint's ``trainer.pt`` holds beyond the weights, which checkpoint a
+run resumes from, and whether it may.
+
+``trainer.pt`` (:data:`TRAINER_STATE_VERSION` 1) is plain tensors, numbers, lists and dicts, so that
+``torch.load(weights_only=True)`` reads it without unpickling code: the :class:`TrainState` keys, ``optimizer``
+(Adam's moments and step count, so section 5.3's schedule continues), ``scaler`` (fp16's grad scaler, else empty),
+``rng`` (every rank's torch CPU/CUDA RNG state, so dropout continues), ``world_size``, ``accum``, ``seed`` and
+``version``. With the same world size and accumulation a resumed run equals the uninterrupted one (bitwise on CPU).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mtpipe import artifacts, distributed
+from mtpipe.config import TrainConfig, to_dict, with_model_defaults
+from mtpipe.console import warn
+from mtpipe.distributed import rank0_only
+from mtpipe.errors import MtpipeError
+from mtpipe.metrics import Window
+
+TRAINER_STATE_VERSION = 1
+
+
+@dataclass
+class TrainState:
+    """Where training stands: the part of ``trainer.pt`` that the trainer itself advances, update by update."""
+
+    step: int = 0  # updates applied (skipped and fp16-overflowed ones not counted): the schedule's step (5.3)
+    epoch: int = 0  # epochs completed
+    position: int = 0  # batches of this epoch's order consumed (all ranks together)
+    bad_steps: int = 0  # updates skipped in a row for a non-finite loss or gradient norm
+    overflows: int = 0  # fp16 updates the grad scaler skipped (it lowered its scale, as designed)
+    train_seconds: float = 0.0  # training time of every invocation so far (train.max_time counts it)
+    tgt_seen: int = 0  # real target tokens of the applied updates
+    src_seen: int = 0
+    window: Window = field(default_factory=Window)  # sums since the last logged point: that point resumes exact
+    last_valid_step: int = -1  # the step of the last validation (-1: none yet)
+    last_valid: dict[str, float] = field(default_factory=dict)  # its valid/* values
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain numbers and dicts, under the keys every version-1 ``trainer.pt`` has."""
+        return {
+            "step": self.step, "epoch": self.epoch, "position": self.position,
+            "bad_steps": self.bad_steps, "overflows": self.overflows,
+            "train_seconds": self.train_seconds, "tgt_seen": self.tgt_seen, "src_seen": self.src_seen,
+            "window": self.window.to_dict(),
+            "last_valid_step": self.last_valid_step, "last_valid": dict(self.last_valid),
+        }
+
+    @classmethod
+    def from_dict(cls, ts: dict[str, Any]) -> TrainState:
+        """The state of a loaded ``trainer.pt`` (its other keys are ignored here)."""
+        return cls(
+            step=int(ts["step"]), epoch=int(ts["epoch"]), position=int(ts["position"]),
+            bad_steps=int(ts["bad_steps"]), overflows=int(ts["overflows"]),
+            train_seconds=float(ts["train_seconds"]), tgt_seen=int(ts["tgt_seen"]), src_seen=int(ts["src_seen"]),
+            window=Window.from_dict(dict(ts["window"])),
+            last_valid_step=int(ts["last_valid_step"]), last_valid=dict(ts["last_valid"]),
+        )
+
+
+def trainer_state(state: TrainState, optimizer: torch.optim.Optimizer, scaler: Any, rngs: list[dict[str, Any]],
+                  world_size: int, accum: int, seed: int) -> dict[str, Any]:
+    """``trainer.pt``'s content: everything an exact resume needs besides the weights."""
+    return {
+        "version": TRAINER_STATE_VERSION, **state.to_dict(),
+        "world_size": world_size, "accum": accum,
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else {},
+        "rng": rngs,
+        "seed": seed,
+    }
+
+
+def restore(ck: artifacts.Checkpoint, optimizer: torch.optim.Optimizer, scaler: Any, *, accum: int, seed: int,
+            device: torch.device) -> TrainState:
+    """Load ``ck``'s optimizer, grad scaler and this rank's RNG state; return its :class:`TrainState`.
+
+    Another world size or accumulation than the checkpoint's cannot continue its dropout streams (they were drawn
+    per rank and micro-batch): each rank then gets a fresh one, and the run goes on, but not bitwise."""
+    ts = ck.trainer_state
+    assert ts is not None
+    optimizer.load_state_dict(ts["optimizer"])
+    if scaler is not None and ts.get("scaler"):
+        scaler.load_state_dict(ts["scaler"])
+    state = TrainState.from_dict(ts)
+    rank, world, rngs = distributed.rank(), distributed.world_size(), ts["rng"]
+    if len(rngs) == world and ts.get("accum") == accum:
+        _set_rng_state(rngs[rank], device)
+    else:
+        warn(f"resuming {ck.path.name} with {world} process(es) x {accum} accumulation (it was written "
+             f"with {len(rngs)} x {ts.get('accum')}): training continues, but not bitwise like an uninterrupted run")
+        torch.manual_seed(seed_for_rank(seed + state.step, rank))
+    return state
+
+
+@rank0_only
+def write(out: Path, model: torch.nn.Module, model_config: dict[str, Any], vocab: dict[str, Any],
+          trainer_state: dict[str, Any], cfg: TrainConfig, upstream: dict[str, Path], extra: dict[str, Any]) -> None:
+    """Write checkpoint ``out/checkpoints/step_{step:08d}`` (:func:`mtpipe.artifacts.write_checkpoint`: atomic, so a
+    kill leaves the previous ones intact) and remove all but the last ``train.keep_last``."""
+    step = int(trainer_state["step"])
+    artifacts.write_checkpoint(
+        artifacts.checkpoint_path(out, step), state_dict=model.state_dict(), model_config=model_config, vocab=vocab,
+        step=step, trainer_state=trainer_state, params={"model": model_config, "train": to_dict(cfg)},
+        upstream=upstream, extra=extra,
+    )
+    for _, old in list_checkpoints(out)[: -cfg.keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# RNG streams
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's torch RNG states (CPU, and the device's on CUDA): dropout's (and LayerDrop's) draws."""
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state.get("cuda") is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def seed_for_rank(seed: int, rank: int) -> int:
+    """A distinct dropout stream per rank, derived from the seed (same masks on every rank would be correlated)."""
+    return int(np.random.SeedSequence([seed, rank, 0x6D74]).generate_state(1, np.uint64)[0] >> 1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Which checkpoint, and whether it may be resumed
+# --------------------------------------------------------------------------------------------------------------------
+
+
+# Train keys whose change makes a resumed run differ from the run a fresh start with the new params would give.
+# The others (when to stop, save, validate, log; threads, restarts) may change between invocations freely.
+TRAJECTORY_KEYS = ("seed", "tokens_per_update", "lr_scale", "warmup", "adam_beta1", "adam_beta2", "adam_eps",
+                   "clip_norm", "label_smoothing", "precision", "drophead_start", "drophead_end")
+
+
+def changed_trajectory_keys(ck: artifacts.Checkpoint, cfg: TrainConfig) -> list[str]:
+    """The :data:`TRAJECTORY_KEYS` whose value in ``cfg`` differs from the one the checkpoint was trained with."""
+    before = (ck.manifest.params or {}).get("train") or {}
+    now = to_dict(cfg)
+    return [k for k in TRAJECTORY_KEYS if k in before and before[k] != now[k]]
+
+
+def _first_difference(a: dict[str, Any], b: dict[str, Any]) -> str | None:
+    for k in sorted(set(a) | set(b)):
+        if a.get(k) != b.get(k):
+            return k
+    return None
+
+
+def check_resumable(ck: artifacts.Checkpoint, model_config: dict[str, Any], vocab: dict[str, Any]) -> None:
+    """Refuse a checkpoint of another vocabulary or model shape, naming what differs."""
+    if ck.vocab.get("spm_sha256") != vocab["spm_sha256"] or int(ck.vocab.get("size", -1)) != vocab["size"]:
+        raise MtpipeError(
+            f"{ck.path}: checkpoint was trained with another vocabulary (spm {str(ck.vocab.get('spm_sha256'))[:19]}, "
+            f"size {ck.vocab.get('size')}) than --tokens gives (spm {vocab['spm_sha256'][:19]}, size {vocab['size']}); "
+            f"use the bpe artifact it was trained on, train into another --out, or move {ck.path.parent} aside "
+            "(mtpipe never deletes checkpoints)"
+        )
+    key = _first_difference(with_model_defaults(ck.model_config), with_model_defaults(model_config))
+    if key is not None:
+        raise MtpipeError(
+            f"{ck.path}: checkpoint has model.{key}={ck.model_config.get(key)!r} but the params give "
+            f"{model_config.get(key)!r}; a new model needs a fresh run: restore the model params, train into another "
+            f"--out, or move {ck.path.parent} aside (mtpipe never deletes checkpoints)"
+        )
+    ts = ck.trainer_state
+    if not isinstance(ts, dict) or ts.get("version") != TRAINER_STATE_VERSION:
+        raise MtpipeError(f"{ck.path}: trainer.pt is not a resumable mtpipe trainer state (version "
+                          f"{ts.get('version') if isinstance(ts, dict) else None}, expected {TRAINER_STATE_VERSION})")
+
+
+def list_checkpoints(out: Path) -> list[tuple[int, Path]]:
+    """``(step, dir)`` of the training checkpoints under ``out/checkpoints``, by step
+    (:func:`mtpipe.artifacts.list_checkpoints`, the rule averaging uses too)."""
+    return artifacts.list_checkpoints(out)
+
+
+@rank0_only
+def _latest_checkpoint(out: Path) -> str | None:
+    ck_dir = out / "checkpoints"
+    if ck_dir.is_dir():
+        for d in ck_dir.iterdir():  # leftovers of a checkpoint write that was killed (see ArtifactWriter)
+            if d.name.startswith(".step_") and (".tmp-" in d.name or ".old-" in d.name):
+                shutil.rmtree(d, ignore_errors=True)
+    found = list_checkpoints(out)
+    return str(found[-1][1]) if found else None
+
+
+def find_resume(out: Path, cfg: TrainConfig, model_config: dict[str, Any], vocab: dict[str, Any],
+                device: torch.device) -> artifacts.Checkpoint | None:
+    """The checkpoint this run continues from, loaded with its trainer state, or None for a fresh start.
+
+    Rank 0 picks the latest complete checkpoint (and removes half-written ones a kill left behind); every rank loads
+    that one (the output directory must be shared between nodes)."""
+    latest = distributed.broadcast_object(_latest_checkpoint(out))
+    if latest is None:
+        return None
+    path = Path(latest)
+    if not path.exists():
+        raise MtpipeError(f"{path}: rank {distributed.rank()} cannot see rank 0's checkpoint: --out must be on a "
+                          "filesystem shared by every node")
+    ck = artifacts.load_checkpoint(path, trainer_state=True, device=str(device))
+    check_resumable(ck, model_config, vocab)
+    changed = changed_trajectory_keys(ck, cfg)
+    if changed:
+        before = ck.manifest.params["train"]
+        warn(f"resuming {ck.path} with changed "
+             + ", ".join(f"train.{k} ({before[k]!r} -> {getattr(cfg, k)!r})" for k in changed)
+             + ": training continues from its step with the new values, which is not the run a fresh start "
+             f"would give; for that, train into another --out or move {ck.path.parent} aside")
+    return ck

@@ -1,0 +1,326 @@
+"""What every decoding engine honours (:class:`DecodeRules`, :class:`Engine`), and mtpipe's beam search.
+
+The paper decodes with "beam search with a beam size of 4 and length penalty alpha = 0.6 ... We set the maximum output
+length during inference to input length + 50, but terminate early when possible" (section 6.1). Its numbers come
+from tensor2tensor, whose length penalty is GNMT's (Wu et al. 2016, section 7)::
+
+    gnmt:     lp(Y) = ((5 + |Y|) / 6) ^ alpha          (the paper, tensor2tensor; the default)
+    fairseq:  lp(Y) = |Y| ^ alpha                       (fairseq's --lenpen; CTranslate2's only penalty)
+
+and a finished hypothesis is ranked by ``log P(Y | X) / lp(Y)`` (:meth:`LengthPenalty.score`). ``|Y|`` counts the
+generated tokens including the final EOS (as tensor2tensor and fairseq both count). :class:`DecodeRules` holds
+these rules once -- the penalty and its score, the maximum output length, the stopping rule -- for
+:mod:`mtpipe.decode` (mtpipe's engine) and :mod:`mtpipe.engine_ct2` (CTranslate2) alike.
+
+The search (:func:`beam_search`), per sentence:
+
+* the beam at step t is the ``beam`` best one-token extensions (by log-probability) of the live hypotheses; the ones
+  that end in EOS leave the beam as *finished* hypotheses, the others stay *live* (the next step refills the beam to
+  ``beam`` from their extensions). PAD and BOS are never generated.
+* the output may hold at most ``max_len = max_len_a * S + max_len_b`` tokens before EOS (S = source tokens without
+  EOS; capped so that the positions fit the model); at that length only EOS may follow.
+* **early stopping** -- a sentence is done when no live hypothesis can still beat the finished ones. Log-probabilities
+  only decrease as tokens are added, and ``lp`` is monotonic in ``|Y|``, so a live hypothesis with log-probability
+  ``s <= 0`` that has ``t`` tokens now can finish with a score of at most ``s / max(lp(t + 1), lp(max_len + 1))``
+  (for alpha >= 0 that is ``s / lp(max_len + 1)``, tensor2tensor's bound). When the best live bound is no higher than
+  the ``nbest``-th best finished score, nothing better can appear and the sentence stops; it also stops when no
+  hypothesis is live. The best result therefore does not depend on ``nbest``.
+* ``decode.stop=finished`` is fairseq's and CTranslate2's search instead: the ``2 x beam`` best extensions are
+  ranked, those among the top ``beam`` that end in EOS finish, the live beam is refilled to ``beam`` from the best
+  ones that do not, and a sentence stops once ``round(beam x patience)`` of its hypotheses have finished (patience
+  1 by default). It takes fewer decoder steps and keeps no empty beam slots, but can miss a better, longer
+  hypothesis under a length penalty: the opt-in fast mode, and the rule to compare those tools under
+  (BENCHMARKS.md gives speed and BLEU of both rules on the same model).
+* **beam 1 is greedy search**: the single best extension is taken each step, and when it is EOS the beam is empty.
+
+The search works on any ``step(tokens [N], state) -> (log_probs [N, V], state)`` whose state has
+``select(index, beams)`` (:class:`mtpipe.model.DecoderState`, :class:`mtpipe.decode.PrefixState`, or a hand-made
+one in the tests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID
+from mtpipe.config import DecodeConfig
+from mtpipe.errors import MtpipeError
+
+PENALTIES = ("gnmt", "fairseq")
+STOPS = ("bound", "finished")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The rules (section 6.1; GNMT section 7)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LengthPenalty:
+    """``lp(|Y|)``: ``gnmt`` = ((5 + |Y|) / 6) ^ alpha (tensor2tensor, the paper), ``fairseq`` = |Y| ^ alpha."""
+
+    kind: str = "gnmt"
+    alpha: float = 0.6
+
+    def __post_init__(self) -> None:
+        # Also built in code (ct2_translate's keywords, the tests), where no DecodeConfig has checked the kind.
+        if self.kind not in PENALTIES:
+            raise MtpipeError(f"decode.length_penalty: unknown penalty {self.kind!r} "
+                              f"(choose from {', '.join(PENALTIES)})")
+
+    def __call__(self, length: int) -> float:
+        if self.kind == "gnmt":
+            return ((5.0 + length) / 6.0) ** self.alpha
+        return float(length) ** self.alpha
+
+    def score(self, logprob: float, length: int) -> float:
+        """A finished hypothesis' rank: ``log P(Y + EOS | X) / lp(length)``, ``length`` counting the EOS."""
+        return logprob / self(length)
+
+    def logprob(self, score: float, length: int) -> float:
+        """:meth:`score` inverted: the log-probability of a hypothesis of ``length`` tokens (EOS counted)."""
+        return score * self(length)
+
+
+@dataclass
+class Hypothesis:
+    """A finished translation: ``tokens`` without EOS, ``score`` = ``logprob / lp(len(tokens) + 1)``."""
+
+    tokens: list[int]
+    score: float
+    logprob: float
+
+
+def max_source_len(max_positions: int) -> int:
+    """Source tokens a model of ``max_positions`` positions accepts: one position is its EOS."""
+    return max_positions - 1
+
+
+@dataclass(frozen=True)
+class DecodeRules:
+    """The decoding rules every engine follows (paper section 6.1: beam 4, alpha 0.6, max length input + 50).
+
+    Built from a :class:`~mtpipe.config.DecodeConfig` (:meth:`from_config`) or keyword by keyword; construction checks
+    the rules that span several keys (``nbest <= beam``), and the single-key ones again for code that passes
+    plain values (``DecodeConfig`` checks those when it is built).
+    """
+
+    beam: int = 4
+    nbest: int = 1
+    penalty: LengthPenalty = field(default_factory=LengthPenalty)
+    max_len_a: float = 1.0
+    max_len_b: int = 50
+    stop: str = "bound"  # "bound": the exact early stop; "finished": fairseq's and CTranslate2's quota
+    patience: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.beam < 1:
+            raise MtpipeError(f"decode.beam: {self.beam} is not >= 1")
+        if not 1 <= self.nbest <= self.beam:
+            raise MtpipeError(f"decode.nbest: {self.nbest} is not between 1 and decode.beam ({self.beam})")
+        if not math.isfinite(self.penalty.alpha):
+            raise MtpipeError(f"decode.alpha: {self.penalty.alpha} is not a finite number")
+        if self.max_len_a < 0 or self.max_len_b < 0:
+            raise MtpipeError(f"decode.max_len_a / max_len_b: {self.max_len_a} / {self.max_len_b} must be >= 0")
+        if self.stop not in STOPS:
+            raise MtpipeError(f"decode.stop = {self.stop!r} is not one of {', '.join(STOPS)}")
+        if not (math.isfinite(self.patience) and self.patience >= 1):
+            raise MtpipeError(f"decode.patience: {self.patience} must be >= 1 (a sentence stops once beam x "
+                              "patience hypotheses have finished)")
+
+    @classmethod
+    def from_config(cls, cfg: DecodeConfig, stop: str | None = None) -> "DecodeRules":
+        """The rules of ``cfg``; ``stop`` overrides ``cfg.stop`` (CTranslate2 always stops by ``finished``)."""
+        return cls(beam=cfg.beam, nbest=cfg.nbest, penalty=LengthPenalty(cfg.length_penalty, cfg.alpha),
+                   max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b, stop=stop or cfg.stop, patience=cfg.patience)
+
+    def max_output_len(self, src_len: int, max_positions: int) -> int:
+        """``floor(max_len_a * S + max_len_b)`` tokens before EOS (S without EOS; the paper: S + 50), capped so that
+        BOS + the tokens fit the model's ``max_positions``."""
+        return max(0, min(int(math.floor(self.max_len_a * src_len + self.max_len_b)), max_positions - 1))
+
+    @property
+    def stop_after(self) -> int | None:
+        """:func:`beam_search`'s ``stop_after``: None for the exact bound; for ``finished``, ``round(beam x
+        patience)`` finished hypotheses (rounded as CTranslate2 does, std::round: halves away from zero), never
+        fewer than ``nbest``."""
+        if self.stop != "finished":
+            return None
+        return max(self.nbest, int(math.floor(self.beam * self.patience + 0.5)))
+
+
+class Engine(Protocol):
+    """A decoder of token-id sources under :class:`DecodeRules` (:class:`mtpipe.decode.MtpipeEngine`,
+    :class:`mtpipe.engine_ct2.Ct2Engine`)."""
+
+    max_positions: int  # the model's positions: sources are cut to max_positions - 1 tokens, outputs capped
+
+    def describe(self) -> str:
+        """Where it runs (the log line and the hypotheses manifest's ``device``)."""
+        ...
+
+    def settings(self, rules: DecodeRules) -> str:
+        """How it searches under ``rules``, for the log line."""
+        ...
+
+    def note(self, rules: DecodeRules) -> str | None:
+        """Where its search differs from ``rules`` (logged before decoding), or None."""
+        ...
+
+    def translate(self, sources: Sequence[Sequence[int]], rules: DecodeRules,
+                  on_done: Callable[[int], None] | None = None) -> list[list[Hypothesis]]:
+        """Each source's ``rules.nbest`` hypotheses, best first, in input order; an empty source gives the empty
+        output with score 0 (a blank line stays blank). ``on_done(n)`` as n sentences finish."""
+        ...
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Beam search over any step function
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class State(Protocol):
+    def select(self, index: Tensor, beams: int) -> "State": ...
+
+
+StepFn = Callable[[Tensor, Any], "tuple[Tensor | Callable[[int, int], Tensor], Any]"]
+
+# Rows of log-probabilities ranked at a time (:func:`beam_search`): 256 x 8k vocabulary x 4 bytes = 8 MB, which stays
+# in a server CPU's cache between the projection, the softmax, the score update and the top-k.
+_BLOCK_ROWS = 256
+
+
+def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, penalty: LengthPenalty,
+                nbest: int = 1, device: torch.device | str = "cpu",
+                on_done: Callable[[int], None] | None = None,
+                stop_after: int | None = None) -> list[list[Hypothesis]]:
+    """Beam search for ``len(max_lens)`` sentences at once; returns each sentence's ``nbest`` best, best first.
+
+    ``state`` has one row per sentence; ``step(tokens [N], state)`` gives the log-probabilities ``[N, V]`` of the
+    next token after ``tokens`` (BOS first; a new tensor each call, which the search overwrites), or a function
+    ``(lo, hi) -> [hi - lo, V]`` that makes rows ``lo:hi`` of them on demand (:meth:`Transformer.step` with
+    ``lazy``), and the advanced state. ``max_lens[b]``: the most tokens sentence b may have before its EOS.
+    ``on_done(n)`` is called as n sentences finish. After each step the state is narrowed with
+    ``state.select(rows, beams)``: rows of the kept hypotheses, ``beams`` consecutive rows per sentence still in the
+    batch. ``stop_after=None`` stops a sentence by the exact bound, ``stop_after=m`` once m of its hypotheses have
+    finished (fairseq's and CTranslate2's rule, ``decode.stop=finished``; m >= nbest). See the module docstring for
+    the search rules. (One function on purpose: the step loop reads as the algorithm it is.)
+    """
+    if stop_after is not None and stop_after < nbest:
+        raise MtpipeError(f"beam search: stop_after {stop_after} is below nbest {nbest}")
+    if beam < 1:
+        raise MtpipeError(f"decode.beam: {beam} is not >= 1")
+    n_sent = len(max_lens)
+    finished: list[list[Hypothesis]] = [[] for _ in range(n_sent)]
+    n_finished = [0] * n_sent  # hypotheses each sentence has finished (its pool keeps the nbest best of them)
+    if n_sent == 0:
+        return finished
+    neg_inf = float("-inf")
+    # stop_after (fairseq's and CTranslate2's search): rank 2 x beam candidates, so that the live beam is refilled
+    # to `beam` hypotheses from the runners-up when some of the top `beam` end in EOS.
+    refill = stop_after is not None
+    candidates = 2 * beam if refill else beam
+    active = list(range(n_sent))  # the sentences still in the batch, in the order of their row blocks
+    limits = torch.tensor(list(max_lens), dtype=torch.long, device=device)  # [n]
+    k = 1  # slots per active sentence: 1 at the start, since every beam would hold the same BOS prefix
+    tokens = torch.full((n_sent,), BOS_ID, dtype=torch.long, device=device)  # [n*k] the last token of each row
+    scores = torch.zeros(n_sent, 1, device=device)  # [n, k] log-probabilities of the live hypotheses (-inf: empty)
+    history = torch.zeros(n_sent, 0, dtype=torch.long, device=device)  # [n*k, t] tokens after BOS
+    banned = torch.tensor([PAD_ID, BOS_ID], device=device)
+    t = 0
+    while active:
+        out, state = step(tokens, state)  # [n*k, V] (a fresh tensor: updated in place below), or rows on demand
+        n = len(active)
+        forced = limits == t  # [n] sentences at their length limit: only EOS may follow
+        any_forced = bool(forced.any())
+        # Rank the candidates a block of sentences at a time: each block's log-probabilities are made, masked,
+        # added to the hypotheses' scores and ranked while they are in the CPU's cache.
+        block = max(1, _BLOCK_ROWS // k)  # sentences per block
+        tops, idxs = [], []
+        for lo in range(0, n, block):
+            hi = min(n, lo + block)
+            logp = out(lo * k, hi * k) if callable(out) else out[lo * k : hi * k]
+            logp = logp.float().index_fill_(1, banned, neg_inf)  # [c*k, V]
+            vocab = logp.size(-1)
+            if any_forced:
+                f = forced[lo:hi].repeat_interleave(k)[:, None]  # [c*k, 1]
+                eos = logp[:, EOS_ID].clone()
+                logp.masked_fill_(f, neg_inf)[:, EOS_ID] = eos
+            cand = logp.view(hi - lo, k, vocab).add_(scores[lo:hi].unsqueeze(2)).view(hi - lo, k * vocab)
+            top, idx = cand.topk(min(candidates, k * vocab), dim=1)  # [c, candidates], best first
+            tops.append(top)
+            idxs.append(idx)
+        top, idx = (tops[0], idxs[0]) if len(tops) == 1 else (torch.cat(tops), torch.cat(idxs))  # [n, cands]
+        width = min(beam, top.size(1))
+        parent, token = idx // vocab, idx % vocab
+        is_eos, finite = token == EOS_ID, torch.isfinite(top)
+        ends = is_eos & finite
+        ends[:, width:] = False  # only the top `beam` candidates finish (with refill, as fairseq and CTranslate2)
+        if refill:
+            # The live beam: the first `width` candidates that do not end in EOS, in rank order (stable: a
+            # candidate's key is its rank, pushed past every valid one when it is EOS or impossible).
+            valid = ~is_eos & finite
+            cols = torch.arange(top.size(1), device=device)
+            order = (cols + (~valid).long() * top.size(1)).argsort(dim=1)[:, :width]  # [n, width]
+            live = top.gather(1, order).masked_fill_(~valid.gather(1, order), neg_inf)
+            next_parent, next_token = parent.gather(1, order), token.gather(1, order)
+        else:
+            live = top.masked_fill(is_eos | ~finite, neg_inf)  # [n, width]
+            next_parent, next_token = parent, token
+
+        # Finished hypotheses: a little Python per EOS candidate (at most `width` per sentence and step).
+        where = ends.nonzero().tolist()
+        if where:
+            parents = parent.tolist()
+            rows = torch.tensor([i * k + parents[i][j] for i, j in where], device=device)
+            prefixes = history.index_select(0, rows).tolist()
+            logprobs = top[ends].tolist()  # row-major, the same order as `where`
+            for (i, _), prefix, lprob in zip(where, prefixes, logprobs):
+                pool = finished[active[i]]
+                n_finished[active[i]] += 1
+                pool.append(Hypothesis(tokens=prefix, score=penalty.score(lprob, t + 1), logprob=lprob))
+                pool.sort(key=lambda h: -h.score)
+                del pool[nbest:]
+
+        # Which sentences are done: nothing live, or no live hypothesis can beat the nbest-th finished one (or, with
+        # stop_after, enough hypotheses have finished).
+        best_live = live[:, 0] if width == 1 else live.max(dim=1).values
+        best_live_l, limits_l = best_live.tolist(), limits.tolist()
+        keep = []
+        lp_next = penalty(t + 2)  # a live hypothesis has t+1 tokens now, so at least t+2 with its EOS
+        for i, (s, lim) in enumerate(zip(best_live_l, limits_l)):
+            pool = finished[active[i]]
+            if s == neg_inf:
+                continue
+            if stop_after is not None:
+                if n_finished[active[i]] >= stop_after:
+                    continue
+            elif len(pool) >= nbest and s / max(lp_next, penalty(lim + 1)) <= pool[-1].score:
+                continue
+            keep.append(i)
+        if on_done is not None and len(keep) < n:
+            on_done(n - len(keep))
+        if not keep:
+            break
+
+        # Reorder the beams and drop the finished sentences from the batch in one select.
+        keep_t = torch.tensor(keep, device=device)
+        rows = (keep_t[:, None] * k + next_parent.index_select(0, keep_t)).view(-1)  # [n', width] -> [n'*width]
+        state = state.select(rows, width)
+        tokens = next_token.index_select(0, keep_t).view(-1)  # [n'*width]
+        history = torch.cat([history.index_select(0, rows), tokens[:, None]], dim=1)  # [n'*width, t+1]
+        scores = live.index_select(0, keep_t)
+        limits = limits.index_select(0, keep_t)
+        active = [active[i] for i in keep]
+        k = width
+        t += 1
+    return finished
+
+
+__all__ = ["DecodeRules", "Engine", "Hypothesis", "LengthPenalty", "PENALTIES", "STOPS", "State", "StepFn",
+           "beam_search", "max_source_len"]
