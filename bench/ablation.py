@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Variant ablation (issue 6): one ``dvc exp run`` per Transformer variant, the same step budget each.
+"""Variant ablation: one ``dvc exp run`` per Transformer variant, the same step budget each.
 
 Runs in a DVC repository of this project (a clone; the data stages run once and are shared by every experiment,
 since their params do not change). Every experiment sets ``train.max_steps`` to ``--steps`` (epochs and time limits
@@ -24,7 +24,7 @@ Variants (``--variants``, comma list; default all):
     python bench/ablation.py --repo /tmp/ablation --steps 400 --variants paper,prenorm
 
 ``--repo`` must be a git + DVC checkout of this project with the quickstart's data reachable (e.g. ``fetch.source``
-pointed at ``../shared/data/multi30k``) and the mtpipe venv's ``bin`` on PATH. Writes ``ablation.md`` and
+pointed at a Multi30k copy (``$MTPIPE_MULTI30K``)) and the mtpipe venv's ``bin`` on PATH. Writes ``ablation.md`` and
 ``ablation.json`` to ``--out``.
 """
 

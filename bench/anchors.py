@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Side by side with the real anchors (issue 7): fairseq 0.12.2 and CTranslate2 versus mtpipe, one command.
+"""Side by side with the real anchors: fairseq 0.12.2 and CTranslate2 versus mtpipe, one command.
 
-On ``../shared/data/multi30k`` with the anchors' joint SentencePiece 8k model (``$ANCHORS/data/spm/spm8k.model``, made
-by ``../shared/anchors/setup_anchors.sh``), 2 CPU threads everywhere, every measurement in its own process, the parts
+On a Multi30k copy (``$MTPIPE_MULTI30K``) with the anchors' joint SentencePiece 8k model
+(``$ANCHORS/data/spm/spm8k.model``, made by the anchors' ``setup_anchors.sh`` in ``$MTPIPE_ANCHORS``), 2 CPU threads
+everywhere, every measurement in its own process, the parts
 interleaved in rounds (train, decode, data; train, decode, data; ...) because this machine's speed drifts by up to
 40 % within an hour: only the ratios measured in the same round compare.
 
@@ -62,8 +63,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("MTPIPE_MULTI30K", REPO.parent / "shared" / "data" / "multi30k"))
-SHARED_ANCHORS = REPO.parent / "shared" / "anchors"
+DATA = Path(os.environ.get("MTPIPE_MULTI30K", REPO / "data" / "multi30k"))  # {train,val,test_2016_flickr}.{en,de}.gz
+SHARED_ANCHORS = Path(os.environ.get("MTPIPE_ANCHORS", REPO / "anchors"))  # the anchors' install scripts
 PY = sys.executable  # the mtpipe venv
 
 DIMS = {  # mtpipe presets of the same names; fairseq flags below

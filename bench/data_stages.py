@@ -15,7 +15,7 @@ Baseline, measured in the same run: single-threaded SentencePiece batch encoding
 of train sentences already in memory -- what one core does with no I/O at all. Speeds drift between machines and
 runs, so compare the ratio, not the absolute rate, across runs.
 
-Targets (issue 2, 2 cores): fetch and bucket under 2 minutes each, encoding at least 30,000 pairs/s, peak memory
+Targets (2 cores): fetch and bucket under 2 minutes each, encoding at least 30,000 pairs/s, peak memory
 under 3 GB for every stage. Exits 1 when a target is missed.
 """
 
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MULTI30K = Path(os.environ.get("MTPIPE_MULTI30K", REPO.parent / "shared" / "data" / "multi30k"))
+MULTI30K = Path(os.environ.get("MTPIPE_MULTI30K", REPO / "data" / "multi30k"))  # {split}.{en,de}.gz
 sys.path.insert(0, str(REPO))
 
 from rich.console import Console  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Decoding speed: mtpipe's incremental beam search vs a naive beam search that re-decodes the whole prefix.
 
-Issue 4 "Benchmark". Beam 4, GNMT length penalty alpha 0.6, max length source + 50, on the 1,000 sentences of
+Beam 4, GNMT length penalty alpha 0.6, max length source + 50, on the 1,000 sentences of
 Multi30k ``test_2016_flickr.en.gz``, CPU with 2 threads (default), fp32 and bf16 autocast:
 
 * **mtpipe**: :func:`mtpipe.decode.translate` as ``mtpipe decode`` runs it (encoder once per batch, cross-attention
@@ -12,7 +12,7 @@ Multi30k ``test_2016_flickr.en.gz``, CPU with 2 threads (default), fp32 and bf16
 All four (decoder, precision) runs happen in the same process, interleaved batch by batch (every batch is decoded
 by each in turn, in rotating order), since this machine's speed drifts by up to 40 % over minutes and other
 processes may share its CPUs: only the same-run ratios mean anything. Reported: sentences/s and target
-tokens/s (hypothesis pieces without EOS, as ``/work/shared/anchors`` counts them), the speed-up over naive, and
+tokens/s (hypothesis pieces without EOS, as the anchors counts them), the speed-up over naive, and
 how many outputs are identical between the two (the fp32 runs must agree; bf16 may differ in near ties).
 Target: mtpipe >= 4x naive at fp32.
 
@@ -50,15 +50,18 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mtpipe import artifacts  # noqa: E402
+from mtpipe import (
+    artifacts,  # noqa: E402
+    writing,
+)
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: E402
 from mtpipe.config import DecodeConfig, ModelConfig, to_dict  # noqa: E402
 from mtpipe.console import console, fmt, progress, table  # noqa: E402
 from mtpipe.decode import make_batches, translate  # noqa: E402
-from mtpipe.search import Hypothesis  # noqa: E402
 from mtpipe.model import Transformer, build_model  # noqa: E402
+from mtpipe.search import Hypothesis  # noqa: E402
 
-DATA = REPO.parent / "shared" / "data" / "multi30k"
+DATA = Path(os.environ.get("MTPIPE_MULTI30K", REPO / "data" / "multi30k"))  # {split}.{en,de}.gz
 
 
 def read_gz(path: Path) -> list[str]:
@@ -132,7 +135,7 @@ def make_tokens(workdir: Path, vocab_size: int) -> Path:
                                    vocab_size=vocab_size, model_type="bpe", character_coverage=1.0, pad_id=PAD_ID,
                                    unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, minloglevel=2)
     sp = spm.SentencePieceProcessor(model_file=str(tmp / "spm.model"))
-    with artifacts.ArtifactWriter(out, "tokens") as w:
+    with writing.ArtifactWriter(out, "tokens") as w:
         for split, prefix in (("train", "train"), ("test", "test_2016_flickr")):
             s, t = read_gz(DATA / f"{prefix}.en.gz"), read_gz(DATA / f"{prefix}.de.gz")
             w.write_table(f"{split}.parquet", pa.table({"id": list(range(len(s))), "src": sp.encode(s),
@@ -200,7 +203,7 @@ def train_small(workdir: Path, tokens: Path, minutes: float, threads: int, batch
                            description=f"train small: step {step} loss {loss.item():.2f}")
                 if time.monotonic() >= deadline:
                     break
-    artifacts.write_checkpoint(out, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
+    writing.write_checkpoint(out, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
                                vocab={"spm_sha256": artifacts.file_hash(tokens / "spm.model"), "size": vocab},
                                step=step, params={"bench": {"train_minutes": minutes, "batch_tokens": batch_tokens}},
                                upstream={"tokens": tokens})
@@ -249,7 +252,8 @@ def interleaved(model: Transformer, sources: list[list[int]], cfgs: dict[str, De
 
 
 def profile(model: Transformer, sources: list[list[int]], cfg: DecodeConfig) -> None:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     translate(model, sources[:32], cfg, "cpu")  # warm-up
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Training throughput: mtpipe's Transformer vs a plain ``torch.nn.Transformer`` loop, measured in the same run.
 
-Issue 3 "Benchmark". On CPU (2 threads by default), for the paper's base dimensions (d512, 6+6 layers, h8, ff2048)
+On CPU (2 threads by default), for the paper's base dimensions (d512, 6+6 layers, h8, ff2048)
 and the ``small`` preset (d256, 3+3, h4, ff1024: the anchors' dimensions), mtpipe in fp32 and bf16 against the
 reference in fp32:
 
 * target tokens/s and source+target tokens/s: non-pad tokens incl. EOS, counted as fairseq and
-  ``/work/shared/anchors`` count them (src = pieces + EOS, tgt = pieces + EOS);
+  the anchors count them (src = pieces + EOS, tgt = pieces + EOS);
 * model-FLOPs utilisation (MFU) against an fp32 and a bf16 square-matmul peak measured in this run;
 * the ratio to the reference on the same batches. This machine's speed drifts by up to 40 % over minutes (anchors
   finding 1) and other processes come and go, so every batch is trained by every system back to back (rotating
@@ -53,9 +53,9 @@ from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 from mtpipe.config import ModelConfig  # noqa: E402
 from mtpipe.console import console  # noqa: E402
 
-DATA = REPO.parent / "shared" / "data" / "multi30k"
+DATA = Path(os.environ.get("MTPIPE_MULTI30K", REPO / "data" / "multi30k"))  # {split}.{en,de}.gz
 
-# The two shapes of the issue: the paper's base model and the anchors' small one.
+# Two shapes: the paper's base model and the anchors' small one.
 DIMS = {
     "base": dict(layers=6, d_model=512, heads=8, d_ff=2048),
     "small": dict(layers=3, d_model=256, heads=4, d_ff=1024),

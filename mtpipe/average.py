@@ -4,7 +4,7 @@
 10-minute intervals. For the big models, we averaged the last 20 checkpoints." Averaging the parameters of nearby
 points of one training run smooths the optimiser's noise and gains BLEU at no decoding cost.
 
-Which checkpoints (all are ``checkpoint`` artifacts, see :func:`mtpipe.artifacts.write_checkpoint`):
+Which checkpoints (all are ``checkpoint`` artifacts, see :func:`mtpipe.writing.write_checkpoint`):
 
 * by default the last ``average.last`` of ``RUN/checkpoints/*/`` ordered by the step in their manifests (never by
   directory name), optionally only those at or before ``average.up_to_step``;
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from mtpipe import artifacts
+from mtpipe import artifacts, writing
 from mtpipe.config import AverageConfig, ModelConfig, to_dict, with_model_defaults
 from mtpipe.console import info, progress, table, warn
 from mtpipe.errors import MtpipeError
@@ -163,7 +163,7 @@ def run(cfg: AverageConfig, run_dir: Path, checkpoints: list[Path] | None, out: 
     """Average checkpoints of ``run_dir`` (or exactly ``checkpoints``) into the weights-only checkpoint ``out``."""
     run_dir, out = Path(run_dir), Path(out)
     inputs = select(cfg, run_dir, list(checkpoints) if checkpoints else None)
-    artifacts.prepare_output(out, "checkpoint", inputs=[d for _, d in inputs], force=force)
+    writing.prepare_output(out, "checkpoint", inputs=[d for _, d in inputs], force=force)
     _check_manifests(inputs)
     plan, model_config = _prune_plan(cfg, inputs[0][1])
     hashes = [artifacts.manifest_hash(d) for _, d in inputs]
@@ -188,7 +188,7 @@ def run(cfg: AverageConfig, run_dir: Path, checkpoints: list[Path] | None, out: 
         extra["pruned"] = {"spec": cfg.prune, "encoder_kept": list(plan.encoder), "decoder_kept": list(plan.decoder)}
     else:
         model_config = ref.model_config
-    artifacts.write_checkpoint(out, state_dict=state, model_config=model_config, vocab=ref.vocab, step=max_step,
+    writing.write_checkpoint(out, state_dict=state, model_config=model_config, vocab=ref.vocab, step=max_step,
                                trainer_state=None, params=params, upstream=upstream, extra=extra, force=force)
     n_params = sum(t.numel() for t in state.values())
     info(f"averaged {len(inputs)} checkpoints (steps {inputs[0][0]:,}..{max_step:,}, {n_params:,} values) "

@@ -39,16 +39,15 @@ from mtpipe.artifacts import (
     PAD_ID,
     TOKENS_SCHEMA,
     UNK_ID,
-    ArtifactWriter,
     file_hash,
     from_numpy,
     open_parquet,
-    prepare_output,
     read_manifest,
     splits_of,
 )
 from mtpipe.config import BpeConfig, to_dict
 from mtpipe.errors import MtpipeError
+from mtpipe.writing import ArtifactWriter, prepare_output
 
 ENCODE_ROWS = 32768  # pairs per encode call: enough work per call for every thread, bounded memory
 SPECIALS = {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID}

@@ -33,16 +33,15 @@ import pyarrow.compute as pc
 from mtpipe import console
 from mtpipe.artifacts import (
     BATCHES_SCHEMA,
-    ArtifactWriter,
     from_numpy,
     open_parquet,
-    prepare_output,
     read_manifest,
     splits_of,
     to_numpy,
 )
 from mtpipe.config import BucketConfig, to_dict
 from mtpipe.errors import MtpipeError
+from mtpipe.writing import ArtifactWriter, prepare_output
 
 SPLITS = ("train", "valid")
 

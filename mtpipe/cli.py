@@ -103,19 +103,19 @@ def resolve_output(opt: Opt, given: Path | None) -> Path | None:
 
 def check_output(opt: Opt, out: Path, inputs: list[Any], force: bool) -> None:
     """Every check on ``--out`` before any work starts (see :mod:`mtpipe.artifacts`)."""
-    from mtpipe import artifacts
+    from mtpipe import writing
 
     paths: list[Path] = []
     for value in inputs:
         paths.extend(Path(v) for v in (value if isinstance(value, list) else [value]) if v is not None)
     if opt.kind == "run":
-        artifacts.check_output_place(out, paths)
-        artifacts.check_run_dir(out, force=force)
+        writing.check_output_place(out, paths)
+        writing.check_run_dir(out, force=force)
     elif opt.kind == "metrics":
-        artifacts.check_output_place(out, paths)
-        artifacts.check_replaceable_metrics(out, force=force)
+        writing.check_output_place(out, paths)
+        writing.check_replaceable_metrics(out, force=force)
     elif opt.kind:
-        artifacts.prepare_output(out, opt.kind, inputs=paths, force=force)
+        writing.prepare_output(out, opt.kind, inputs=paths, force=force)
 
 
 def _param_option(section: type, name: str, tp: Any) -> tuple[Any, Any]:
@@ -205,7 +205,7 @@ def _one_line_errors() -> Iterator[None]:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(getattr(e, "exit_code", 1)) from None
     except OSError as e:
-        from mtpipe.artifacts import os_reason
+        from mtpipe.errors import os_reason
 
         where = f"{e.filename}: " if e.filename else ""
         typer.echo(f"error: {where}{os_reason(e)}", err=True)

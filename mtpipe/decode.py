@@ -43,11 +43,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mtpipe import artifacts
+from mtpipe import artifacts, writing
 from mtpipe.artifacts import EOS_ID, PAD_ID
 from mtpipe.config import DecodeConfig, to_dict
 from mtpipe.errors import MtpipeError
-from mtpipe.search import DecodeRules, Engine, Hypothesis, StepFn, beam_search, max_source_len
+from mtpipe.search import (
+    DecodeRules,
+    Engine,
+    Hypothesis,
+    StepFn,
+    beam_search,
+    max_source_len,
+)
 
 INPUT_SPLIT = "input"  # file name ({INPUT_SPLIT}.parquet / .txt) of the output when translating --input text
 
@@ -396,7 +403,7 @@ def write_hypotheses(out: Path, rows: dict[str, list[Any]], inputs: Inputs, cfg:
     import pyarrow as pa
 
     name = inputs.split if inputs.split is not None else INPUT_SPLIT
-    with artifacts.ArtifactWriter(out, "hypotheses", {"decode": to_dict(cfg)}, upstream=inputs.upstream,
+    with writing.ArtifactWriter(out, "hypotheses", {"decode": to_dict(cfg)}, upstream=inputs.upstream,
                                   force=force) as w:
         w.write_table(f"{name}.parquet", pa.table(rows, schema=artifacts.HYPOTHESES_SCHEMA))
         w.path(f"{name}.txt").write_text("".join(s + "\n" for s in rows["hypothesis"]), encoding="utf-8")
@@ -424,7 +431,7 @@ def run(cfg: DecodeConfig, checkpoint: Path, tokens: Path, input: Path | None = 
 
     rules = validate(cfg)
     if out is not None:
-        artifacts.prepare_output(out, "hypotheses", inputs=[checkpoint, tokens, input], force=force)
+        writing.prepare_output(out, "hypotheses", inputs=[checkpoint, tokens, input], force=force)
     inputs, engine = resolve_inputs(cfg, checkpoint, tokens, input)
 
     info(f"decoding {len(inputs.sources):,} sentences of {inputs.desc} with {checkpoint} (step {inputs.step:,}) on "

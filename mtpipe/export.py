@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtpipe import artifacts
+from mtpipe import artifacts, writing
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mtpipe.config import ExportConfig
 from mtpipe.errors import MtpipeError
@@ -281,7 +281,7 @@ def export_ctranslate2(checkpoint: Path, tokens: Path, out: Path, quantization: 
     spec = build_ct2_spec(src)
     spec.optimize(quantization=q)  # aliases the three tied embedding copies, then quantizes
     cfg = src.model.cfg
-    with artifacts.ArtifactWriter(out, "export", params, upstream={"checkpoint": checkpoint, "tokens": tokens},
+    with writing.ArtifactWriter(out, "export", params, upstream={"checkpoint": checkpoint, "tokens": tokens},
                                   force=force) as w:
         assert w.tmp is not None
         spec.save(str(w.tmp))
@@ -352,7 +352,7 @@ def export_marian(checkpoint: Path, tokens: Path, out: Path, params: dict[str, A
     transformers.utils.logging.disable_progress_bar()  # "Writing model shards" bars; mtpipe prints its own summary
     src = _load_source(checkpoint, tokens)
     hf = _marian_model(src)
-    with artifacts.ArtifactWriter(out, "export", params, upstream={"checkpoint": checkpoint, "tokens": tokens},
+    with writing.ArtifactWriter(out, "export", params, upstream={"checkpoint": checkpoint, "tokens": tokens},
                                   force=force) as w:
         assert w.tmp is not None
         hf.save_pretrained(str(w.tmp), safe_serialization=True)
@@ -478,7 +478,7 @@ def run(cfg: Any, checkpoint: Path, tokens: Path, out: Path, *, force: bool = Fa
 
     # export.format and export.quantization are checked against their choices when the section is built (config).
     params = {"export": to_dict(cfg)}
-    artifacts.prepare_output(out, "export", inputs=[checkpoint, tokens], force=force)
+    writing.prepare_output(out, "export", inputs=[checkpoint, tokens], force=force)
     if cfg.format == "marian":
         if cfg.quantization != "none":
             raise MtpipeError(f"export.quantization: {cfg.quantization!r} applies to CTranslate2 only; use 'none' "

@@ -32,17 +32,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mtpipe import console
-from mtpipe.artifacts import (
-    CORPUS_SCHEMA,
-    ArtifactWriter,
-    check_output_place,
-    check_replaceable,
-    from_numpy,
-    to_numpy,
-)
+from mtpipe.artifacts import CORPUS_SCHEMA, from_numpy, to_numpy
 from mtpipe.config import FetchConfig, to_dict
 from mtpipe.errors import MtpipeError
 from mtpipe.sources import Batch, SplitReader, local_source, open_source, resolve_splits
+from mtpipe.writing import ArtifactWriter, check_output_place, check_replaceable
 
 FILTERS = ("invalid_utf8", "malformed", "empty", "too_short", "too_long", "ratio", "duplicate")
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mtpipe import artifacts
+from mtpipe import writing
 from mtpipe.console import table
 from mtpipe.distributed import rank0_only
 
@@ -130,7 +130,7 @@ def _rewind_live(live_dir: Path, step: int) -> None:
             if s is not None and s <= step and len(ln.rstrip("\r\n").split("\t")) == len(header):
                 keep.append(ln)
         if len(keep) != len(lines):
-            artifacts.atomic_write_text(path, "".join(keep))
+            writing.atomic_write_text(path, "".join(keep))
         if len(keep) > 1:  # the metrics.json entry: nested by the metric's path, as dvclive writes it
             node = summary
             *parents, name = path.relative_to(root).with_suffix("").parts
@@ -138,7 +138,7 @@ def _rewind_live(live_dir: Path, step: int) -> None:
                 node = node.setdefault(part, {})
             node[name] = float(keep[-1].rstrip("\r\n").split("\t")[-1])
     summary["step"] = step
-    artifacts.atomic_write_text(live_dir / "metrics.json", json.dumps(summary, indent=4) + "\n")
+    writing.atomic_write_text(live_dir / "metrics.json", json.dumps(summary, indent=4) + "\n")
 
 
 @functools.cache
@@ -162,7 +162,7 @@ def _quiet_live() -> type:
         def make_summary(self) -> None:
             if self._step is not None:  # what dvclive's own make_summary does before writing
                 self.summary["step"] = self.step
-            artifacts.atomic_write_text(Path(self.metrics_file), json.dumps(self.summary, indent=4,
+            writing.atomic_write_text(Path(self.metrics_file), json.dumps(self.summary, indent=4,
                                                                             default=float) + "\n")
 
     return QuietLive
@@ -205,7 +205,7 @@ class Metrics:
 @rank0_only
 def report(out: Path, s: dict[str, Any]) -> None:
     """Write the run's summary to ``out/train.json`` and print it as a table."""
-    artifacts.atomic_write_text(out / "train.json", json.dumps(s, indent=2, sort_keys=True) + "\n")
+    writing.atomic_write_text(out / "train.json", json.dumps(s, indent=2, sort_keys=True) + "\n")
     rows = [
         ("steps", s["steps"]), ("epochs", s["epochs"]), ("stopped by", s["stopped_by"]),
         ("target tokens", s["target_tokens"]), ("train loss", s["train_loss"]), ("train ppl", s["train_ppl"]),

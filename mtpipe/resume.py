@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mtpipe import artifacts, distributed
+from mtpipe import artifacts, distributed, writing
 from mtpipe.config import TrainConfig, to_dict, with_model_defaults
 from mtpipe.console import warn
 from mtpipe.distributed import rank0_only
@@ -104,10 +104,10 @@ def restore(ck: artifacts.Checkpoint, optimizer: torch.optim.Optimizer, scaler: 
 @rank0_only
 def write(out: Path, model: torch.nn.Module, model_config: dict[str, Any], vocab: dict[str, Any],
           trainer_state: dict[str, Any], cfg: TrainConfig, upstream: dict[str, Path], extra: dict[str, Any]) -> None:
-    """Write checkpoint ``out/checkpoints/step_{step:08d}`` (:func:`mtpipe.artifacts.write_checkpoint`: atomic, so a
+    """Write checkpoint ``out/checkpoints/step_{step:08d}`` (:func:`mtpipe.writing.write_checkpoint`: atomic, so a
     kill leaves the previous ones intact) and remove all but the last ``train.keep_last``."""
     step = int(trainer_state["step"])
-    artifacts.write_checkpoint(
+    writing.write_checkpoint(
         artifacts.checkpoint_path(out, step), state_dict=model.state_dict(), model_config=model_config, vocab=vocab,
         step=step, trainer_state=trainer_state, params={"model": model_config, "train": to_dict(cfg)},
         upstream=upstream, extra=extra,

@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mtpipe import artifacts
+from mtpipe import artifacts, writing
 from mtpipe.config import ScoreConfig
 from mtpipe.console import info, table, warn
 from mtpipe.errors import MtpipeError
@@ -300,8 +300,8 @@ def run(cfg: ScoreConfig, hyp: Path, ref: Path, baseline: Path | None, out: Path
     if cfg.max_drop is not None and baseline is None:
         warn("score.max_drop is set but no --baseline was given: the drop gate is not applied")
     if out is not None:
-        artifacts.check_output_place(out, [hyp, ref, baseline])
-        artifacts.check_replaceable_metrics(out, force=force)
+        writing.check_output_place(out, [hyp, ref, baseline])
+        writing.check_replaceable_metrics(out, force=force)
     base = read_baseline(Path(baseline)) if baseline is not None else None
 
     hyps, refs, split = load_pairs(cfg, hyp, ref)
@@ -310,7 +310,7 @@ def run(cfg: ScoreConfig, hyp: Path, ref: Path, baseline: Path | None, out: Path
     metrics["gate"], failures = check_gates(cfg, metrics, baseline, base)
 
     if out is not None:
-        artifacts.atomic_write_text(out, json.dumps(metrics, indent=2) + "\n")
+        writing.atomic_write_text(out, json.dumps(metrics, indent=2) + "\n")
 
     # Signatures go on their own lines: in a table a narrow terminal would truncate them, and they are meant to be
     # copied into papers verbatim.

@@ -14,7 +14,7 @@
 * Regularisers beyond the paper (off by default): LayerDrop (``model.layerdrop``, drawn inside the model; DDP then
   expects unused parameters) and Scheduled DropHead (``train.drophead_start/_end``): the rate of
   :func:`drophead_rate` for each update is set on the model (:meth:`mtpipe.model.Transformer.set_drophead`).
-* Checkpoints: ``OUT/checkpoints/step_{step:08d}`` (:func:`mtpipe.artifacts.write_checkpoint`, rank 0, atomic), the
+* Checkpoints: ``OUT/checkpoints/step_{step:08d}`` (:func:`mtpipe.writing.write_checkpoint`, rank 0, atomic), the
   last ``train.keep_last`` kept. ``trainer.pt`` holds everything for an exact resume (:mod:`mtpipe.resume`). The
   same command on the same ``OUT`` continues from the latest checkpoint, and the loss curve from there equals the
   uninterrupted run's (bitwise on CPU).
@@ -34,15 +34,26 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from mtpipe import artifacts, distributed, metrics, resume, runtime
+from mtpipe import artifacts, distributed, metrics, resume, runtime, writing
 from mtpipe.artifacts import PAD_ID
-from mtpipe.batches import collate, epoch_order, load_train_data, rank_batches, to_device
+from mtpipe.batches import (
+    collate,
+    epoch_order,
+    load_train_data,
+    rank_batches,
+    to_device,
+)
 from mtpipe.config import ModelConfig, TrainConfig, to_dict
 from mtpipe.console import console, info, progress, warn
 from mtpipe.errors import MtpipeError
 from mtpipe.loss import label_smoothed_nll
 from mtpipe.metrics import Metrics, Throughput, Window
-from mtpipe.resume import TrainState, changed_trajectory_keys, check_resumable, list_checkpoints
+from mtpipe.resume import (
+    TrainState,
+    changed_trajectory_keys,
+    check_resumable,
+    list_checkpoints,
+)
 
 # The public API (check_resumable, changed_trajectory_keys, list_checkpoints live in mtpipe.resume).
 __all__ = ["LossModule", "TrainState", "Trainer", "UpdateResult", "Updater", "changed_trajectory_keys",
@@ -566,8 +577,8 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, tokens: Path, batches: Path, o
     """``mtpipe train``: train (or resume training) into ``out``; returns the summary written to ``out/train.json``.
     ``out`` must be absent, empty or a run directory of `mtpipe train` (``force`` lifts the last rule)."""
     check_stopping(cfg)
-    artifacts.check_output_place(out, [tokens, batches])
-    artifacts.check_run_dir(out, force=force)
+    writing.check_output_place(out, [tokens, batches])
+    writing.check_run_dir(out, force=force)
     ctx = distributed.init(cfg.device)
     if ctx.device.type == "cpu":
         runtime.tune_cpu_allocator()

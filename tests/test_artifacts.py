@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from mtpipe import artifacts
+from mtpipe import artifacts, writing
 from mtpipe.errors import MtpipeError
 
 
@@ -18,9 +18,9 @@ def _corpus(n: int = 3) -> pa.Table:
 
 def test_roundtrip_and_lineage(tmp_path: Path):
     up = tmp_path / "up"
-    with artifacts.ArtifactWriter(up, "corpus", {"fetch": {"x": 1}}) as w:
+    with writing.ArtifactWriter(up, "corpus", {"fetch": {"x": 1}}) as w:
         w.write_table("train.parquet", _corpus())
-    with artifacts.ArtifactWriter(tmp_path / "down", "corpus", upstream={"corpus": up}) as w:
+    with writing.ArtifactWriter(tmp_path / "down", "corpus", upstream={"corpus": up}) as w:
         w.write_table("train.parquet", _corpus(5))
     m = artifacts.read_manifest(tmp_path / "down", "corpus")
     assert m.rows == {"train.parquet": 5}
@@ -32,10 +32,10 @@ def test_roundtrip_and_lineage(tmp_path: Path):
 
 def test_failed_write_leaves_nothing_and_keeps_old(tmp_path: Path):
     out = tmp_path / "a"
-    with artifacts.ArtifactWriter(out, "corpus") as w:
+    with writing.ArtifactWriter(out, "corpus") as w:
         w.write_table("train.parquet", _corpus())
     with pytest.raises(RuntimeError):
-        with artifacts.ArtifactWriter(out, "corpus") as w:
+        with writing.ArtifactWriter(out, "corpus") as w:
             w.write_table("train.parquet", _corpus(10))
             raise RuntimeError("killed")
     assert artifacts.read_table(out, "train.parquet", "corpus").num_rows == 3
@@ -44,7 +44,7 @@ def test_failed_write_leaves_nothing_and_keeps_old(tmp_path: Path):
 
 def test_wrong_kind_version_schema_and_tamper_are_refused(tmp_path: Path):
     out = tmp_path / "a"
-    with artifacts.ArtifactWriter(out, "corpus") as w:
+    with writing.ArtifactWriter(out, "corpus") as w:
         w.write_table("train.parquet", _corpus())
     with pytest.raises(MtpipeError, match="expected 'tokens'"):
         artifacts.read_manifest(out, "tokens")
@@ -75,7 +75,7 @@ def test_checkpoint_roundtrip_without_pickle(tmp_path: Path):
 
     sd = {"w": torch.arange(6, dtype=torch.float32).view(2, 3), "b": torch.ones(3, dtype=torch.bfloat16)}
     ts = {"step": 7, "rng": torch.get_rng_state(), "nested": {"a": [1, 2]}}
-    artifacts.write_checkpoint(tmp_path / "ck", state_dict=sd, model_config={"d_model": 4}, vocab={"size": 10},
+    writing.write_checkpoint(tmp_path / "ck", state_dict=sd, model_config={"d_model": 4}, vocab={"size": 10},
                                step=7, trainer_state=ts)
     ck = artifacts.load_checkpoint(tmp_path / "ck", trainer_state=True)
     assert ck.step == 7 and ck.model_config == {"d_model": 4} and ck.vocab == {"size": 10}
@@ -85,5 +85,5 @@ def test_checkpoint_roundtrip_without_pickle(tmp_path: Path):
 
 def test_atomic_write_text(tmp_path: Path):
     p = tmp_path / "m" / "x.json"
-    artifacts.atomic_write_text(p, "{}")
+    writing.atomic_write_text(p, "{}")
     assert p.read_text() == "{}" and [q.name for q in p.parent.iterdir()] == ["x.json"]

@@ -21,10 +21,10 @@ from typing import Callable
 
 import pytest
 import yaml
+from conftest import REPO, write_corpus
 from typer.testing import CliRunner
 
-from conftest import REPO, write_corpus
-from mtpipe import artifacts
+from mtpipe import artifacts, writing
 from mtpipe.cli import app
 
 PARAMS = {
@@ -464,7 +464,7 @@ def test_full_disk_while_writing_a_checkpoint_is_one_line(too_big: str, tmp_path
         weights = {"w": big if too_big == "weights" else small}
         state = {"moments": big if too_big == "trainer_state" else small}
         with pytest.raises(MtpipeError, match=r"ck: cannot write \(No space left on device \(ENOSPC\)\)"):
-            artifacts.write_checkpoint(mnt / "ck", state_dict=weights, model_config={}, vocab={}, step=1,
+            writing.write_checkpoint(mnt / "ck", state_dict=weights, model_config={}, vocab={}, step=1,
                                        trainer_state=state)
         assert list(mnt.iterdir()) == []
     finally:

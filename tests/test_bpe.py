@@ -18,7 +18,6 @@ from mtpipe.artifacts import (
     EOS_ID,
     PAD_ID,
     UNK_ID,
-    ArtifactWriter,
     file_hash,
     manifest_hash,
     read_manifest,
@@ -27,6 +26,7 @@ from mtpipe.artifacts import (
 from mtpipe.cli import app
 from mtpipe.config import BpeConfig, FetchConfig
 from mtpipe.errors import MtpipeError
+from mtpipe.writing import ArtifactWriter
 
 VOCAB = 500
 

@@ -11,10 +11,11 @@ import pytest
 from typer.testing import CliRunner
 
 from mtpipe import bucket
-from mtpipe.artifacts import ArtifactWriter, manifest_hash, read_manifest, read_table
+from mtpipe.artifacts import manifest_hash, read_manifest, read_table
 from mtpipe.cli import app
 from mtpipe.config import BucketConfig
 from mtpipe.errors import MtpipeError
+from mtpipe.writing import ArtifactWriter
 
 
 def tokens_artifact(out: Path, splits: dict[str, tuple[list[int], list[int]]], id_offset: int = 1000) -> Path:

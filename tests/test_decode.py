@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from conftest import assert_steps_match_forward, memorise, train_spm
 from typer.testing import CliRunner
 
-from mtpipe import artifacts
+from mtpipe import artifacts, writing
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mtpipe.cli import app
 from mtpipe.config import DecodeConfig, ModelConfig, to_dict
@@ -418,7 +418,7 @@ def trained(tmp_path_factory) -> dict:
     src = [sp.encode(s) for s, _ in test_pairs]
     tgt = [sp.encode(t) for _, t in test_pairs]
     tokens = root / "tokens"
-    with artifacts.ArtifactWriter(tokens, "tokens") as w:
+    with writing.ArtifactWriter(tokens, "tokens") as w:
         w.write_table("test.parquet", pa.table({"id": list(range(100, 100 + len(src))), "src": src, "tgt": tgt}))
         shutil.copy(root / "spm.model", w.path("spm.model"))
         w.extra.update({"spm_sha256": artifacts.file_hash(w.path("spm.model")), "vocab_size": sp.get_piece_size()})
@@ -427,7 +427,7 @@ def trained(tmp_path_factory) -> dict:
     model = memorise(src, tgt, vocab, 40, steps=400, stop_loss=0.01)
     vocab_info = {"spm_sha256": artifacts.file_hash(root / "spm.model"), "size": vocab}
     ckpt = root / "ckpt"
-    artifacts.write_checkpoint(ckpt, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
+    writing.write_checkpoint(ckpt, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
                                vocab=vocab_info, step=400)
     return {"root": root, "tokens": tokens, "checkpoint": ckpt, "pairs": test_pairs, "model": model,
             "vocab": vocab_info}
@@ -534,7 +534,7 @@ def test_cli_bad_input_fails_cleanly(trained, case):
         else:
             vocab["size"] += 1
         ckpt = root / f"ckpt_{case}"
-        artifacts.write_checkpoint(ckpt, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
+        writing.write_checkpoint(ckpt, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
                                    vocab=vocab, step=1)
     elif case == "beam0":
         extra = ["--beam", "0"]

@@ -16,8 +16,12 @@ from typer.testing import CliRunner
 
 pytest.importorskip("ctranslate2")
 
-from mtpipe import artifacts  # noqa: E402
 from conftest import memorise, train_spm  # noqa: E402
+
+from mtpipe import (
+    artifacts,  # noqa: E402
+    writing,
+)
 from mtpipe.cli import app  # noqa: E402
 from mtpipe.config import to_dict  # noqa: E402
 from mtpipe.export import export_ctranslate2  # noqa: E402
@@ -42,7 +46,7 @@ def world(tmp_path_factory) -> dict:
     pairs = corpus()
     sp = train_spm(root / "spm", [x for pair in pairs for x in pair], 80)
     tokens = root / "tokens"
-    with artifacts.ArtifactWriter(tokens, "tokens") as w:
+    with writing.ArtifactWriter(tokens, "tokens") as w:
         w.write_table("test.parquet", pa.table({"id": list(range(50, 50 + len(pairs))),
                                                 "src": [sp.encode(s) for s, _ in pairs],
                                                 "tgt": [sp.encode(t) for _, t in pairs]}))
@@ -52,7 +56,7 @@ def world(tmp_path_factory) -> dict:
     vocab = sp.get_piece_size()
     model = memorise([sp.encode(a) for a, _ in train], [sp.encode(b) for _, b in train], vocab, 48, steps=250)
     ckpt = root / "ckpt"
-    artifacts.write_checkpoint(ckpt, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
+    writing.write_checkpoint(ckpt, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
                                vocab={"spm_sha256": artifacts.file_hash(root / "spm.model"), "size": vocab}, step=250)
     export = root / "ct2"
     export_ctranslate2(ckpt, tokens, export, summary=False)
@@ -162,7 +166,7 @@ def test_bad_input_fails_with_one_line_and_writes_nothing(world, tmp_path, case)
     elif case == "other_spm":
         train_spm(tmp_path / "o", [t for _, t in world["pairs"]], 60)
         other = tmp_path / "other_tokens"
-        with artifacts.ArtifactWriter(other, "tokens") as w:
+        with writing.ArtifactWriter(other, "tokens") as w:
             w.write_table("test.parquet", pa.table({"id": [0], "src": [[4]], "tgt": [[5]]}))
             shutil.copy(tmp_path / "o.model", w.path("spm.model"))
         extra = ["--tokens", str(other)]

@@ -21,16 +21,20 @@ from typer.testing import CliRunner
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
-from mtpipe import artifacts  # noqa: E402
+from conftest import memorise, train_spm  # noqa: E402
+
+from mtpipe import (
+    artifacts,  # noqa: E402
+    writing,
+)
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 from mtpipe.cli import app  # noqa: E402
 from mtpipe.config import DecodeConfig, ModelConfig, to_dict  # noqa: E402
 from mtpipe.decode import translate  # noqa: E402
-from mtpipe.errors import MtpipeError  # noqa: E402
 from mtpipe.engine_ct2 import ct2_translate, load_ct2  # noqa: E402
+from mtpipe.errors import MtpipeError  # noqa: E402
 from mtpipe.export import export_ctranslate2  # noqa: E402
 from mtpipe.model import Transformer  # noqa: E402
-from conftest import memorise, train_spm  # noqa: E402
 
 ALPHA = 0.6
 
@@ -58,7 +62,7 @@ def make_tokens(root: Path, name: str, spm_file: Path, sp) -> Path:
     """A minimal bpe artifact: spm.model, its hash and size in the manifest, and a test split."""
     out = root / name
     pairs = corpus()
-    with artifacts.ArtifactWriter(out, "tokens") as w:
+    with writing.ArtifactWriter(out, "tokens") as w:
         w.write_table("test.parquet", pa.table({"id": list(range(len(pairs))),
                                                 "src": [sp.encode(s) for s, _ in pairs],
                                                 "tgt": [sp.encode(t) for _, t in pairs]}))
@@ -68,7 +72,7 @@ def make_tokens(root: Path, name: str, spm_file: Path, sp) -> Path:
 
 
 def save(model: Transformer, out: Path, spm_file: Path, step: int = 300) -> Path:
-    artifacts.write_checkpoint(out, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
+    writing.write_checkpoint(out, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
                                vocab={"spm_sha256": artifacts.file_hash(spm_file), "size": model.vocab_size},
                                step=step)
     return out

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 from typer.testing import CliRunner
 
-from mtpipe import artifacts
+from mtpipe import writing
 from mtpipe.cli import app
 from mtpipe.config import ScoreConfig
 from mtpipe.errors import MtpipeError
@@ -64,7 +64,7 @@ def write_text(path: Path, lines: list[str], newline: str = "\n") -> Path:
 
 def corpus_artifact(out: Path, splits: dict[str, list[str]]) -> Path:
     """A fetch ('corpus') artifact whose split rows have ids 0..n-1 and the given targets."""
-    with artifacts.ArtifactWriter(out, "corpus") as w:
+    with writing.ArtifactWriter(out, "corpus") as w:
         for split, tgts in splits.items():
             n = len(tgts)
             w.write_table(f"{split}.parquet", pa.table({
@@ -76,7 +76,7 @@ def corpus_artifact(out: Path, splits: dict[str, list[str]]) -> Path:
 def hyp_artifact(out: Path, split: str | None, rows: list[tuple[int, str]]) -> Path:
     """A decode ('hypotheses') artifact holding ``rows`` = (id, hypothesis) in the given (file) order."""
     n = len(rows)
-    with artifacts.ArtifactWriter(out, "hypotheses") as w:
+    with writing.ArtifactWriter(out, "hypotheses") as w:
         w.write_table(f"{split or 'input'}.parquet", pa.table({
             "id": pa.array([i for i, _ in rows], pa.int64()),
             "hypothesis": pa.array([h for _, h in rows], pa.string()),

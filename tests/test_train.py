@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtpipe import artifacts
+from mtpipe import artifacts, writing
 from mtpipe.config import ModelConfig, TrainConfig
 from mtpipe.errors import MtpipeError
 
@@ -63,13 +63,13 @@ def make_artifacts(root: Path, n_train: int = 96, n_valid: int = 16, max_tokens:
     if long_valid:
         data["valid"][0].append([5] * long_valid)
         data["valid"][1].append([6] * long_valid)
-    with artifacts.ArtifactWriter(tokens, "tokens", {"bpe": {"vocab_size": VOCAB}}) as w:
+    with writing.ArtifactWriter(tokens, "tokens", {"bpe": {"vocab_size": VOCAB}}) as w:
         for split, (src, tgt) in data.items():
             w.write_table(f"{split}.parquet", pa.table({"id": [id_base + i for i in range(len(src))], "src": src,
                                                         "tgt": tgt}))
         w.path("spm.model").write_bytes(b"not a real sentencepiece model")
         w.extra.update(spm_sha256=spm, vocab_size=VOCAB)
-    with artifacts.ArtifactWriter(batches, "batches", {"bucket": {"max_tokens": max_tokens}},
+    with writing.ArtifactWriter(batches, "batches", {"bucket": {"max_tokens": max_tokens}},
                                   upstream={"tokens": tokens}) as w:
         for split, (src, tgt) in data.items():
             bs = _pack(src, tgt, max_tokens)

@@ -14,13 +14,20 @@ import pyarrow as pa
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_steps_match_forward, train_spm
 from typer.testing import CliRunner
 
-from mtpipe import artifacts
-from conftest import assert_steps_match_forward, train_spm
+from mtpipe import artifacts, writing
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID
 from mtpipe.cli import app
-from mtpipe.config import BucketConfig, DecodeConfig, ModelConfig, TrainConfig, to_dict, with_model_defaults
+from mtpipe.config import (
+    BucketConfig,
+    DecodeConfig,
+    ModelConfig,
+    TrainConfig,
+    to_dict,
+    with_model_defaults,
+)
 from mtpipe.decode import translate
 from mtpipe.errors import MtpipeError
 from mtpipe.model import ScaleNorm, Transformer, build_model, drop_heads
@@ -374,7 +381,7 @@ def run(tmp_path_factory) -> dict:
     sp = train_spm(root / "spm", [x for pair in pairs for x in pair], 90)
     tokens = root / "bpe"
     splits = {"train": pairs, "valid": pairs[1::8], "test": pairs[::8]}
-    with artifacts.ArtifactWriter(tokens, "tokens") as w:
+    with writing.ArtifactWriter(tokens, "tokens") as w:
         for split, ps in splits.items():
             w.write_table(f"{split}.parquet", pa.table({"id": list(range(len(ps))),
                                                         "src": [sp.encode(s) for s, _ in ps],
@@ -502,7 +509,7 @@ def test_prune_errors_are_one_line_and_write_nothing(run) -> None:
     plain = Transformer(ModelConfig(**{**TRAINED, "layerdrop": 0.0}), 90)
     ck0 = root / "ck_no_layerdrop"
     vocab = {"spm_sha256": artifacts.file_hash(run["tokens"] / "spm.model"), "size": 90}
-    artifacts.write_checkpoint(ck0, state_dict=plain.state_dict(), model_config=to_dict(plain.cfg), vocab=vocab,
+    writing.write_checkpoint(ck0, state_dict=plain.state_dict(), model_config=to_dict(plain.cfg), vocab=vocab,
                                step=1)
     for args, pattern in [(["decode", "--checkpoint", str(ck0), "--prune", "every_other"], "layerdrop=0"),
                           (["decode", "--checkpoint", str(ck0), "--prune", "enc:7"], "encoder layer 7"),
@@ -529,16 +536,16 @@ def test_drophead_needs_a_known_last_step_and_compile_refuses_layerdrop(run, tmp
 
 def test_export_maps_pre_norm_and_learned_positions_and_refuses_scalenorm(run, tmp_path) -> None:
     pytest.importorskip("ctranslate2")
+    import sentencepiece as spm
+
     from mtpipe.engine_ct2 import load_ct2
     from mtpipe.export import export_ctranslate2, export_marian
-
-    import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=str(run["tokens"] / "spm.model"))
     vocab = {"spm_sha256": artifacts.file_hash(run["tokens"] / "spm.model"), "size": 90}
 
     def save(model: Transformer, name: str) -> Path:
-        artifacts.write_checkpoint(tmp_path / name, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
+        writing.write_checkpoint(tmp_path / name, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
                                    vocab=vocab, step=1)
         return tmp_path / name
 

@@ -1,0 +1,338 @@
+"""Writing artifacts safely: atomically, never over what mtpipe did not write, one line on an OS error.
+
+* :class:`ArtifactWriter` writes an artifact (:mod:`mtpipe.artifacts` defines the formats) into a hidden temporary
+  sibling, the manifest last, and renames it into place; a killed stage leaves nothing that looks valid, and the next
+  run of the stage removes what the killed one left (:func:`remove_stale_temporaries`).
+* ``--out`` is replaced only when it is absent, an empty directory or an mtpipe output of the same kind
+  (:func:`check_replaceable`, :func:`check_replaceable_metrics`, :func:`check_run_dir`), unless ``force``; it may never
+  be, contain or lie inside an input, nor contain the working directory (:func:`check_output_place`), ``force`` or
+  not. :func:`prepare_output` runs every check before a stage starts work.
+* An ``OSError`` while writing (a full disk, no permission, a read-only filesystem) becomes one
+  :class:`~mtpipe.errors.MtpipeError` line naming the output and the errno's meaning (:func:`os_reason`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mtpipe.artifacts import (
+    FORMAT_VERSIONS,
+    MANIFEST,
+    RUN_ENTRIES,
+    SCHEMAS,
+    TRAINER_STATE,
+    WEIGHTS,
+    Manifest,
+    file_hash,
+    manifest_hash,
+)
+from mtpipe.errors import MtpipeError, os_reason
+
+
+def _overlap(out: Path, other: Path) -> str | None:
+    """How ``out`` overlaps ``other`` (both resolved): 'is', 'is inside' or 'contains', or None."""
+    if out == other:
+        return "is"
+    if out.is_relative_to(other):
+        return "is inside"
+    if other.is_relative_to(out):
+        return "contains"
+    return None
+
+
+def check_output_place(out: Path | str, inputs: Iterable[Path | str | None] = ()) -> None:
+    """Refuse an output path that is, contains or lies inside an input, or contains the working directory; checked
+    before any work starts, ``--force`` or not."""
+    out = Path(out)
+    target = out.resolve()
+    how = _overlap(target, Path.cwd().resolve())
+    if how in ("is", "contains"):
+        raise MtpipeError(f"--out {out}: {how} the current directory; choose an output path below it")
+    for inp in inputs:
+        if inp is None or str(inp) in ("", "-"):
+            continue
+        how = _overlap(target, Path(inp).resolve())
+        if how is not None:
+            raise MtpipeError(f"--out {out}: {how} the input {inp}; writing there would destroy it: choose another "
+                              "output path")
+
+
+def _is_own_pid(name: str, prefix: str) -> int | None:
+    """The process id in a temporary name ``{prefix}{pid}-{random}`` mtpipe made, or None."""
+    if not name.startswith(prefix):
+        return None
+    pid = name[len(prefix):].split("-", 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(out: Path) -> None:
+    """Remove the temporaries an earlier, killed write of ``out`` left beside it (``.{name}.tmp-{pid}-*`` and
+    ``.{name}.old-{pid}-*``, names only mtpipe makes), unless their process is still running."""
+    parent = out.parent
+    if not parent.is_dir():
+        return
+    for entry in parent.iterdir():
+        for prefix in (f".{out.name}.tmp-", f".{out.name}.old-"):
+            pid = _is_own_pid(entry.name, prefix)
+            if pid is not None and pid != os.getpid() and not _pid_alive(pid):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+
+
+def check_replaceable(out: Path | str, kind: str, *, force: bool = False) -> None:
+    """Refuse to replace ``out`` unless it is absent, an empty directory, or an mtpipe artifact of ``kind`` (a
+    readable manifest); ``force`` replaces anything but the checks of :func:`check_output_place`."""
+    out = Path(out)
+    if force or not (out.exists() or out.is_symlink()):
+        return
+    hint = "choose another --out, or pass --force to replace it"
+    if out.is_symlink():
+        raise MtpipeError(f"--out {out}: is a symbolic link, not an mtpipe '{kind}' artifact; {hint}")
+    if not out.is_dir():
+        raise MtpipeError(f"--out {out}: is a file, not an mtpipe '{kind}' artifact; {hint}")
+    if not any(out.iterdir()):
+        return
+    try:
+        found = json.loads((out / MANIFEST).read_text(encoding="utf-8")).get("kind")
+    except (OSError, ValueError, AttributeError):
+        raise MtpipeError(f"--out {out}: exists and is not an mtpipe artifact (no readable {MANIFEST}); "
+                          f"{hint}") from None
+    if found != kind:
+        raise MtpipeError(f"--out {out}: is an mtpipe '{found}' artifact, not a '{kind}' one; {hint}")
+
+
+def prepare_output(out: Path | str, kind: str, *, inputs: Iterable[Path | str | None] = (),
+                   force: bool = False) -> None:
+    """Every check on an artifact output before a stage starts work, and the clean-up of a killed earlier run."""
+    check_output_place(out, inputs)
+    check_replaceable(out, kind, force=force)
+    remove_stale_temporaries(Path(out))
+
+
+# The keys every metrics JSON of ``mtpipe score`` has: how an existing file is recognised as one.
+METRICS_KEYS = ("bleu", "chrf", "ter", "signatures")
+
+
+def check_replaceable_metrics(out: Path | str, *, force: bool = False) -> None:
+    """Refuse to replace ``out`` unless it is absent or a metrics JSON that ``mtpipe score`` wrote."""
+    out = Path(out)
+    if force or not (out.exists() or out.is_symlink()):
+        return
+    hint = "choose another --out, or pass --force to replace it"
+    if out.is_dir() or out.is_symlink():
+        raise MtpipeError(f"--out {out}: is a {'directory' if out.is_dir() else 'symbolic link'}, not a metrics "
+                          f"JSON file; {hint}")
+    try:
+        data = json.loads(out.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        data = None
+    if not isinstance(data, dict) or not all(k in data for k in METRICS_KEYS):
+        raise MtpipeError(f"--out {out}: exists and is not a metrics JSON of `mtpipe score`; {hint}")
+
+
+class ArtifactWriter:
+    """Write an artifact directory atomically.
+
+    >>> with ArtifactWriter(out, "corpus", params, upstream={"corpus": src_dir}) as w:
+    ...     w.write_table("train.parquet", table)
+    ...     w.extra["filters"] = {...}
+
+    ``out`` must be absent, empty or an artifact of the same kind (``force`` lifts that) and must not overlap an
+    upstream artifact (:func:`prepare_output`). Files go to a temporary sibling directory; on success the manifest
+    is written last and the directory renamed over ``out``; on any exception the temporary directory is removed and
+    ``out`` is left as it was. An OS error (a full disk, no permission) becomes one :class:`MtpipeError` line.
+    """
+
+    def __init__(self, out: Path | str, kind: str, params: dict[str, Any] | None = None,
+                 upstream: dict[str, Path | str] | None = None, *, force: bool = False):
+        self.out = Path(out)
+        self.kind = kind
+        self.force = force
+        self.upstream = dict(upstream or {})
+        self.manifest = Manifest(kind=kind, format_version=FORMAT_VERSIONS[kind], params=params or {})
+        self.rows = self.manifest.rows
+        self.extra = self.manifest.extra
+        self.tmp: Path | None = None
+
+    def __enter__(self) -> "ArtifactWriter":
+        prepare_output(self.out, self.kind, inputs=self.upstream.values(), force=self.force)
+        for name, d in self.upstream.items():
+            self.manifest.upstream[name] = manifest_hash(d)
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-{os.getpid()}-", dir=self.out.parent))
+            os.chmod(self.tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the artifact gets the usual permissions
+        except OSError as e:
+            raise MtpipeError(f"{self.out}: cannot write ({os_reason(e)})") from None
+        return self
+
+    def path(self, name: str) -> Path:
+        """Where to write file ``name`` (inside the temporary directory)."""
+        assert self.tmp is not None, "use ArtifactWriter as a context manager"
+        p = self.tmp / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def parquet_writer(self, name: str, schema: pa.Schema | None = None) -> pq.ParquetWriter:
+        """A streaming Parquet writer for ``name`` with the kind's schema (zstd compressed)."""
+        return pq.ParquetWriter(self.path(name), schema or SCHEMAS[self.kind], compression="zstd")
+
+    def write_table(self, name: str, table: pa.Table) -> None:
+        schema = SCHEMAS[self.kind]
+        table = table.select(schema.names).cast(schema)
+        pq.write_table(table, self.path(name), compression="zstd")
+        self.rows[name] = table.num_rows
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        assert self.tmp is not None
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            if isinstance(exc, OSError):  # ENOSPC, EACCES, EROFS ... while writing a file: one line, not a traceback
+                raise MtpipeError(f"{self.out}: cannot write ({os_reason(exc)}); nothing was written") from None
+            return
+        try:
+            for p in sorted(self.tmp.rglob("*")):
+                if p.is_file():
+                    self.manifest.files[str(p.relative_to(self.tmp))] = file_hash(p)
+            text = json.dumps(asdict(self.manifest), indent=2, sort_keys=True, default=str)
+            (self.tmp / MANIFEST).write_text(text + "\n", encoding="utf-8")
+            replace_dir(self.tmp, self.out)
+        except OSError as e:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise MtpipeError(f"{self.out}: cannot write ({os_reason(e)}); nothing was written") from None
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Move directory ``src`` to ``dst``, replacing ``dst``; the old one is removed only after the swap. Callers
+    have checked that ``dst`` is theirs to replace (:func:`check_replaceable`)."""
+    old = None
+    if dst.exists() or dst.is_symlink():
+        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-{os.getpid()}-", dir=dst.parent))
+        os.rename(dst, old / dst.name)
+    os.rename(src, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def atomic_write_text(path: Path | str, text: str) -> None:
+    """Write a single file atomically (temp file in the same directory, then rename), with the permissions a plain
+    ``open`` would give; an OS error becomes one :class:`MtpipeError` line and leaves ``path`` as it was."""
+    path = Path(path)
+    tmp: str | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent)
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        raise MtpipeError(f"{path}: cannot write ({os_reason(e)})") from None
+    except BaseException:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def check_run_dir(out: Path | str, *, force: bool = False) -> None:
+    """Refuse a training ``--out`` that holds anything `mtpipe train` does not write (training adds checkpoints and
+    logs to its run directory and resumes from it; it must not mix them into someone else's folder)."""
+    out = Path(out)
+    if force or not (out.exists() or out.is_symlink()):
+        return
+    hint = "choose another --out, or pass --force to train into it anyway"
+    if not out.is_dir():
+        raise MtpipeError(f"--out {out}: is a file, not a training run directory; {hint}")
+    foreign = sorted(e.name for e in out.iterdir() if e.name not in RUN_ENTRIES and not e.name.startswith("."))
+    if foreign:
+        raise MtpipeError(f"--out {out}: is not a `mtpipe train` run directory (it holds '{foreign[0]}'); {hint}")
+
+
+def write_checkpoint(out: Path | str, *, state_dict: dict[str, Any], model_config: dict[str, Any],
+                     vocab: dict[str, Any], step: int, trainer_state: dict[str, Any] | None = None,
+                     params: dict[str, Any] | None = None, upstream: dict[str, Path | str] | None = None,
+                     extra: dict[str, Any] | None = None, force: bool = False) -> None:
+    """Write a checkpoint directory atomically: ``model.safetensors`` (weights, no pickle) and, for resumable
+    training checkpoints, ``trainer.pt`` (optimizer, schedule, RNG, data position; loads with weights_only=True)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    with ArtifactWriter(out, "checkpoint", params, upstream, force=force) as w:
+        tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+        meta = {"model_config": json.dumps(model_config, sort_keys=True), "vocab": json.dumps(vocab),
+                "step": str(step), "format_version": str(FORMAT_VERSIONS["checkpoint"])}
+        try:
+            save_file(tensors, str(w.path(WEIGHTS)), metadata=meta)
+        except SafetensorError as e:  # its I/O errors arrive as text: "... (os error 28)"
+            code = re.search(r"os error (\d+)", str(e))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1)))) from None
+        if trainer_state is not None:
+            _torch_save(trainer_state, w.path(TRAINER_STATE))
+        w.extra.update({"model_config": model_config, "vocab": vocab, "step": step, **(extra or {})})
+
+
+class _WriteRecorder:
+    """A file for ``torch.save`` that keeps the OS error of a failed write: torch reports it only as a
+    ``RuntimeError`` about a stream position."""
+
+    def __init__(self, f: Any):
+        self.f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    import torch
+
+    with open(path, "wb") as f:
+        w = _WriteRecorder(f)
+        try:
+            torch.save(obj, w)  # type: ignore[arg-type]
+        except RuntimeError:
+            if w.error is not None:
+                raise w.error from None
+            raise
