@@ -57,7 +57,7 @@ from mtpipe import (
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: E402
 from mtpipe.config import DecodeConfig, ModelConfig, to_dict  # noqa: E402
 from mtpipe.console import console, fmt, progress, table  # noqa: E402
-from mtpipe.decode import make_batches, translate  # noqa: E402
+from mtpipe.decode import batches_by_tokens, translate  # noqa: E402
 from mtpipe.model import Transformer, build_model  # noqa: E402
 from mtpipe.search import Hypothesis  # noqa: E402
 
@@ -229,7 +229,7 @@ def interleaved(model: Transformer, sources: list[list[int]], cfgs: dict[str, De
     precisions = list(cfgs)
     keys = [(name, p) for p in precisions for name in ("naive", "mtpipe")]
     max_tokens = cfgs[precisions[0]].max_tokens
-    batches = make_batches([len(s) + 1 for s in sources], max_tokens)
+    batches = batches_by_tokens([len(s) + 1 for s in sources], max_tokens)
     seconds = {key: [0.0] * rounds for key in keys}
     outputs: dict[tuple[str, str], list[list[Hypothesis]]] = {key: [[] for _ in sources] for key in keys}
     with progress() as bar:

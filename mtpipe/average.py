@@ -159,7 +159,8 @@ def average_state_dicts(inputs: list[tuple[int, Path]]) -> tuple[artifacts.Check
     return ref, {name: out[name] for name in ref.state_dict}  # the inputs' tensor order
 
 
-def run(cfg: AverageConfig, run_dir: Path, checkpoints: list[Path] | None, out: Path, *, force: bool = False) -> Path:
+def average_checkpoints(cfg: AverageConfig, run_dir: Path, checkpoints: list[Path] | None, out: Path, *,
+                        force: bool = False) -> Path:
     """Average checkpoints of ``run_dir`` (or exactly ``checkpoints``) into the weights-only checkpoint ``out``."""
     run_dir, out = Path(run_dir), Path(out)
     inputs = select(cfg, run_dir, list(checkpoints) if checkpoints else None)

@@ -268,7 +268,7 @@ def encode_split(sp: Any, corpus: Path, split: str, w: ArtifactWriter, threads: 
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def run(cfg: BpeConfig, corpus: Path, out: Path, spm_model: Optional[Path] = None, *,
+def tokenize_corpus(cfg: BpeConfig, corpus: Path, out: Path, spm_model: Optional[Path] = None, *,
         force: bool = False) -> dict[str, SplitTokens]:
     """Train (or take ``spm_model``) a joint BPE model and encode every split of the ``corpus`` artifact."""
     _check_cfg(cfg)

@@ -174,7 +174,7 @@ def _check_cfg(cfg: BucketConfig) -> None:
         )
 
 
-def run(cfg: BucketConfig, tokens: Path, out: Path, *, force: bool = False) -> dict[str, SplitBatches]:
+def bucket_tokens(cfg: BucketConfig, tokens: Path, out: Path, *, force: bool = False) -> dict[str, SplitBatches]:
     """Batch the train and valid splits of the ``tokens`` artifact into the ``batches`` artifact ``out``."""
     _check_cfg(cfg)
     tokens, out = Path(tokens), Path(out)

@@ -265,9 +265,9 @@ def _in(name: str, default: str | None, help: str, flag: str, tp: Any = Path) ->
 )
 def fetch(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Read a parallel corpus (Hugging Face or local files), clean train, write {train,valid,test}.parquet."""
-    from mtpipe.fetch import run
+    from mtpipe.fetch import fetch_corpus
 
-    run(cfg.fetch, out=opts.out, force=opts.force)
+    fetch_corpus(cfg.fetch, out=opts.out, force=opts.force)
 
 
 def _local_source(source: str) -> Path | None:
@@ -288,9 +288,9 @@ def _local_source(source: str) -> Path | None:
 )
 def bpe(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Train a joint SentencePiece BPE model on train and encode every split to token ids."""
-    from mtpipe.bpe import run
+    from mtpipe.bpe import tokenize_corpus
 
-    run(cfg.bpe, corpus=opts.corpus, out=opts.out, spm_model=opts.spm_model, force=opts.force)
+    tokenize_corpus(cfg.bpe, corpus=opts.corpus, out=opts.out, spm_model=opts.spm_model, force=opts.force)
 
 
 @stage_command(
@@ -303,9 +303,9 @@ def bpe(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
 )
 def bucket(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Pack token-budget batches (sorted by length) for train and valid."""
-    from mtpipe.bucket import run
+    from mtpipe.bucket import bucket_tokens
 
-    run(cfg.bucket, tokens=opts.tokens, out=opts.out, force=opts.force)
+    bucket_tokens(cfg.bucket, tokens=opts.tokens, out=opts.out, force=opts.force)
 
 
 @stage_command(
@@ -328,9 +328,9 @@ def train(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
         import subprocess
 
         raise typer.Exit(subprocess.call(cmd))
-    from mtpipe.train import run
+    from mtpipe.train import train_model
 
-    run(cfg.model, cfg.train, tokens=opts.tokens, batches=opts.batches, out=opts.out, force=opts.force)
+    train_model(cfg.model, cfg.train, tokens=opts.tokens, batches=opts.batches, out=opts.out, force=opts.force)
 
 
 @stage_command(
@@ -347,9 +347,9 @@ def train(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
 )
 def average(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Average the parameters of the last N checkpoints (paper section 6.1)."""
-    from mtpipe.average import run
+    from mtpipe.average import average_checkpoints
 
-    run(cfg.average, run_dir=opts.run, checkpoints=opts.checkpoints, out=opts.out, force=opts.force)
+    average_checkpoints(cfg.average, run_dir=opts.run, checkpoints=opts.checkpoints, out=opts.out, force=opts.force)
 
 
 @stage_command(
@@ -368,9 +368,9 @@ def average(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
 def decode(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Translate with batched beam search (a bpe split, or raw text from --input FILE or '-' = stdin); --engine
     ctranslate2 decodes through CTranslate2 instead."""
-    from mtpipe.decode import run
+    from mtpipe.decode import translate_inputs
 
-    run(cfg.decode, checkpoint=opts.checkpoint, tokens=opts.tokens, input=opts.input, out=opts.out,
+    translate_inputs(cfg.decode, checkpoint=opts.checkpoint, tokens=opts.tokens, input=opts.input, out=opts.out,
         force=opts.force)
 
 
@@ -386,9 +386,9 @@ def decode(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
 )
 def score(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """BLEU, chrF2 and TER with sacreBLEU. Exit status: 0 ok, 1 bad input, 3 gate failed (metrics still written)."""
-    from mtpipe.score import run
+    from mtpipe.score import score_hypotheses
 
-    run(cfg.score, hyp=opts.hyp, ref=opts.ref, baseline=opts.baseline, out=opts.out, force=opts.force)
+    score_hypotheses(cfg.score, hyp=opts.hyp, ref=opts.ref, baseline=opts.baseline, out=opts.out, force=opts.force)
 
 
 @stage_command(
@@ -403,6 +403,6 @@ def score(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
 def export(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Export a checkpoint to a CTranslate2 model directory (or a Hugging Face Marian model) with its SentencePiece
     model beside it."""
-    from mtpipe.export import run
+    from mtpipe.export import export_model
 
-    run(cfg.export, checkpoint=opts.checkpoint, tokens=opts.tokens, out=opts.out, force=opts.force)
+    export_model(cfg.export, checkpoint=opts.checkpoint, tokens=opts.tokens, out=opts.out, force=opts.force)

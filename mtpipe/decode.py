@@ -96,7 +96,7 @@ def uncached_step(model: Any) -> StepFn:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def make_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+def batches_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Indices grouped into batches of at most ``max_tokens`` padded tokens, longest sentences first (a longer
     sentence alone over the budget gets a batch of its own). Sorting by length keeps padding, and so wasted
     encoder and cross-attention work, small."""
@@ -160,7 +160,7 @@ def translate_batches(model: Any, sources: Sequence[Sequence[int]], rules: Decod
     if on_done is not None and len(todo) < len(sources):
         on_done(len(sources) - len(todo))
     with torch.inference_mode(), precision_context(device, precision):
-        for sub in make_batches([lengths[i] for i in todo], max_tokens):
+        for sub in batches_by_tokens([lengths[i] for i in todo], max_tokens):
             batch = [todo[j] for j in sub]
             width = lengths[batch[0]]
             src = torch.full((len(batch), width), PAD_ID, dtype=torch.long)  # [B, S] right-padded
@@ -232,7 +232,7 @@ class MtpipeEngine:
             return translate_batches(self.model, sources, rules, max_tokens=self.max_tokens,
                                      precision=self.precision, device=self.device, on_done=on_done)
         finally:
-            torch.set_num_threads(threads_before)  # run() may be called in-process (tests, notebooks)
+            torch.set_num_threads(threads_before)  # may be called in-process (tests, notebooks)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -419,7 +419,7 @@ def write_hypotheses(out: Path, rows: dict[str, list[Any]], inputs: Inputs, cfg:
         })
 
 
-def run(cfg: DecodeConfig, checkpoint: Path, tokens: Path, input: Path | None = None,
+def translate_inputs(cfg: DecodeConfig, checkpoint: Path, tokens: Path, input: Path | None = None,
         out: Path | None = None, *, force: bool = False) -> None:
     """Translate a split of the bpe artifact (``cfg.split``) or raw text (``input``; '-' = stdin).
 
@@ -459,6 +459,6 @@ def run(cfg: DecodeConfig, checkpoint: Path, tokens: Path, input: Path | None = 
     ])
 
 
-__all__ = ["INPUT_SPLIT", "Inputs", "MtpipeEngine", "PrefixState", "bf16_copy", "make_batches", "precision_context",
-           "read_lines", "read_sources", "resolve_inputs", "run", "translate", "translate_batches", "translate_sources",
-           "uncached_step", "validate", "write_hypotheses"]
+__all__ = ["INPUT_SPLIT", "Inputs", "MtpipeEngine", "PrefixState", "batches_by_tokens", "bf16_copy",
+           "precision_context", "read_lines", "read_sources", "resolve_inputs", "translate", "translate_batches",
+           "translate_inputs", "translate_sources", "uncached_step", "validate", "write_hypotheses"]

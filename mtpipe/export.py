@@ -472,7 +472,7 @@ def _marian_state_dict(src: _Source, table: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def run(cfg: Any, checkpoint: Path, tokens: Path, out: Path, *, force: bool = False) -> dict[str, Any]:
+def export_model(cfg: Any, checkpoint: Path, tokens: Path, out: Path, *, force: bool = False) -> dict[str, Any]:
     """``mtpipe export``: ``cfg`` is an :class:`mtpipe.config.ExportConfig`."""
     from mtpipe.config import to_dict
 
@@ -487,4 +487,5 @@ def run(cfg: Any, checkpoint: Path, tokens: Path, out: Path, *, force: bool = Fa
     return export_ctranslate2(checkpoint, tokens, out, cfg.quantization, params=params, force=force)
 
 
-__all__ = ["build_ct2_spec", "export_ctranslate2", "export_marian", "marian_mismatch", "require_ctranslate2", "run"]
+__all__ = ["build_ct2_spec", "export_ctranslate2", "export_marian", "export_model", "marian_mismatch",
+           "require_ctranslate2"]

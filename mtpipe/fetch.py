@@ -242,7 +242,7 @@ def _check_cfg(cfg: FetchConfig) -> None:
         raise MtpipeError(f"fetch.min_len={cfg.min_len} / fetch.max_len={cfg.max_len}: need 0 <= min_len <= max_len")
 
 
-def run(cfg: FetchConfig, out: Path, *, force: bool = False) -> dict[str, SplitStats]:
+def fetch_corpus(cfg: FetchConfig, out: Path, *, force: bool = False) -> dict[str, SplitStats]:
     """Read ``cfg.source``, clean train, write the ``corpus`` artifact to ``out``; returns per-split statistics."""
     _check_cfg(cfg)
     out = Path(out)

@@ -285,7 +285,7 @@ def check_gates(cfg: ScoreConfig, metrics: dict[str, Any], baseline: Path | None
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def run(cfg: ScoreConfig, hyp: Path, ref: Path, baseline: Path | None, out: Path | None = None, *,
+def score_hypotheses(cfg: ScoreConfig, hyp: Path, ref: Path, baseline: Path | None, out: Path | None = None, *,
         force: bool = False) -> dict[str, Any]:
     """Score ``hyp`` against ``ref``, print the metrics and, with ``out``, write them as JSON; apply the gates.
 

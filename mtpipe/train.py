@@ -57,7 +57,7 @@ from mtpipe.resume import (
 
 # The public API (check_resumable, changed_trajectory_keys, list_checkpoints live in mtpipe.resume).
 __all__ = ["LossModule", "TrainState", "Trainer", "UpdateResult", "Updater", "changed_trajectory_keys",
-           "check_resumable", "drophead_rate", "learning_rate", "list_checkpoints", "make_train_step", "run"]
+           "check_resumable", "drophead_rate", "learning_rate", "list_checkpoints", "make_train_step", "train_model"]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -572,7 +572,7 @@ class Trainer:
         }
 
 
-def run(model_cfg: ModelConfig, cfg: TrainConfig, tokens: Path, batches: Path, out: Path, *,
+def train_model(model_cfg: ModelConfig, cfg: TrainConfig, tokens: Path, batches: Path, out: Path, *,
         force: bool = False) -> dict[str, Any]:
     """``mtpipe train``: train (or resume training) into ``out``; returns the summary written to ``out/train.json``.
     ``out`` must be absent, empty or a run directory of `mtpipe train` (``force`` lifts the last rule)."""

@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from mtpipe import artifacts, writing
-from mtpipe.average import run
+from mtpipe.average import average_checkpoints
 from mtpipe.cli import app
 from mtpipe.config import AverageConfig
 from mtpipe.errors import MtpipeError
@@ -47,7 +47,7 @@ def test_mean_of_two_is_exact_and_weights_only(tmp_path: Path) -> None:
     a, b = state(1), state(2)
     pa, pb = save(tmp_path, 100, a), save(tmp_path, 200, b)
     out = tmp_path / "avg"
-    run(cfg(last=2), tmp_path, None, out)
+    average_checkpoints(cfg(last=2), tmp_path, None, out)
 
     ck = artifacts.load_checkpoint(out)
     assert set(ck.state_dict) == set(a)
@@ -75,32 +75,32 @@ def test_last_n_by_manifest_step_not_name_and_up_to_step(tmp_path: Path) -> None
     def mean(steps: list[int]) -> torch.Tensor:
         return sum(sds[s]["embed.weight"].double() for s in steps) / len(steps)
 
-    run(cfg(last=3), tmp_path, None, tmp_path / "a")
+    average_checkpoints(cfg(last=3), tmp_path, None, tmp_path / "a")
     ck = artifacts.load_checkpoint(tmp_path / "a")
     assert [e["step"] for e in ck.manifest.extra["averaged"]] == [300, 400, 500]
     assert ck.step == 500
     torch.testing.assert_close(ck.state_dict["embed.weight"].double(), mean([300, 400, 500]), rtol=0, atol=1e-6)
 
-    run(cfg(last=2, up_to_step=350), tmp_path, None, tmp_path / "b")
+    average_checkpoints(cfg(last=2, up_to_step=350), tmp_path, None, tmp_path / "b")
     ck = artifacts.load_checkpoint(tmp_path / "b")
     assert [e["step"] for e in ck.manifest.extra["averaged"]] == [200, 300]
     assert ck.step == 300
 
     # An averaged checkpoint saved among the training checkpoints is not averaged again.
-    run(cfg(last=2), tmp_path, None, tmp_path / "checkpoints" / "averaged")
-    run(cfg(last=2), tmp_path, None, tmp_path / "c")
+    average_checkpoints(cfg(last=2), tmp_path, None, tmp_path / "checkpoints" / "averaged")
+    average_checkpoints(cfg(last=2), tmp_path, None, tmp_path / "c")
     assert [e["step"] for e in artifacts.load_checkpoint(tmp_path / "c").manifest.extra["averaged"]] == [400, 500]
 
 
 def test_explicit_checkpoint_list(tmp_path: Path) -> None:
     sds = {s: state(s) for s in (1, 2, 3)}
     paths = {s: save(tmp_path, s, sd) for s, sd in sds.items()}
-    run(cfg(last=5), tmp_path, [paths[3], paths[1]], tmp_path / "avg")
+    average_checkpoints(cfg(last=5), tmp_path, [paths[3], paths[1]], tmp_path / "avg")
     ck = artifacts.load_checkpoint(tmp_path / "avg")
     assert [e["step"] for e in ck.manifest.extra["averaged"]] == [1, 3]
     assert torch.equal(ck.state_dict["layer.0.bias"], (sds[1]["layer.0.bias"] + sds[3]["layer.0.bias"]) / 2)
     with pytest.raises(MtpipeError, match="given twice"):
-        run(cfg(), tmp_path, [paths[1], paths[1]], tmp_path / "avg2")
+        average_checkpoints(cfg(), tmp_path, [paths[1], paths[1]], tmp_path / "avg2")
 
 
 def test_bf16_inputs_accumulate_in_high_precision(tmp_path: Path) -> None:
@@ -113,7 +113,7 @@ def test_bf16_inputs_accumulate_in_high_precision(tmp_path: Path) -> None:
     assert (naive / 5).item() != 52.0  # the test would be vacuous otherwise
     for step, v in enumerate(values, start=1):
         save(tmp_path, step, {"w": torch.full((4, 3), v, dtype=torch.bfloat16)})
-    run(cfg(last=5), tmp_path, None, tmp_path / "avg")
+    average_checkpoints(cfg(last=5), tmp_path, None, tmp_path / "avg")
     w = artifacts.load_checkpoint(tmp_path / "avg").state_dict["w"]
     assert w.dtype == torch.bfloat16
     assert torch.all(w == 52.0)
@@ -124,7 +124,7 @@ def test_non_float_tensors_keep_the_newest_value(tmp_path: Path) -> None:
         sd = state(step)
         sd["counter"] = torch.tensor([step * 10], dtype=torch.int64)
         save(tmp_path, step, sd)
-    run(cfg(last=2), tmp_path, None, tmp_path / "avg")
+    average_checkpoints(cfg(last=2), tmp_path, None, tmp_path / "avg")
     assert artifacts.load_checkpoint(tmp_path / "avg").state_dict["counter"].tolist() == [20]
 
 
@@ -153,7 +153,7 @@ def test_mismatch_names_the_first_difference(tmp_path: Path, change: dict, patte
     save(tmp_path, 300, sd, config=change.get("config"), vocab=change.get("vocab"))
     out = tmp_path / "avg"
     with pytest.raises(MtpipeError, match=pattern):
-        run(cfg(last=3), tmp_path, None, out)
+        average_checkpoints(cfg(last=3), tmp_path, None, out)
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".avg")]  # no temporary left behind
 
@@ -162,33 +162,33 @@ def test_fewer_than_asked_error_or_warning(tmp_path: Path, capsys: pytest.Captur
     save(tmp_path, 1, state(1))
     save(tmp_path, 2, state(2))
     with pytest.raises(MtpipeError, match=r"last 5 checkpoints but only 2 exist.*--allow-fewer"):
-        run(cfg(last=5), tmp_path, None, tmp_path / "avg")
+        average_checkpoints(cfg(last=5), tmp_path, None, tmp_path / "avg")
     assert not (tmp_path / "avg").exists()
     with pytest.raises(MtpipeError, match=r"at or before step 0: no checkpoints"):
-        run(cfg(last=1, up_to_step=0, allow_fewer=True), tmp_path, None, tmp_path / "avg")
+        average_checkpoints(cfg(last=1, up_to_step=0, allow_fewer=True), tmp_path, None, tmp_path / "avg")
 
-    run(cfg(last=5, allow_fewer=True), tmp_path, None, tmp_path / "avg")
+    average_checkpoints(cfg(last=5, allow_fewer=True), tmp_path, None, tmp_path / "avg")
     assert "only 2 exist" in capsys.readouterr().err
     assert len(artifacts.load_checkpoint(tmp_path / "avg").manifest.extra["averaged"]) == 2
 
 
 def test_bad_inputs(tmp_path: Path) -> None:
     with pytest.raises(MtpipeError, match="train output directory not found"):
-        run(cfg(), tmp_path / "nope", None, tmp_path / "avg")
+        average_checkpoints(cfg(), tmp_path / "nope", None, tmp_path / "avg")
     (tmp_path / "run").mkdir()
     with pytest.raises(MtpipeError, match="has no checkpoints/ directory"):
-        run(cfg(), tmp_path / "run", None, tmp_path / "avg")
+        average_checkpoints(cfg(), tmp_path / "run", None, tmp_path / "avg")
     (tmp_path / "run" / "checkpoints" / "junk").mkdir(parents=True)
     with pytest.raises(MtpipeError, match=r"junk: not an mtpipe checkpoint"):
-        run(cfg(), tmp_path / "run", None, tmp_path / "avg")
+        average_checkpoints(cfg(), tmp_path / "run", None, tmp_path / "avg")
     with pytest.raises(MtpipeError, match=r"not an mtpipe artifact"):
-        run(cfg(), tmp_path, [tmp_path / "run" / "checkpoints" / "junk"], tmp_path / "avg")
+        average_checkpoints(cfg(), tmp_path, [tmp_path / "run" / "checkpoints" / "junk"], tmp_path / "avg")
     p = save(tmp_path / "two", 5, state(1))
     save(tmp_path / "two", 5, state(2), name="again")
     with pytest.raises(MtpipeError, match="two checkpoints at step 5"):
-        run(cfg(last=1), tmp_path / "two", None, tmp_path / "avg")
+        average_checkpoints(cfg(last=1), tmp_path / "two", None, tmp_path / "avg")
     with pytest.raises(MtpipeError, match="is the input .*step_00000005; writing there would destroy it"):
-        run(cfg(), tmp_path, [p], p)
+        average_checkpoints(cfg(), tmp_path, [p], p)
     assert not (tmp_path / "avg").exists()
 
 

@@ -34,7 +34,7 @@ VOCAB = 500
 @pytest.fixture
 def corpus(small_corpus: Path, tmp_path: Path) -> Path:
     out = tmp_path / "fetch"
-    fetch.run(FetchConfig(source=str(small_corpus), splits={"train": "train", "valid": "val",
+    fetch.fetch_corpus(FetchConfig(source=str(small_corpus), splits={"train": "train", "valid": "val",
                                                               "test": "test_2016_flickr"}), out)
     return out
 
@@ -45,7 +45,7 @@ def tokens_of(out: Path, split: str) -> pa.Table:
 
 def test_train_and_encode(corpus: Path, tmp_path: Path):
     out = tmp_path / "bpe"
-    stats = bpe.run(BpeConfig(vocab_size=VOCAB, threads=2), corpus, out)
+    stats = bpe.tokenize_corpus(BpeConfig(vocab_size=VOCAB, threads=2), corpus, out)
     m = read_manifest(out, "tokens")
     assert m.upstream == {"corpus": manifest_hash(corpus)}
     assert m.extra["spm_sha256"] == file_hash(out / "spm.model") == m.files["spm.model"]
@@ -74,9 +74,9 @@ def test_train_and_encode(corpus: Path, tmp_path: Path):
 
 def test_spm_model_reuse_and_threads_give_identical_tokens(corpus: Path, tmp_path: Path):
     a = tmp_path / "a"
-    bpe.run(BpeConfig(vocab_size=VOCAB, threads=2), corpus, a)
+    bpe.tokenize_corpus(BpeConfig(vocab_size=VOCAB, threads=2), corpus, a)
     b = tmp_path / "b"
-    bpe.run(BpeConfig(vocab_size=VOCAB, threads=1), corpus, b, spm_model=a / "spm.model")
+    bpe.tokenize_corpus(BpeConfig(vocab_size=VOCAB, threads=1), corpus, b, spm_model=a / "spm.model")
     ma, mb = read_manifest(a), read_manifest(b)
     assert mb.extra["spm_sha256"] == ma.extra["spm_sha256"]
     assert mb.extra["spm_model_source"] == str(a / "spm.model")
@@ -102,19 +102,19 @@ def test_sample_cap_is_seeded(corpus: Path, tmp_path: Path):
     everything = list(bpe.training_sentences(corpus, BpeConfig(sample_sentences=10**9), [0]))
     assert sorted(everything) == sorted(text["src"] + text["tgt"])
     out = tmp_path / "capped"
-    bpe.run(BpeConfig(vocab_size=300, sample_sentences=300), corpus, out)
+    bpe.tokenize_corpus(BpeConfig(vocab_size=300, sample_sentences=300), corpus, out)
     assert read_manifest(out).extra["sample_sentences"] == 300
 
 
 def test_training_is_reproducible(corpus: Path, tmp_path: Path):
-    bpe.run(BpeConfig(vocab_size=VOCAB, threads=2), corpus, tmp_path / "a")
-    bpe.run(BpeConfig(vocab_size=VOCAB, threads=2), corpus, tmp_path / "b")
+    bpe.tokenize_corpus(BpeConfig(vocab_size=VOCAB, threads=2), corpus, tmp_path / "a")
+    bpe.tokenize_corpus(BpeConfig(vocab_size=VOCAB, threads=2), corpus, tmp_path / "b")
     assert read_manifest(tmp_path / "a").files == read_manifest(tmp_path / "b").files
 
 
 def test_encode_is_flat_and_matches_sentencepiece(corpus: Path, tmp_path: Path):
     out = tmp_path / "bpe"
-    bpe.run(BpeConfig(vocab_size=VOCAB), corpus, out)
+    bpe.tokenize_corpus(BpeConfig(vocab_size=VOCAB), corpus, out)
     sp = bpe.load_spm(out / "spm.model")
     src = ["Ein Hund rennt.", "", "A dog runs  fast ."]
     tgt = ["x", "Zwei Männer", ""]
@@ -163,7 +163,7 @@ def test_vocab_too_large_is_explained(tmp_path: Path):
         (root / f"{s}.en").write_text("\n".join(f"a small cat {i}" for i in range(20)) + "\n")
         (root / f"{s}.de").write_text("\n".join(f"eine kleine Katze {i}" for i in range(20)) + "\n")
     corpus = tmp_path / "fetch"
-    fetch.run(FetchConfig(source=str(root), splits={"train": "train", "valid": "val", "test": "test"}), corpus)
+    fetch.fetch_corpus(FetchConfig(source=str(root), splits={"train": "train", "valid": "val", "test": "test"}), corpus)
     msg = cli_error(tmp_path, corpus, "--vocab-size", "5000")
     assert f"bpe.vocab_size=5000 is larger than the 40 training sentences of {corpus}/train.parquet support" in msg
     limit = int(msg.split("--vocab-size ")[1].split()[0])

@@ -81,7 +81,7 @@ def test_run_drops_long_train_keeps_long_valid(tmp_path: Path):
     s[10], t[20] = 60, 70  # longer than max_len = 50 positions
     toks = tokens_artifact(tmp_path / "tok", {"train": (s, t), "valid": ([3, 80, 4], [2, 3, 90])})
     cfg = BucketConfig(max_tokens=400, max_len=50, multiple_of=4)
-    stats = bucket.run(cfg, toks, tmp_path / "b")
+    stats = bucket.bucket_tokens(cfg, toks, tmp_path / "b")
     assert stats["train"].dropped == 2 and stats["train"].pairs == 498
     man = read_manifest(tmp_path / "b", "batches")
     assert man.upstream == {"tokens": manifest_hash(toks)}
@@ -103,13 +103,13 @@ def test_run_drops_long_train_keeps_long_valid(tmp_path: Path):
     assert sorted(i for b in va["ids"] for i in b) == [1000, 1003, 1006]
     assert [1003] in va["ids"] and [1006] in va["ids"]  # each over-long valid pair alone
     # Deterministic: the same input gives a byte-identical artifact.
-    bucket.run(cfg, toks, tmp_path / "b2")
+    bucket.bucket_tokens(cfg, toks, tmp_path / "b2")
     assert read_manifest(tmp_path / "b2").files == man.files
 
 
 def test_padding_ratio_reported(tmp_path: Path):
     toks = tokens_artifact(tmp_path / "tok", {"train": ([4, 4, 4, 4], [1, 1, 1, 9])})
-    stats = bucket.run(BucketConfig(max_tokens=100, max_len=20, multiple_of=1), toks, tmp_path / "b")
+    stats = bucket.bucket_tokens(BucketConfig(max_tokens=100, max_len=20, multiple_of=1), toks, tmp_path / "b")
     # One batch: src 4 x 5 positions, no padding; tgt 4 x 10 padded, 2 + 2 + 2 + 10 real.
     assert stats["train"].batches == 1
     assert stats["train"].padding == pytest.approx(1 - (20 + 16) / (20 + 40))
@@ -164,5 +164,5 @@ def test_old_format_wrong_schema_wrong_kind(tmp_path: Path):
 def test_everything_too_long(tmp_path: Path):
     toks = tokens_artifact(tmp_path / "tok", {"train": ([30, 40], [3, 3])})
     with pytest.raises(MtpipeError, match=r"train.parquet: every pair is longer than bucket.max_len=20"):
-        bucket.run(BucketConfig(max_tokens=100, max_len=20), toks, tmp_path / "b")
+        bucket.bucket_tokens(BucketConfig(max_tokens=100, max_len=20), toks, tmp_path / "b")
     assert not (tmp_path / "b").exists()

@@ -20,7 +20,7 @@ from mtpipe import artifacts, writing
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mtpipe.cli import app
 from mtpipe.config import DecodeConfig, ModelConfig, to_dict
-from mtpipe.decode import make_batches, translate
+from mtpipe.decode import batches_by_tokens, translate
 from mtpipe.errors import MtpipeError
 from mtpipe.model import Transformer
 from mtpipe.search import DecodeRules, LengthPenalty, beam_search
@@ -351,9 +351,9 @@ def test_ranking_in_blocks_of_rows_gives_the_same_search(model, monkeypatch, blo
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-5)
 
 
-def test_make_batches_respects_the_budget_and_covers_every_sentence():
+def test_batches_by_tokens_respects_the_budget_and_covers_every_sentence():
     lengths = [3, 17, 5, 5, 9, 1, 30, 12, 2, 8]
-    batches = make_batches(lengths, 24)
+    batches = batches_by_tokens(lengths, 24)
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     for b in batches:
         assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 24
@@ -364,7 +364,7 @@ def test_make_batches_respects_the_budget_and_covers_every_sentence():
 def test_batched_decoding_keeps_input_order_and_equals_one_at_a_time(model):
     srcs = sources(16, seed=7, lo=1, hi=20)
     cfg = DecodeConfig(beam=4, max_len_b=8, max_tokens=60)  # several batches of mixed lengths
-    assert len(make_batches([len(s) + 1 for s in srcs], cfg.max_tokens)) > 2
+    assert len(batches_by_tokens([len(s) + 1 for s in srcs], cfg.max_tokens)) > 2
     rows_per_step: list[int] = []
     step = model.step
 

@@ -59,7 +59,7 @@ def small_pairs(n: int = 40) -> tuple[list[str], list[str]]:
 def test_local_gz_corpus(small_corpus: Path, tmp_path: Path):
     out = tmp_path / "fetch"
     c = cfg(small_corpus, splits={"train": "train", "valid": ["validation", "val"], "test": ["test_2016_flickr"]})
-    stats = fetch.run(c, out)
+    stats = fetch.fetch_corpus(c, out)
     m = read_manifest(out, "corpus")
     assert m.extra["source_splits"] == {"train": "train", "valid": "val", "test": "test_2016_flickr"}
     assert m.rows == {"train.parquet": stats["train"].rows_out, "valid.parquet": 100, "test.parquet": 100}
@@ -93,7 +93,7 @@ def test_cleaning_filters_each_counted(tmp_path: Path):
     src = parallel_dir(tmp_path / "src", {"train": (en, de), "val": (["Cafe\u0301  ", b"\xfe x"], ["", "y"]),
                                           "test": (["t"], ["t"])})
     out = tmp_path / "out"
-    stats = fetch.run(cfg(src, min_len=2, max_len=10, max_ratio=3.0), out)
+    stats = fetch.fetch_corpus(cfg(src, min_len=2, max_len=10, max_ratio=3.0), out)
     f = stats["train"].filters
     assert f == {"invalid_utf8": 1, "malformed": 0, "empty": 1, "too_short": 1, "too_long": 1, "ratio": 1,
                  "duplicate": 1}
@@ -113,10 +113,10 @@ def test_streaming_chunks_do_not_change_the_result(tmp_path: Path, monkeypatch):
     en[10], en[77] = en[4], "\ufeffbom is not at file start"
     de[10] = de[4]  # a duplicate pair in another batch once batches hold 7 rows
     src = parallel_dir(tmp_path / "src", {"train": (en, de), "val": (en[:9], de[:9]), "test": (en[:3], de[:3])})
-    fetch.run(cfg(src), tmp_path / "a")
+    fetch.fetch_corpus(cfg(src), tmp_path / "a")
     monkeypatch.setattr(sources, "BATCH_ROWS", 7)
     monkeypatch.setattr(sources, "READ_CHUNK", 61)  # lines straddle chunk boundaries
-    fetch.run(cfg(src), tmp_path / "b")
+    fetch.fetch_corpus(cfg(src), tmp_path / "b")
     for split in ("train", "valid", "test"):
         assert table(tmp_path / "a", split) == table(tmp_path / "b", split)
     t = table(tmp_path / "b", "train")
@@ -131,7 +131,7 @@ def test_bom_and_missing_final_newline(tmp_path: Path):
     for s in ("val", "test"):
         write_lines(root / f"{s}.en", ["x"])
         write_lines(root / f"{s}.de", ["y"])
-    fetch.run(cfg(root), tmp_path / "out")
+    fetch.fetch_corpus(cfg(root), tmp_path / "out")
     t = table(tmp_path / "out", "train")
     assert t["src"] == ["hello there", "second line"] and t["tgt"] == ["hallo da", "zweite Zeile"]
 
@@ -167,7 +167,7 @@ def test_every_local_layout_gives_the_same_corpus(tmp_path: Path):
     results = {}
     for name, d in _layout_dirs(tmp_path, en, de).items():
         out = tmp_path / f"out_{name}"
-        fetch.run(cfg(d), out)
+        fetch.fetch_corpus(cfg(d), out)
         results[name] = {s: table(out, s) for s in ("train", "valid", "test")}
     first = results.pop("text")
     assert first["train"]["src"][3] == "padded"
@@ -181,12 +181,12 @@ def test_tsv_malformed_lines_dropped_from_train_rejected_in_valid(tmp_path: Path
     write_lines(root / "train.tsv", ["a b\tc d", "no tab here", "x\ty\tz", "e f\tg h"])
     write_lines(root / "val.tsv", ["a\tb"])
     write_lines(root / "test.tsv", ["a\tb"])
-    stats = fetch.run(cfg(root), tmp_path / "out")
+    stats = fetch.fetch_corpus(cfg(root), tmp_path / "out")
     assert stats["train"].filters["malformed"] == 2
     assert table(tmp_path / "out", "train")["id"] == [0, 3]
     write_lines(root / "val.tsv", ["a\tb", "only one column"])
     with pytest.raises(MtpipeError, match=r"val.tsv: line 2: expected exactly one tab"):
-        fetch.run(cfg(root), tmp_path / "out2")
+        fetch.fetch_corpus(cfg(root), tmp_path / "out2")
     assert not (tmp_path / "out2").exists()
 
 
@@ -219,10 +219,10 @@ def test_datasets_save_to_disk_and_local_parquet_dataset(tmp_path: Path, hf_cach
     for s, (a, b) in splits.items():
         pq.write_table(pa.table({"en": a, "de": b}), pqdir / f"{s}.parquet")
     ref = parallel_dir(tmp_path / "text", splits)
-    fetch.run(cfg(ref), tmp_path / "ref")
+    fetch.fetch_corpus(cfg(ref), tmp_path / "ref")
     for i, source in enumerate([saved, f"hf:{saved}", f"hf:{pqdir}"]):
         out = tmp_path / f"out{i}"
-        stats = fetch.run(cfg(source), out)
+        stats = fetch.fetch_corpus(cfg(source), out)
         assert stats["train"].filters["duplicate"] == 1
         for s in ("train", "valid", "test"):
             assert table(out, s) == table(tmp_path / "ref", s), (source, s)
@@ -235,7 +235,7 @@ def test_datasets_missing_language_is_named(tmp_path: Path, hf_cache):
                                for s in ("train", "validation", "test")})
     dd.save_to_disk(str(tmp_path / "saved"))
     with pytest.raises(MtpipeError, match=r"no language 'de' \(translation fields: en, fr\)"):
-        fetch.run(cfg(tmp_path / "saved"), tmp_path / "out")
+        fetch.fetch_corpus(cfg(tmp_path / "saved"), tmp_path / "out")
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from mtpipe import writing
 from mtpipe.cli import app
 from mtpipe.config import ScoreConfig
 from mtpipe.errors import MtpipeError
-from mtpipe.score import GATE_EXIT_CODE, GateFailed, compound_split, paper_bleu, run
+from mtpipe.score import GATE_EXIT_CODE, GateFailed, compound_split, paper_bleu, score_hypotheses
 
 SACREBLEU = shutil.which("sacrebleu", path=str(Path(sys.executable).parent)) or shutil.which("sacrebleu")
 
@@ -115,7 +115,7 @@ def files(tmp_path: Path) -> tuple[Path, Path, list[str], list[str]]:
 def test_agrees_with_sacrebleu_command_line(tmp_path: Path, files, extra_cfg: dict, extra_cli: list[str]) -> None:
     hyp, ref, _, _ = files
     out = tmp_path / "metrics.json"
-    metrics = run(ScoreConfig(**extra_cfg), hyp=hyp, ref=ref, baseline=None, out=out)
+    metrics = score_hypotheses(ScoreConfig(**extra_cfg), hyp=hyp, ref=ref, baseline=None, out=out)
     assert json.loads(out.read_text()) == json.loads(json.dumps(metrics))
 
     proc = subprocess.run([SACREBLEU, str(ref), "-i", str(hyp), "-m", "bleu", "chrf", "ter", "-f", "json", "-w", "2",
@@ -138,7 +138,7 @@ def test_agrees_with_sacrebleu_command_line(tmp_path: Path, files, extra_cfg: di
 
 def test_hypotheses_artifact_is_matched_to_references_by_id(tmp_path: Path, files) -> None:
     hyp_txt, ref_txt, hyps, refs = files
-    expected = run(ScoreConfig(), hyp=hyp_txt, ref=ref_txt, baseline=None, out=tmp_path / "text.json")
+    expected = score_hypotheses(ScoreConfig(), hyp=hyp_txt, ref=ref_txt, baseline=None, out=tmp_path / "text.json")
 
     ref_dir = corpus_artifact(tmp_path / "fetch", {"test": refs, "valid": refs[:10]})
     rows = list(enumerate(hyps))
@@ -146,27 +146,26 @@ def test_hypotheses_artifact_is_matched_to_references_by_id(tmp_path: Path, file
     assert [i for i, _ in rows] != sorted(i for i, _ in rows)
     hyp_dir = hyp_artifact(tmp_path / "decode", "test", rows)
 
-    got = run(ScoreConfig(), hyp=hyp_dir, ref=ref_dir, baseline=None, out=tmp_path / "art.json")
+    got = score_hypotheses(ScoreConfig(), hyp=hyp_dir, ref=ref_dir, baseline=None, out=tmp_path / "art.json")
     for k in ("bleu", "chrf", "ter", "n", "hyp_len", "ref_len"):
         assert got[k] == expected[k], k
     assert got["inputs"]["split"] == "test"
 
     # The shuffled artifact against the reference text file pairs in id order too; a text hypothesis file against
     # the fetch artifact uses score.split (default test).
-    assert run(ScoreConfig(), hyp=hyp_dir, ref=ref_txt, baseline=None, out=tmp_path / "a.json")["bleu"] == \
-        expected["bleu"]
-    assert run(ScoreConfig(), hyp=hyp_txt, ref=ref_dir, baseline=None, out=tmp_path / "b.json")["bleu"] == \
-        expected["bleu"]
+    for hyp, ref, name in ((hyp_dir, ref_txt, "a.json"), (hyp_txt, ref_dir, "b.json")):
+        got = score_hypotheses(ScoreConfig(), hyp=hyp, ref=ref, baseline=None, out=tmp_path / name)
+        assert got["bleu"] == expected["bleu"]
     # Raw-text decode output (extra.split null): rows in id order against the reference lines.
     raw = hyp_artifact(tmp_path / "raw", None, rows)
-    assert run(ScoreConfig(), hyp=raw, ref=ref_txt, baseline=None, out=tmp_path / "c.json")["bleu"] == \
-        expected["bleu"]
+    got = score_hypotheses(ScoreConfig(), hyp=raw, ref=ref_txt, baseline=None, out=tmp_path / "c.json")
+    assert got["bleu"] == expected["bleu"]
 
     # Pairing truly follows ids: swapping two ids' texts changes the score.
     (i, a), (j, b) = rows[0], rows[1]
     swapped = [(i, b), (j, a)] + rows[2:]
-    other = run(ScoreConfig(), hyp=hyp_artifact(tmp_path / "swapped", "test", swapped), ref=ref_dir, baseline=None,
-                out=tmp_path / "d.json")
+    other = score_hypotheses(ScoreConfig(), hyp=hyp_artifact(tmp_path / "swapped", "test", swapped), ref=ref_dir,
+                             baseline=None, out=tmp_path / "d.json")
     assert other["bleu"] != expected["bleu"]
 
 
@@ -217,7 +216,7 @@ def test_gate_exit_codes(tmp_path: Path, files) -> None:
 def test_gate_from_python_raises_gate_failed(tmp_path: Path, files) -> None:
     hyp, ref, _, _ = files
     with pytest.raises(GateFailed) as e:
-        run(ScoreConfig(min_bleu=100.0), hyp=hyp, ref=ref, baseline=None, out=tmp_path / "m.json")
+        score_hypotheses(ScoreConfig(min_bleu=100.0), hyp=hyp, ref=ref, baseline=None, out=tmp_path / "m.json")
     assert isinstance(e.value, MtpipeError) and e.value.exit_code == 3
     assert (tmp_path / "m.json").exists()
 
@@ -247,9 +246,9 @@ def test_paper_bleu_splits_compounds_and_is_labelled(tmp_path: Path) -> None:
     assert paper_bleu(refs, refs)[0] == pytest.approx(100.0)
 
     h, r = write_text(tmp_path / "h.txt", hyps), write_text(tmp_path / "r.txt", refs)
-    m = run(ScoreConfig(paper_bleu=True), hyp=h, ref=r, baseline=None, out=tmp_path / "m.json")
+    m = score_hypotheses(ScoreConfig(paper_bleu=True), hyp=h, ref=r, baseline=None, out=tmp_path / "m.json")
     assert m["paper_bleu"] == split_score and m["signatures"]["paper_bleu"] == sig
-    assert "paper_bleu" not in run(ScoreConfig(), hyp=h, ref=r, baseline=None, out=tmp_path / "n.json")
+    assert "paper_bleu" not in score_hypotheses(ScoreConfig(), hyp=h, ref=r, baseline=None, out=tmp_path / "n.json")
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -248,12 +248,12 @@ def test_batches_map_ids_and_count_tokens(tmp_path: Path) -> None:
 
 
 def test_tiny_model_overfits_a_few_pairs(tmp_path: Path) -> None:
-    from mtpipe.train import run
+    from mtpipe.train import train_model
 
     tokens, batches = make_artifacts(tmp_path, n_train=8, n_valid=8, max_tokens=96)
-    s = run(mcfg(dropout=0.0, d_model=64, d_ff=128), tcfg(max_steps=150, warmup=30, lr_scale=1.0, label_smoothing=0.0,
-                                                        tokens_per_update=1, save_every_steps=0, valid_every_steps=0,
-                                                        log_every_steps=10), tokens, batches, tmp_path / "out")
+    cfg = tcfg(max_steps=150, warmup=30, lr_scale=1.0, label_smoothing=0.0, tokens_per_update=1, save_every_steps=0,
+               valid_every_steps=0, log_every_steps=10)
+    s = train_model(mcfg(dropout=0.0, d_model=64, d_ff=128), cfg, tokens, batches, tmp_path / "out")
     assert s["steps"] == 150
     assert s["train_loss"] < 0.05, s  # nll per target token (no smoothing): the 8 pairs are memorised
 
@@ -261,10 +261,10 @@ def test_tiny_model_overfits_a_few_pairs(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def ws1_run(data: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """12 updates of 2 accumulated batches, checkpoints every 4 (2 kept), validation every 6."""
-    from mtpipe.train import run
+    from mtpipe.train import train_model
 
     out = tmp_path_factory.mktemp("ws1") / "out"
-    run(mcfg(), tcfg(keep_last=2), *data, out)
+    train_model(mcfg(), tcfg(keep_last=2), *data, out)
     return out
 
 
@@ -295,10 +295,10 @@ def test_outputs_checkpoints_and_metrics(ws1_run: Path) -> None:
 
 
 def test_finished_run_restarted_does_nothing_more(ws1_run: Path, data: tuple[Path, Path]) -> None:
-    from mtpipe.train import run
+    from mtpipe.train import train_model
 
     before = tsv(ws1_run, "train/loss")
-    s = run(mcfg(), tcfg(keep_last=2), *data, ws1_run)
+    s = train_model(mcfg(), tcfg(keep_last=2), *data, ws1_run)
     assert s["steps"] == 12 and s["updates_this_run"] == 0 and s["resumed_from"].endswith("step_00000012")
     assert tsv(ws1_run, "train/loss") == before
 
@@ -309,7 +309,7 @@ def test_resume_repairs_metric_files_a_kill_cut_short(ws1_run: Path, data: tuple
     both in place): the resume drops the half row and rows after the checkpoint, and rebuilds the summary."""
     import shutil
 
-    from mtpipe.train import run
+    from mtpipe.train import train_model
 
     out = tmp_path / "out"
     shutil.copytree(ws1_run, out)
@@ -318,7 +318,7 @@ def test_resume_repairs_metric_files_a_kill_cut_short(ws1_run: Path, data: tuple
         f.write("13\t4.2")  # no newline: cut short
     (out / "live" / "metrics.json").write_text("{\n    \"train\": {")
     (out / "live" / ".metrics.json.tmp-x1y2").write_text("{")
-    s = run(mcfg(), tcfg(keep_last=2), *data, out)
+    s = train_model(mcfg(), tcfg(keep_last=2), *data, out)
     assert s["resumed_from"].endswith("step_00000008") and s["updates_this_run"] == 4
     assert tsv(out, "train/loss") == tsv(ws1_run, "train/loss")  # rewound to 8, then the same 4 updates again
     summary = json.loads((out / "live" / "metrics.json").read_text())
@@ -330,15 +330,15 @@ def test_checkpoint_of_another_vocabulary_or_model_is_refused(ws1_run: Path, dat
                                                               tmp_path: Path) -> None:
     import shutil
 
-    from mtpipe.train import run
+    from mtpipe.train import train_model
 
     out = tmp_path / "out"
     shutil.copytree(ws1_run, out)
     other_tokens, other_batches = make_artifacts(tmp_path / "other", spm="sha256:" + "cd" * 32)
     with pytest.raises(MtpipeError, match="another vocabulary"):
-        run(mcfg(), tcfg(max_steps=20), other_tokens, other_batches, out)
+        train_model(mcfg(), tcfg(max_steps=20), other_tokens, other_batches, out)
     with pytest.raises(MtpipeError, match="model.d_ff=64 but the params give 96"):
-        run(mcfg(d_ff=96), tcfg(max_steps=20), *data, out)
+        train_model(mcfg(d_ff=96), tcfg(max_steps=20), *data, out)
 
 
 def test_nonfinite_loss_skips_the_update_then_stops(data: tuple[Path, Path], tmp_path: Path,
@@ -357,12 +357,12 @@ def test_nonfinite_loss_skips_the_update_then_stops(data: tuple[Path, Path], tmp
 
     monkeypatch.setattr(mt, "label_smoothed_nll", flaky)
     calls["bad"] = {3}  # the first micro-batch of update 2 (2 micro-batches per update)
-    s = mt.run(mcfg(), tcfg(max_steps=4, valid_every_steps=0, save_every_steps=0), *data, tmp_path / "a")
+    s = mt.train_model(mcfg(), tcfg(max_steps=4, valid_every_steps=0, save_every_steps=0), *data, tmp_path / "a")
     assert s["steps"] == 4  # the skipped update does not count
     assert "non-finite loss" in capsys.readouterr().err
     calls["n"], calls["bad"] = 0, set(range(1, 100))
     with pytest.raises(MtpipeError, match="diverged: 3 updates in a row"):
-        mt.run(mcfg(), tcfg(max_steps=10, max_bad_steps=3), *data, tmp_path / "b")
+        mt.train_model(mcfg(), tcfg(max_steps=10, max_bad_steps=3), *data, tmp_path / "b")
     assert not (tmp_path / "b" / "checkpoints").exists()
 
 
@@ -375,7 +375,7 @@ def test_out_of_memory_names_the_batch_and_the_fix(data: tuple[Path, Path], tmp_
 
     monkeypatch.setattr(mt.LossModule, "forward", oom)
     with pytest.raises(MtpipeError, match=r"out of memory .* sentences.*--max-tokens 24"):
-        mt.run(mcfg(), tcfg(), *data, tmp_path / "out")
+        mt.train_model(mcfg(), tcfg(), *data, tmp_path / "out")
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -386,37 +386,38 @@ def test_out_of_memory_names_the_batch_and_the_fix(data: tuple[Path, Path], tmp_
     (dict(tokens_per_update=96 * 100), "fewer than one update"),
 ])
 def test_bad_settings_are_clear_errors(data: tuple[Path, Path], tmp_path: Path, kw: dict, match: str) -> None:
-    from mtpipe.train import run
+    from mtpipe.train import train_model
 
     with pytest.raises(MtpipeError, match=match):
-        run(mcfg(), tcfg(**kw), *data, tmp_path / "out")
+        train_model(mcfg(), tcfg(**kw), *data, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
 def test_sequences_longer_than_the_model_allows(tmp_path: Path) -> None:
     """Too-long train batches are a clear error up front; a too-long valid pair is left out of validation."""
-    from mtpipe.train import run
+    from mtpipe.train import train_model
 
     tokens, batches = make_artifacts(tmp_path, long_valid=30, max_tokens=64)
     with pytest.raises(MtpipeError, match="max_positions=8; lower bucket.max_len"):
-        run(mcfg(max_positions=8), tcfg(), tokens, batches, tmp_path / "a")
-    s = run(mcfg(max_positions=20), tcfg(max_steps=2), tokens, batches, tmp_path / "b")
+        train_model(mcfg(max_positions=8), tcfg(), tokens, batches, tmp_path / "a")
+    s = train_model(mcfg(max_positions=20), tcfg(max_steps=2), tokens, batches, tmp_path / "b")
     assert math.isfinite(s["valid_loss"])
 
 
 def test_batches_of_another_bpe_artifact_are_refused(data: tuple[Path, Path], tmp_path: Path) -> None:
-    from mtpipe.train import run
+    from mtpipe.train import train_model
 
     other_tokens, _ = make_artifacts(tmp_path, seed=3)
     with pytest.raises(MtpipeError, match="another bpe artifact"):
-        run(mcfg(), tcfg(), other_tokens, data[1], tmp_path / "out")
+        train_model(mcfg(), tcfg(), other_tokens, data[1], tmp_path / "out")
 
 
 def test_bf16_autocast_and_epoch_stop(data: tuple[Path, Path], tmp_path: Path) -> None:
     """bf16 autocast trains (weights stay float32); max_epochs stops at an epoch boundary."""
-    from mtpipe.train import run
+    from mtpipe.train import train_model
 
-    s = run(mcfg(), tcfg(precision="bf16", max_steps=0, max_epochs=2, valid_every_steps=0), *data, tmp_path / "o")
+    s = train_model(mcfg(), tcfg(precision="bf16", max_steps=0, max_epochs=2, valid_every_steps=0), *data,
+                    tmp_path / "o")
     assert s["stopped_by"] == "max_epochs" and s["epochs"] == 2.0 and s["precision"] == "bf16"
     assert math.isfinite(s["train_loss"]) and math.isfinite(s["valid_loss"])
     ck = artifacts.load_checkpoint(Path(s["checkpoints"][-1]))
@@ -427,13 +428,13 @@ def test_no_dvc_side_effects_inside_a_git_checkout(data: tuple[Path, Path], tmp_
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """dvclive alone would `dvc init` (and `git add`) a git checkout that has no DVC repository: training must
     leave the repository untouched and create no experiment."""
-    from mtpipe.train import run
+    from mtpipe.train import train_model
 
     repo = tmp_path / "repo"
     repo.mkdir()
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
     monkeypatch.chdir(repo)
-    run(mcfg(), tcfg(max_steps=2, valid_every_steps=0), *data, repo / "out")
+    train_model(mcfg(), tcfg(max_steps=2, valid_every_steps=0), *data, repo / "out")
     assert not (repo / ".dvc").exists() and not (repo / "dvc.yaml").exists()
     staged = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True).stdout
     assert staged.splitlines() == ["?? out/"]
@@ -441,9 +442,9 @@ def test_no_dvc_side_effects_inside_a_git_checkout(data: tuple[Path, Path], tmp_
 
 def test_time_limits_stop_and_checkpoint(data: tuple[Path, Path], tmp_path: Path) -> None:
     """max_time (minutes of training) stops the run; save_every_minutes writes checkpoints on rank 0's clock."""
-    from mtpipe.train import list_checkpoints, run
+    from mtpipe.train import list_checkpoints, train_model
 
-    s = run(mcfg(), tcfg(max_steps=0, max_time=0.02, save_every_steps=0, save_every_minutes=0.0002,
+    s = train_model(mcfg(), tcfg(max_steps=0, max_time=0.02, save_every_steps=0, save_every_minutes=0.0002,
                          valid_every_steps=0), *data, tmp_path / "out")
     assert s["stopped_by"] == "max_time" and s["steps"] >= 1 and s["train_minutes"] >= 0.02
     steps = [st for st, _ in list_checkpoints(tmp_path / "out")]
@@ -631,12 +632,12 @@ def ws2_ref(data: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -
 def test_world_size_2_equals_world_size_1_with_twice_the_accumulation(data: tuple[Path, Path],
                                                                       tmp_path: Path) -> None:
     """2 processes x 1 batch and 1 process x 2 batches make the same updates: same parameters after N updates."""
-    from mtpipe.train import run
+    from mtpipe.train import train_model
 
     train = {**RESUME_TRAIN, "max_steps": 8, "save_every_steps": 0, "valid_every_steps": 0}
     params = write_params(tmp_path / "params.yaml", {**TINY, "dropout": 0.0}, {**train, "nproc": 2})
     _run(_command(params, data, tmp_path / "ws2", launcher=True), tmp_path / "ws2.log")
-    s1 = run(mcfg(dropout=0.0), TrainConfig(**train), *data, tmp_path / "ws1")
+    s1 = train_model(mcfg(dropout=0.0), TrainConfig(**train), *data, tmp_path / "ws1")
     s2 = json.loads((tmp_path / "ws2" / "train.json").read_text())
     assert (s1["processes"], s1["accumulation"], s2["processes"], s2["accumulation"]) == (1, 2, 2, 1)
     w1, w2 = weights(tmp_path / "ws1" / "checkpoints" / "step_00000008"), weights(

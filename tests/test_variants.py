@@ -389,9 +389,9 @@ def run(tmp_path_factory) -> dict:
         shutil.copy(root / "spm.model", w.path("spm.model"))
         w.extra.update({"spm_sha256": artifacts.file_hash(w.path("spm.model")), "vocab_size": sp.get_piece_size()})
     batches = root / "bucket"
-    bucket.run(BucketConfig(max_tokens=100, max_len=40, multiple_of=1), tokens, batches)
+    bucket.bucket_tokens(BucketConfig(max_tokens=100, max_len=40, multiple_of=1), tokens, batches)
     out = root / "train"
-    summary = train.run(ModelConfig(**TRAINED), tcfg(), tokens, batches, out)
+    summary = train.train_model(ModelConfig(**TRAINED), tcfg(), tokens, batches, out)
     yield {"root": root, "tokens": tokens, "batches": batches, "out": out, "summary": summary,
            "n_test": len(splits["test"])}
     torch.set_num_threads(threads)
@@ -419,7 +419,7 @@ def test_variant_training_resumes_bitwise_and_logs_the_drophead_schedule(run) ->
     resumed = run["root"] / "resumed"
     shutil.copytree(out, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_00000008")
-    s = train.run(ModelConfig(**TRAINED), tcfg(), run["tokens"], run["batches"], resumed)
+    s = train.train_model(ModelConfig(**TRAINED), tcfg(), run["tokens"], run["batches"], resumed)
     assert s["resumed_from"].endswith("step_00000004") and s["updates_this_run"] == 4
     again = artifacts.load_checkpoint(resumed / "checkpoints" / "step_00000008").state_dict
     assert again.keys() == ck.state_dict.keys()
@@ -527,9 +527,10 @@ def test_drophead_needs_a_known_last_step_and_compile_refuses_layerdrop(run, tmp
     from mtpipe import train
 
     with pytest.raises(MtpipeError, match="drophead"):
-        train.run(ModelConfig(**TRAINED), tcfg(max_steps=0, max_time=1.0), run["tokens"], run["batches"], tmp_path)
+        train.train_model(ModelConfig(**TRAINED), tcfg(max_steps=0, max_time=1.0), run["tokens"], run["batches"],
+                          tmp_path)
     with pytest.raises(MtpipeError, match="train.drophead_start = 1.5 must be >= 0 and < 1"):
-        train.run(ModelConfig(**TRAINED), tcfg(drophead_start=1.5), run["tokens"], run["batches"], tmp_path)
+        train.train_model(ModelConfig(**TRAINED), tcfg(drophead_start=1.5), run["tokens"], run["batches"], tmp_path)
     with pytest.raises(MtpipeError, match="train.compile"):
         train.Updater(make(layerdrop=0.1), tcfg(compile=True), torch.device("cpu"), "fp32")
 
