@@ -503,6 +503,10 @@ def main(argv: list[str] | None = None) -> int:
 
     compiled = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     peaks: dict[str, list[float]] = {"fp32": [], "bf16": []}
+    from mtpipe.runtime import cpu_supports_bf16
+
+    # Without native bf16 (AVX2-only CPUs) a 2048^3 bf16 matmul takes minutes: no bf16 peak, its MFU column is nan.
+    bf16_peak = cpu_supports_bf16() or torch.cuda.is_available()
     all_systems: list[System] = []
     next_batch = 0
     for c in configs:
@@ -533,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
                 s.step(b)
             console.print(f"  {c} {s.name}: warm-up {len(warm)} steps {time.perf_counter() - t0:.1f} s ({s.how})")
         peaks["fp32"].append(matmul_peak(torch.float32, clock))
-        peaks["bf16"].append(matmul_peak(torch.bfloat16, clock))
+        if bf16_peak:
+            peaks["bf16"].append(matmul_peak(torch.bfloat16, clock))
         for i, b in enumerate(timed):
             # Every system trains on this batch before the next one, starting with a different system each time:
             # this machine's speed drifts (and other processes come and go), so only neighbours are compared.
@@ -541,11 +546,13 @@ def main(argv: list[str] | None = None) -> int:
                 timed_step(systems[(i + k) % len(systems)], b, vocab, clock)
             if i == len(timed) // 2:
                 peaks["fp32"].append(matmul_peak(torch.float32, clock))
-                peaks["bf16"].append(matmul_peak(torch.bfloat16, clock))
+                if bf16_peak:
+                    peaks["bf16"].append(matmul_peak(torch.bfloat16, clock))
         console.print(f"  {c}: {len(timed)} batches x {len(systems)} systems done ({time.time() - t_start:.0f} s)")
         all_systems += systems
 
-    peak32, peak16 = statistics.median(peaks["fp32"]), statistics.median(peaks["bf16"])
+    peak32 = statistics.median(peaks["fp32"])
+    peak16 = statistics.median(peaks["bf16"]) if peaks["bf16"] else float("nan")
     rows, results = [], []
     targets = {"fp32": 1.3, "bf16": 3.0}
     for s in all_systems:
