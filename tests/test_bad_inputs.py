@@ -458,7 +458,7 @@ def test_full_disk_while_writing_a_checkpoint_is_one_line(too_big: str, tmp_path
     mnt.mkdir()
     if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
                                            capture_output=True).returncode != 0:
-        pytest.skip("mounting a small tmpfs needs root")
+        pytest.skip("optional: mounting a small tmpfs needs root")
     try:
         big, small = torch.zeros(256 * 1024), torch.zeros(16)  # 1 MiB and 64 bytes
         weights = {"w": big if too_big == "weights" else small}
