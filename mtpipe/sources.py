@@ -420,7 +420,8 @@ def open_source(cfg: FetchConfig) -> Source:
 
 
 def resolve_splits(cfg: FetchConfig, source: Source) -> dict[str, str]:
-    """Output split -> source split name: the first candidate of ``fetch.splits`` that the source has."""
+    """Output split -> source split name: the first candidate of ``fetch.splits`` that the source has, and the
+    output split's own name (``valid``) after them: a corpus that already uses mtpipe's names needs no mapping."""
     if not isinstance(cfg.splits, dict) or "train" not in cfg.splits:
         raise MtpipeError(f"fetch.splits: must map at least 'train' to a source split, got {cfg.splits!r}")
     out = {}
@@ -428,6 +429,7 @@ def resolve_splits(cfg: FetchConfig, source: Source) -> dict[str, str]:
         cands = [cands] if isinstance(cands, str) else cands
         if not isinstance(cands, list) or not cands or not all(isinstance(c, str) for c in cands):
             raise MtpipeError(f"fetch.splits.{split}: must be a split name or a list of names, got {cands!r}")
+        cands = cands + [split] if split not in cands else cands
         found = next((c for c in cands if source.has(c)), None)
         if found is None:
             raise MtpipeError(f"{source.description}: no split for '{split}' (tried: {', '.join(cands)}; found: "

@@ -305,7 +305,7 @@ def test_missing_split(tmp_path: Path):
     en, de = small_pairs(10)
     src = parallel_dir(tmp_path / "src", {"train": (en, de), "dev": (en, de), "test": (en, de)})
     msg = cli_error(tmp_path, "--source", str(src), *SPLIT_ARGS)
-    assert f"{src}: no split for 'valid' (tried: validation, val; found: dev, test, train)" in msg
+    assert f"{src}: no split for 'valid' (tried: validation, val, valid; found: dev, test, train)" in msg
 
 
 def test_missing_language(tmp_path: Path):
@@ -356,3 +356,12 @@ def test_empty_after_cleaning(tmp_path: Path):
 def test_no_such_source(tmp_path: Path):
     msg = cli_error(tmp_path, "--source", str(tmp_path / "nope"))
     assert "nope: no such directory" in msg
+
+
+def test_the_output_split_name_itself_is_always_tried(tmp_path: Path):
+    """A corpus whose files already use mtpipe's split names (valid.{en,de}) needs no fetch.splits entry for them."""
+    en, de = small_pairs(30)
+    src = parallel_dir(tmp_path / "src", {"train": (en, de), "valid": (en[:5], de[:5]), "test": (en[:3], de[:3])})
+    fetch.fetch_corpus(cfg(src, splits={"train": "train", "valid": ["validation", "val"], "test": "test"}),
+                       tmp_path / "out")
+    assert read_manifest(tmp_path / "out").extra["source_splits"]["valid"] == "valid"
