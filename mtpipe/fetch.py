@@ -36,7 +36,7 @@ from mtpipe.artifacts import CORPUS_SCHEMA, from_numpy, to_numpy
 from mtpipe.config import FetchConfig, to_dict
 from mtpipe.errors import MtpipeError
 from mtpipe.sources import Batch, SplitReader, local_source, open_source, resolve_splits
-from mtpipe.writing import ArtifactWriter, check_output_place, check_replaceable
+from mtpipe.writing import ArtifactWriter, prepare_output
 
 FILTERS = ("invalid_utf8", "malformed", "empty", "too_short", "too_long", "ratio", "duplicate")
 
@@ -246,8 +246,7 @@ def fetch_corpus(cfg: FetchConfig, out: Path, *, force: bool = False) -> dict[st
     """Read ``cfg.source``, clean train, write the ``corpus`` artifact to ``out``; returns per-split statistics."""
     _check_cfg(cfg)
     out = Path(out)
-    check_output_place(out, [local_source(cfg.source)])
-    check_replaceable(out, "corpus", force=force)
+    prepare_output(out, "corpus", inputs=[local_source(cfg.source)], force=force)
     source = open_source(cfg)
     mapping = resolve_splits(cfg, source)
     readers = {split: source.open(name) for split, name in mapping.items()}  # fails early on a missing language

@@ -65,41 +65,35 @@ class GateFailed(MtpipeError):
 
 
 def read_lines(path: Path, what: str) -> list[str]:
-    """Lines of a UTF-8 text file (``.gz`` allowed), split on ``\\n`` only and right-stripped, as sacreBLEU does."""
-    if not path.exists():
+    """Lines of a UTF-8 text file (``.gz`` allowed) or of stdin ('-'), split on ``\\n`` only (a stray ``\\r`` or
+    U+2028 inside a sentence must not split it; sacreBLEU reads the same way) and right-stripped."""
+    name = "stdin" if str(path) == "-" else str(path)
+    if str(path) == "-":
+        data = sys.stdin.buffer.read()
+    elif not path.exists():
         raise MtpipeError(f"{path}: {what} file not found")
-    try:
-        opener = gzip.open if path.suffix == ".gz" else open
-        # newline="\n": a stray \r or \u2028 inside a sentence must not split it (sacreBLEU reads the same way).
-        with opener(path, "rt", encoding="utf-8", newline="\n") as f:
-            return [line.rstrip() for line in f]
-    except UnicodeDecodeError as e:
-        raise MtpipeError(f"{path}: {what} file is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except (OSError, EOFError) as e:
-        raise MtpipeError(f"{path}: cannot read {what} file ({e})") from None
-
-
-def _read_stdin_lines(what: str) -> list[str]:
-    """Lines of standard input, read as :func:`read_lines` reads a file."""
-    data = sys.stdin.buffer.read()
+    else:
+        try:
+            with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+                data = f.read()
+        except (OSError, EOFError) as e:
+            raise MtpipeError(f"{path}: cannot read {what} file ({e})") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise MtpipeError(f"stdin: {what} are not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise MtpipeError(f"{name}: {what} file is not UTF-8 text ({e.reason} at byte {e.start})") from None
     lines = text.split("\n")
     if lines and lines[-1] == "":
-        lines.pop()
+        lines.pop()  # the newline that ends the last line
     return [line.rstrip() for line in lines]
 
 
 def _read_hypotheses(hyp: Path) -> tuple[dict[int, str] | list[str], str | None]:
     """Hypotheses as ``{id: text}`` (an artifact of a corpus split) or a list (a text file / raw-text decode),
     plus the artifact's corpus split (None for a list)."""
-    if str(hyp) == "-":
-        return _read_stdin_lines("hypotheses"), None
-    if not hyp.exists():
+    if str(hyp) != "-" and not hyp.exists():
         raise MtpipeError(f"{hyp}: hypotheses not found (a text file, '-' for stdin, or decode's output directory)")
-    if not hyp.is_dir():
+    if str(hyp) == "-" or not hyp.is_dir():
         return read_lines(hyp, "hypotheses"), None
     m = artifacts.read_manifest(hyp, "hypotheses")
     split = m.extra.get("split")
