@@ -170,8 +170,10 @@ def load_batches(batches: Path, split: str, tokens: TokenSplit) -> BatchTable:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _pad(values: np.ndarray, off: np.ndarray, rows: np.ndarray, bos: bool, eos: bool) -> np.ndarray:
-    """Right-padded ``[B, max_len + 1]`` int64 matrix of the sentences ``rows``, with BOS in front or EOS after.
+def _pad(values: np.ndarray, off: np.ndarray, rows: np.ndarray, bos: bool, eos: bool,
+         start: int = BOS_ID) -> np.ndarray:
+    """Right-padded ``[B, max_len + 1]`` int64 matrix of the sentences ``rows``, with ``start`` (BOS) in front or
+    EOS after.
 
     Vectorised: one scatter of every token of the batch, no Python loop over sentences."""
     starts, lens = off[rows], off[rows + 1] - off[rows]  # [B], [B]
@@ -182,17 +184,18 @@ def _pad(values: np.ndarray, off: np.ndarray, rows: np.ndarray, bos: bool, eos: 
     c = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)  # [total]: its position in the sentence
     out[r, c + int(bos)] = values[np.repeat(starts, lens) + c]
     if bos:
-        out[:, 0] = BOS_ID
+        out[:, 0] = start
     if eos:
         out[np.arange(b), lens] = EOS_ID
     return out
 
 
-def collate(split: TokenSplit, rows: np.ndarray) -> tuple[Tensor, Tensor, Tensor]:
+def collate(split: TokenSplit, rows: np.ndarray, start: int = BOS_ID) -> tuple[Tensor, Tensor, Tensor]:
     """``src [B, S]`` = tokens + EOS, ``tgt_in [B, T]`` = BOS + tgt, ``tgt_out [B, T]`` = tgt + EOS; PAD on the
-    right (section 3: the decoder input is the target shifted right by one position)."""
+    right (section 3: the decoder input is the target shifted right by one position). ``start``: the model's first
+    decoder input (``Transformer.start_id``; EOS with ``model.decoder_start=eos``)."""
     src = _pad(split.src, split.src_off, rows, bos=False, eos=True)
-    tgt_in = _pad(split.tgt, split.tgt_off, rows, bos=True, eos=False)
+    tgt_in = _pad(split.tgt, split.tgt_off, rows, bos=True, eos=False, start=start)
     tgt_out = _pad(split.tgt, split.tgt_off, rows, bos=False, eos=True)
     return torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out)
 

@@ -143,7 +143,7 @@ def stage_command(name: str, sections: list[type], opts: list[Opt] = (), help: s
     """
 
     def register(impl: Callable) -> Callable:
-        out_opt = next((o for o in opts if o.role == "out"), None)
+        out_opts = [o for o in opts if o.role == "out"]
 
         def command(**kwargs: Any) -> None:
             with _one_line_errors():
@@ -152,12 +152,13 @@ def stage_command(name: str, sections: list[type], opts: list[Opt] = (), help: s
                 where = str(params_file or PARAMS_FILE)
                 cfg = SimpleNamespace(**{section.SECTION: resolve(section, params, _overrides(section, kwargs),
                                                                   where=where) for section in sections})
-                if out_opt is not None:
+                inputs = [kwargs[o.name] for o in opts if o.role == "in"]
+                inputs += config_inputs(cfg) if config_inputs else []
+                for out_opt in out_opts:  # each output may overlap neither an input nor another output
                     kwargs[out_opt.name] = out = resolve_output(out_opt, kwargs[out_opt.name])
                     if out is not None:
-                        inputs = [kwargs[o.name] for o in opts if o.role == "in"]
-                        check_output(out_opt, out, inputs + (config_inputs(cfg) if config_inputs else []),
-                                     kwargs["force"])
+                        others = [kwargs[o.name] for o in out_opts if o is not out_opt]
+                        check_output(out_opt, out, inputs + others, kwargs["force"])
                 impl(cfg, SimpleNamespace(**kwargs))
 
         command.__signature__ = _signature(name, sections, opts)  # type: ignore[attr-defined]
@@ -183,7 +184,7 @@ def _signature(name: str, sections: list[type], opts: list[Opt]) -> inspect.Sign
             default, *o.flags, help=o.help, show_default=o.role != "out")))
     if any(o.role == "out" for o in opts):
         sig.append(inspect.Parameter("force", kw, annotation=bool, default=typer.Option(
-            False, "--force", help="Replace --out even when it is not an mtpipe output of this kind.")))
+            False, "--force", help="Replace the output even when it is not an mtpipe output of this kind.")))
     taken = {o.name for o in opts}
     for section in sections:
         for key, tp in field_types(section).items():
@@ -406,3 +407,33 @@ def export(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     from mtpipe.export import export_model
 
     export_model(cfg.export, checkpoint=opts.checkpoint, tokens=opts.tokens, out=opts.out, force=opts.force)
+
+
+@stage_command(
+    "import",
+    [],
+    [
+        Opt("format", str, "fairseq", "The checkpoint's toolkit (fairseq 0.12 `transformer`; the only one so far).",
+            ("--format",)),
+        _in("checkpoint", None, "The fairseq checkpoint (checkpoint.pt).", "--checkpoint", Optional[Path]),
+        _in("dictionary", None, "fairseq's dictionaries: the data-bin directory with dict.SRC.txt and dict.TGT.txt, "
+            "or one dict.txt for both sides.", "--dict", Optional[Path]),
+        _in("spm_model", None, "The SentencePiece model that produced the fairseq data.", "--spm-model",
+            Optional[Path]),
+        _out("checkpoint", None, "Output: the mtpipe checkpoint directory."),
+        Opt("tokens_out", Optional[Path], None, "Output: the bpe artifact directory (its SentencePiece model), for "
+            "decode's --tokens.", ("--tokens-out",), role="out", kind="tokens"),
+    ],
+)
+def import_(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
+    """Convert a fairseq transformer checkpoint into an mtpipe checkpoint and bpe artifact (vocabulary remapped by
+    piece string), for decode, average and export."""
+    from mtpipe.importer import import_fairseq
+
+    if opts.format != "fairseq":
+        raise MtpipeError(f"--format {opts.format}: unknown; the one format is fairseq")
+    for name, value in (("--checkpoint", opts.checkpoint), ("--dict", opts.dictionary),
+                        ("--spm-model", opts.spm_model), ("--out", opts.out), ("--tokens-out", opts.tokens_out)):
+        if value is None:
+            raise MtpipeError(f"{name}: required")
+    import_fairseq(opts.checkpoint, opts.dictionary, opts.spm_model, opts.out, opts.tokens_out, force=opts.force)

@@ -133,8 +133,17 @@ class ModelConfig(Section):
     fixnorm: bool = _h("FixNorm: word embeddings normalised to unit length, times one learned g (initialised to "
                        "sqrt(d_model), replacing the fixed sqrt(d_model)); the output projection uses the same "
                        "unit-length rows.", default=False)
-    positions: str = _h("sinusoidal (the paper, section 3.5) or learned (Table 3 row E), max_positions of them.",
-                        default="sinusoidal", choices=("sinusoidal", "learned"))
+    positions: str = _h("sinusoidal (the paper, section 3.5), learned (Table 3 row E; one table for both stacks, "
+                        "max_positions rows) or learned-per-stack (a table each, as fairseq's learned positions).",
+                        default="sinusoidal", choices=("sinusoidal", "learned", "learned-per-stack"))
+    share_embeddings: str = _h("all: one matrix for the source and target embeddings and the pre-softmax projection "
+                               "(the paper, section 3.4); decoder: the target embedding and the projection share one, "
+                               "the source has its own; none: three matrices.", default="all",
+                               choices=("all", "decoder", "none"))
+    output_bias: bool = _h("A learned bias on the pre-softmax projection (the paper has none; `mtpipe import` uses it "
+                           "to keep pieces the original vocabulary lacks out of the softmax).", default=False)
+    decoder_start: str = _h("The decoder's first input token: bos (<s>, mtpipe's) or eos (</s>, as fairseq and "
+                            "Marian start decoding).", default="bos", choices=("bos", "eos"))
     layerdrop: float = _h("LayerDrop p (Fan et al. 2019): in training each encoder and decoder layer is skipped with "
                           "probability p (paper: 0.2); `--prune` removes layers at inference.", default=0.0, ge=0, lt=1)
 
@@ -258,7 +267,9 @@ class DecodeConfig(Section):
     max_tokens: int = _h("Padded source tokens (EOS included) per decoding batch; the decoder holds beam x this.",
                          default=8000, ge=1)
     nbest: int = _h("Hypotheses kept per sentence in the Parquet output (1 <= nbest <= beam).", default=1, ge=1)
-    precision: str = _h("fp32 or bf16 (autocast, CPU and GPU).", default="fp32", choices=("fp32", "bf16"))
+    precision: str = _h("fp32, bf16 (autocast, CPU and GPU) or int8 (CPU: every linear layer and the output "
+                        "projection with int8 weights, activations quantised on the fly).", default="fp32",
+                        choices=("fp32", "bf16", "int8"))
     threads: int = _h("CPU threads (0 = torch's default).", default=0, ge=0)
     prune: str = _h(PRUNE_HELP, default="")
     engine: str = _h(

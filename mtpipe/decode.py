@@ -127,6 +127,43 @@ def bf16_copy(model: Any) -> Any:
     was ~10 % of the time. The positional encodings stay float32, as autocast would use them."""
     twin = copy.deepcopy(model).to(torch.bfloat16)
     twin.positions = model.positions
+    if model.tgt_positions is not None:
+        twin.tgt_positions = model.tgt_positions
+    return twin
+
+
+def _int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+    """``x W^T + b`` with W in int8, one scale per output row (symmetric, max |w| -> 127), as a dynamically quantised
+    linear layer: each call quantises its input per tensor to uint8 and runs an int8 GEMM (fbgemm on x86, AVX2 and
+    up), accumulating in int32 and returning float32."""
+    from torch.ao.nn.quantized.dynamic import Linear as Int8Linear
+
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [out]
+    qw = torch.quantize_per_channel(w, scale.double(), torch.zeros(w.size(0), dtype=torch.long), 0, torch.qint8)
+    layer = Int8Linear(w.size(1), w.size(0), dtype=torch.qint8)
+    layer.set_weight_bias(qw, None if bias is None else bias.detach().float())
+    return layer
+
+
+def int8_copy(model: Any) -> Any:
+    """A copy of ``model`` for ``decode.precision=int8`` (CPU): every linear layer (attention projections, W^O,
+    feed-forward) and the pre-softmax projection (section 3.4's shared matrix, or the model's own) become
+    :func:`_int8_linear` layers; embeddings, norms and attention itself stay float32. The projection is the
+    largest matmul of a decoding step (V x d_model per hypothesis), so it is quantised too, as CTranslate2's int8
+    mode does."""
+    import warnings
+
+    twin = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's notice that quantized tensors are being redesigned
+        for module in list(twin.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(module, name, _int8_linear(child.weight, child.bias))
+        projection = _int8_linear(model.output_embedding(), model.out_bias)
+    # An instance attribute set past nn.Module's registry shadows the ``logits`` method for this copy only.
+    object.__setattr__(twin, "logits", projection)
     return twin
 
 
@@ -154,8 +191,12 @@ def translate_batches(model: Any, sources: Sequence[Sequence[int]], rules: Decod
     results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] if not s else [] for s in sources]
     todo = [i for i, s in enumerate(sources) if s]
     model.eval()
+    if precision == "int8" and device.type != "cpu":
+        raise MtpipeError("decode.precision=int8 runs on CPU only; use bf16 on a GPU")
     if cache and precision == "bf16":
         model = bf16_copy(model)
+    elif precision == "int8":
+        model = int8_copy(model)
     step = (lambda tokens, state: model.step(tokens, state, lazy=True)) if cache else uncached_step(model)
     if on_done is not None and len(todo) < len(sources):
         on_done(len(sources) - len(todo))
@@ -174,7 +215,7 @@ def translate_batches(model: Any, sources: Sequence[Sequence[int]], rules: Decod
                 state = PrefixState(memory, src_mask, torch.zeros(len(batch), 0, dtype=torch.long, device=device))
             max_lens = [rules.max_output_len(lengths[i] - 1, max_positions) for i in batch]
             hyps = beam_search(step, state, max_lens, rules.beam, rules.penalty, rules.nbest, device, on_done,
-                               rules.stop_after)
+                               rules.stop_after, start_id=model.start_id)
             for i, h in zip(batch, hyps):
                 results[i] = h
     return results

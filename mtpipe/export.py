@@ -11,6 +11,9 @@ The mapping (paper section -> CTranslate2 variable):
 
 * 3.4 ``embed.weight`` -> ``encoder/embeddings_0``, ``decoder/embeddings`` and ``decoder/projection`` (three-way
   tying; CTranslate2 stores the array once and aliases the rest); the sqrt(d_model) factor is ``scale_embeddings``.
+  ``share_embeddings=decoder``: ``embed_tgt.weight`` -> ``decoder/embeddings`` and ``decoder/projection``;
+  ``none``: ``embed_tgt.weight`` -> ``decoder/embeddings``, ``out_proj`` -> ``decoder/projection``.
+  ``output_bias``: ``out_bias`` -> ``decoder/projection/bias``.
 * 3.5 the model's own sinusoid table (``Transformer.positions``: positions from 0, sines in the first half, paper
   frequencies 10000^(2i/d_model)) -> ``position_encodings/encodings``. CTranslate2's built-in sinusoids use
   tensor2tensor's frequencies ``10000^(i/(d/2-1))``, which differ, so the table is always written explicitly.
@@ -22,13 +25,15 @@ The mapping (paper section -> CTranslate2 variable):
   feed-forward sub-layers (CTranslate2 applies them after the residual add), epsilon from the model's LayerNorms.
   A pre-norm model (``model.norm_position=pre``) maps the same norms with ``pre_norm=True`` (applied to each
   sub-layer's input) and ``encoder_norm``/``decoder_norm`` -> the stacks' final ``layer_norm``.
-* Variants: learned positions are written as the position table like the sinusoids; LayerDrop changes nothing at
+* Variants: learned positions are written as the position table like the sinusoids (``learned-per-stack``:
+  ``positions`` -> the encoder's, ``tgt_positions`` -> the decoder's); LayerDrop changes nothing at
   inference (a pruned checkpoint is just a shallower model). ScaleNorm and FixNorm have no CTranslate2 (nor Marian)
   counterpart: their export fails with one line naming the param.
 * 3.3 ``ffn.w1``/``ffn.w2`` -> ``ffn/linear_0``/``linear_1`` with ReLU.
 * Tokens: the vocabulary is the SentencePiece model's pieces in id order (``<pad>`` 0, ``<unk>`` 1, ``<s>`` 2,
-  ``</s>`` 3); the decoder starts from ``<s>`` (BOS) and stops at ``</s>``; ``add_source_eos`` appends ``</s>`` to
-  every source, as mtpipe's batches do.
+  ``</s>`` 3); the decoder starts from ``<s>`` (BOS; ``</s>`` with ``decoder_start=eos``: the
+  ``decoder_start_token``) and stops at ``</s>``; ``add_source_eos`` appends ``</s>`` to every source, as mtpipe's
+  batches do.
 
 The output directory is an mtpipe artifact (kind ``export``): CTranslate2's ``model.bin``, ``config.json`` and
 ``shared_vocabulary.json``, the ``spm.model`` beside them, and a ``manifest.json`` whose ``upstream`` holds the
@@ -40,9 +45,12 @@ Decoding an export (``mtpipe decode --engine ctranslate2``, :func:`mtpipe.engine
 
 Hugging Face Marian (:func:`export_marian`): ``MarianMTModel`` is the same post-norm Transformer (no
 ``layernorm_embedding``, no final encoder/decoder norm, positions from 0 with sines in the first half and the paper's
-frequencies, ``scale_embedding``, ReLU, LayerNorm epsilon 1e-5, a zero ``final_logits_bias``, tied embeddings, and a
-configurable ``decoder_start_token_id`` = our BOS). It maps exactly when d_k = d_v = d_model / h (Marian's attention
-has no other head size) and d_model is even; otherwise the export fails naming the part that does not map.
+frequencies, ``scale_embedding``, ReLU, LayerNorm epsilon 1e-5, ``final_logits_bias`` = ``out_bias`` or zeros,
+tied embeddings -- ``share_encoder_decoder_embeddings`` false for ``share_embeddings=decoder|none``,
+``tie_word_embeddings`` false for ``none`` -- and a configurable ``decoder_start_token_id`` = the model's start
+token). It maps exactly when d_k = d_v = d_model / h (Marian's attention has no other head size), d_model is even and
+the positions are the sinusoids (Marian rebuilds its table on load); otherwise the export fails naming the part that
+does not map.
 """
 
 from __future__ import annotations
@@ -149,18 +157,23 @@ def _unsupported(cfg: Any) -> str | None:
     return None
 
 
-def _positions(model: Any, where: Path) -> Any:
-    """The position table the model adds (``[max_positions, d_model]``: the sinusoids, or the learned table),
-    read from the model itself."""
+def _positions(model: Any, where: Path, name: str = "positions") -> Any:
+    """The position table ``name`` the model adds (``[max_positions, d_model]``: the sinusoids, or a learned
+    table; ``tgt_positions``: the decoder's own), read from the model itself."""
     tensors = {**dict(model.named_buffers()), **dict(model.named_parameters())}
-    if "positions" not in tensors:
-        raise MtpipeError(f"{where}: the model has no 'positions' table (mtpipe.model changed; update "
+    if name not in tensors:
+        raise MtpipeError(f"{where}: the model has no '{name}' table (mtpipe.model changed; update "
                           "mtpipe/export.py)")
-    table = tensors["positions"].detach().float().cpu().contiguous()
+    table = tensors[name].detach().float().cpu().contiguous()
     cfg = model.cfg
     if tuple(table.shape) != (cfg.max_positions, cfg.d_model):
-        raise MtpipeError(f"{where}: positions table {tuple(table.shape)} is not [max_positions, d_model]")
+        raise MtpipeError(f"{where}: {name} table {tuple(table.shape)} is not [max_positions, d_model]")
     return table
+
+
+def _start_id(model: Any) -> int:
+    """The decoder's first input token: BOS, or EOS for ``model.decoder_start=eos``."""
+    return int(getattr(model, "start_id", BOS_ID))
 
 
 def _quantization(quantization: str | None) -> str | None:
@@ -202,7 +215,7 @@ def build_ct2_spec(src: _Source) -> Any:
     config.unk_token = src.pieces[UNK_ID]
     config.bos_token = src.pieces[BOS_ID]
     config.eos_token = src.pieces[EOS_ID]
-    config.decoder_start_token = src.pieces[BOS_ID]  # tgt_in = [BOS] + tgt
+    config.decoder_start_token = src.pieces[_start_id(src.model)]  # tgt_in = [BOS] + tgt (or [EOS] + tgt)
     config.add_source_bos = False
     config.add_source_eos = True  # src = tokens + [EOS]
     config.layer_norm_epsilon = _layer_norm_eps(src.model, where)
@@ -220,10 +233,15 @@ def _fill_ct2_weights(encoder: Any, decoder: Any, src: _Source, pre_norm: bool) 
     model, cfg = src.model, src.model.cfg
     d, h, dk, dv, ff = cfg.d_model, cfg.heads, cfg.d_k, cfg.d_v, cfg.d_ff
     w = _Weights(model, src.checkpoint)
-    embed = w.take("embed.weight", (len(src.pieces), d))
+    vocab, share = len(src.pieces), getattr(cfg, "share_embeddings", "all")
+    embed = w.take("embed.weight", (vocab, d))  # tied matrices are taken once and written to each variable
+    embed_tgt = w.take("embed_tgt.weight", (vocab, d)) if share != "all" else embed
+    projection = w.take("out_proj", (vocab, d)) if share == "none" else embed_tgt
+    positions = getattr(cfg, "positions", "sinusoidal")
     table = _positions(model, src.checkpoint).numpy()
-    if getattr(cfg, "positions", "sinusoidal") == "learned":
+    if positions != "sinusoidal":
         w.take("positions", (cfg.max_positions, d))  # the table above
+    tgt_table = w.take("tgt_positions", (cfg.max_positions, d)) if positions == "learned-per-stack" else table
     scale = float(getattr(model, "scale", math.sqrt(d)))
 
     def linear(ls: Any, name: str, out_features: int, in_features: int) -> None:
@@ -244,12 +262,14 @@ def _fill_ct2_weights(encoder: Any, decoder: Any, src: _Source, pre_norm: bool) 
         linear(a.linear[1], f"{prefix}.self_attn.out", d, h * dv)
         norm(a.layer_norm, f"{prefix}.norm1")
 
-    for stack in (encoder, decoder):
-        stack.scale_embeddings = scale
-        stack.position_encodings.encodings = table
+    encoder.scale_embeddings = decoder.scale_embeddings = scale
+    encoder.position_encodings.encodings = table
+    decoder.position_encodings.encodings = tgt_table
     encoder.embeddings[0].weight = embed
-    decoder.embeddings.weight = embed
-    decoder.projection.weight = embed  # 3.4: the pre-softmax projection is the embedding matrix (no bias)
+    decoder.embeddings.weight = embed_tgt
+    decoder.projection.weight = projection  # 3.4: the embedding matrix itself unless untied
+    if getattr(cfg, "output_bias", False):
+        decoder.projection.bias = w.take("out_bias", (vocab,))
 
     for i, layer in enumerate(encoder.layer):
         self_attention(layer.self_attention, f"encoder.{i}")
@@ -330,8 +350,8 @@ def marian_mismatch(cfg: Any) -> str | None:
         return why
     if getattr(cfg, "norm_position", "post") != "post":
         return "model.norm_position=pre: MarianMTModel is post-norm only"
-    if getattr(cfg, "positions", "sinusoidal") != "sinusoidal":
-        return "model.positions=learned: MarianMTModel rebuilds sinusoidal positions on load"
+    if (positions := getattr(cfg, "positions", "sinusoidal")) != "sinusoidal":
+        return f"model.positions={positions}: MarianMTModel rebuilds sinusoidal positions on load"
     if cfg.d_k * cfg.heads != cfg.d_model or cfg.d_v * cfg.heads != cfg.d_model:
         return (f"d_k={cfg.d_k}, d_v={cfg.d_v} with heads={cfg.heads}: Marian's attention fixes the head size to "
                 f"d_model / heads = {cfg.d_model / cfg.heads:g}")
@@ -389,14 +409,15 @@ def _marian_model(src: _Source) -> Any:
         raise MtpipeError(f"{where}: does not map exactly onto Hugging Face Marian: LayerNorm epsilon {eps:g} "
                           "(Marian uses 1e-5)")
     d, ff, vocab = cfg.d_model, cfg.d_ff, len(src.pieces)
+    share, start = getattr(cfg, "share_embeddings", "all"), _start_id(model)
     hf_cfg = MarianConfig(
         vocab_size=vocab, decoder_vocab_size=vocab, d_model=d, encoder_layers=cfg.encoder_layers,
         decoder_layers=cfg.decoder_layers, encoder_attention_heads=cfg.heads, decoder_attention_heads=cfg.heads,
         encoder_ffn_dim=ff, decoder_ffn_dim=ff, activation_function="relu", max_position_embeddings=cfg.max_positions,
         scale_embedding=True, dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
         activation_dropout=cfg.relu_dropout, pad_token_id=PAD_ID, eos_token_id=EOS_ID, bos_token_id=BOS_ID,
-        decoder_start_token_id=BOS_ID, forced_eos_token_id=EOS_ID, share_encoder_decoder_embeddings=True,
-        tie_word_embeddings=True,
+        decoder_start_token_id=start, forced_eos_token_id=EOS_ID, share_encoder_decoder_embeddings=share == "all",
+        tie_word_embeddings=share != "none",
     )
     hf = MarianMTModel(hf_cfg).eval()
     table = _positions(model, where)
@@ -411,7 +432,7 @@ def _marian_model(src: _Source) -> Any:
         raise MtpipeError(f"{where}: the Marian mapping does not cover transformers {transformers.__version__}'s "
                           f"MarianMTModel (unexpected {extra}, missing {missing})")
     hf.load_state_dict({k: v.contiguous().clone() for k, v in sd.items()}, strict=True)
-    hf.generation_config = GenerationConfig(decoder_start_token_id=BOS_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+    hf.generation_config = GenerationConfig(decoder_start_token_id=start, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
                                             pad_token_id=PAD_ID, forced_eos_token_id=EOS_ID,
                                             bad_words_ids=[[PAD_ID], [BOS_ID]], max_length=cfg.max_positions,
                                             num_beams=4)
@@ -427,16 +448,21 @@ def _marian_state_dict(src: _Source, table: Any) -> dict[str, Any]:
     w = _Weights(src.model, src.checkpoint)
     hk = cfg.heads * cfg.d_k
     sd: dict[str, Any] = {}
-    embed = torch.from_numpy(w.take("embed.weight", (vocab, d)))
-    for name in ("model.shared.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight",
-                 "lm_head.weight"):
-        sd[name] = embed
-    sd["final_logits_bias"] = torch.zeros(1, vocab)  # mtpipe's output projection has no bias
-    sd["model.encoder.embed_positions.weight"] = table
-    sd["model.decoder.embed_positions.weight"] = table
+    share = getattr(cfg, "share_embeddings", "all")
 
     def t(name: str, shape: tuple[int, ...]) -> Any:
         return torch.from_numpy(w.take(name, shape))
+
+    embed = t("embed.weight", (vocab, d))
+    if share == "all":
+        sd["model.shared.weight"] = embed
+    embed_tgt = t("embed_tgt.weight", (vocab, d)) if share != "all" else embed
+    sd["model.encoder.embed_tokens.weight"], sd["model.decoder.embed_tokens.weight"] = embed, embed_tgt
+    sd["lm_head.weight"] = t("out_proj", (vocab, d)) if share == "none" else embed_tgt
+    sd["final_logits_bias"] = (t("out_bias", (vocab,))[None] if getattr(cfg, "output_bias", False)
+                               else torch.zeros(1, vocab))
+    sd["model.encoder.embed_positions.weight"] = table
+    sd["model.decoder.embed_positions.weight"] = table
 
     def lin(dst: str, name: str, o: int, i: int) -> None:
         sd[f"{dst}.weight"], sd[f"{dst}.bias"] = t(f"{name}.weight", (o, i)), t(f"{name}.bias", (o,))

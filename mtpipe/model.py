@@ -26,7 +26,11 @@ and the default model runs exactly the code above -- every choice is made when t
 * ``norm=scale`` -- ScaleNorm ``g * x / ||x||`` (:class:`ScaleNorm`) in place of every LayerNorm; ``fixnorm`` --
   unit-length word embeddings times one learned scalar (:meth:`Transformer.embed_tokens`,
   :meth:`Transformer.output_embedding`). Usable together (the paper's "ScaleNorm + FixNorm").
-* ``positions=learned`` -- a learned ``[max_positions, d_model]`` table instead of the sinusoids (Table 3 row E).
+* ``positions=learned`` -- a learned ``[max_positions, d_model]`` table instead of the sinusoids (Table 3 row E);
+  ``learned-per-stack`` -- one such table for each stack (fairseq's learned positions).
+* ``share_embeddings=decoder|none`` -- untie the source embedding (decoder: target embedding = projection), or all
+  three matrices; ``output_bias`` -- a bias on the pre-softmax projection; ``decoder_start=eos`` -- the decoder starts
+  from ``</s>`` instead of ``<s>``. Together they represent fairseq models exactly (:mod:`mtpipe.importer`).
 * ``layerdrop=p`` -- LayerDrop (Fan et al. 2019): in training each layer of both stacks is skipped with probability
   p; at inference :func:`mtpipe.pruning.prune` removes layers, no fine-tuning.
 * DropHead (Zhou et al. 2020) -- whole attention heads dropped in training with a probability the trainer sets each
@@ -47,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mtpipe.artifacts import PAD_ID
+from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID
 from mtpipe.config import ModelConfig
 from mtpipe.errors import MtpipeError
 from mtpipe.kernels import Linear, autocast_activations, dropout, explicit_attention, linear, residual
@@ -325,12 +329,21 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg = cfg.resolved()
         self.vocab_size = vocab_size
+        # 3.4: one matrix for everything (``embed``); untied variants add the target side's and the projection's.
         self.embed = nn.Embedding(vocab_size, cfg.d_model, padding_idx=PAD_ID)
+        self.embed_tgt = (nn.Embedding(vocab_size, cfg.d_model, padding_idx=PAD_ID)
+                          if cfg.share_embeddings != "all" else None)
+        self.out_proj = nn.Parameter(torch.empty(vocab_size, cfg.d_model)) if cfg.share_embeddings == "none" else None
+        self.out_bias = nn.Parameter(torch.zeros(vocab_size)) if cfg.output_bias else None
+        self.start_id = EOS_ID if cfg.decoder_start == "eos" else BOS_ID  # the first decoder input (tgt_in[:, 0])
         self.scale = math.sqrt(cfg.d_model)  # 3.4: embeddings are multiplied by sqrt(d_model)
         if cfg.fixnorm:  # FixNorm: the fixed sqrt(d_model) becomes the learned length of every word embedding
             self.embed_g = nn.Parameter(torch.empty(()))
-        if cfg.positions == "learned":  # Table 3 row E
+        self.tgt_positions = None
+        if cfg.positions != "sinusoidal":  # Table 3 row E
             self.positions = nn.Parameter(torch.empty(cfg.max_positions, cfg.d_model))
+            if cfg.positions == "learned-per-stack":
+                self.tgt_positions = nn.Parameter(torch.empty(cfg.max_positions, cfg.d_model))
         else:  # Not a parameter and not saved: rebuilt from the config, so checkpoints hold learned weights only.
             self.register_buffer("positions", sinusoids(cfg.max_positions, cfg.d_model), persistent=False)
         self.dropout = cfg.dropout  # 5.4: dropout on the sums of embeddings and positional encodings
@@ -348,16 +361,19 @@ class Transformer(nn.Module):
         models): with the sqrt(d_model) scale the embedded inputs start at unit variance, like the positions.
         Learned positions start at N(0, d_model^-0.5) (fairseq's choice); ScaleNorm's and FixNorm's g at
         sqrt(d_model) (Nguyen & Salazar 2019)."""
+        tables = ("embed.weight", "embed_tgt.weight", "out_proj", "positions", "tgt_positions")
         for name, p in self.named_parameters():
-            if p.dim() == 2 and name not in ("embed.weight", "positions"):
+            if p.dim() == 2 and name not in tables:
                 nn.init.xavier_uniform_(p)
-            elif name.endswith(".bias"):
+            elif name.endswith(".bias") or name == "out_bias":
                 nn.init.zeros_(p)
-        nn.init.normal_(self.embed.weight, mean=0.0, std=self.cfg.d_model**-0.5)
+        for name, p in self.named_parameters():
+            if name in tables:
+                nn.init.normal_(p, mean=0.0, std=self.cfg.d_model**-0.5)
         with torch.no_grad():
-            self.embed.weight[PAD_ID].zero_()
-        if isinstance(self.positions, nn.Parameter):
-            nn.init.normal_(self.positions, mean=0.0, std=self.cfg.d_model**-0.5)
+            for e in (self.embed, self.embed_tgt):
+                if e is not None:
+                    e.weight[PAD_ID].zero_()
         if self.cfg.fixnorm:
             nn.init.constant_(self.embed_g, self.scale)
         for m in self.modules():
@@ -366,30 +382,36 @@ class Transformer(nn.Module):
 
     # -- 3.4 / 3.5 embeddings --------------------------------------------------------------------------------------
 
-    def embed_tokens(self, tokens: Tensor, offset: int = 0) -> Tensor:
+    def embed_tokens(self, tokens: Tensor, offset: int = 0, target: bool = False) -> Tensor:
         """``Dropout(E[tokens] * sqrt(d_model) + PE[offset : offset+L])`` (sections 3.4, 3.5, 5.4),
-        ``[B, L] -> [B, L, D]``; FixNorm: :func:`scale_embeddings`."""
+        ``[B, L] -> [B, L, D]``; FixNorm: :func:`scale_embeddings`. ``target``: the decoder's side (its own
+        matrix and position table where the model has them)."""
         length = tokens.size(1)
         if offset + length > self.cfg.max_positions:
             raise MtpipeError(f"sequence of {offset + length} positions exceeds "
                               f"model.max_positions={self.cfg.max_positions}")
-        e = scale_embeddings(self.embed(tokens), self.scale, self.embed_g if self.cfg.fixnorm else None)
-        x = autocast_activations(e + self.positions[offset : offset + length])  # [B, L, D]
+        table = self.embed_tgt if target and self.embed_tgt is not None else self.embed
+        positions = self.tgt_positions if target and self.tgt_positions is not None else self.positions
+        e = scale_embeddings(table(tokens), self.scale, self.embed_g if self.cfg.fixnorm else None)
+        x = autocast_activations(e + positions[offset : offset + length])  # [B, L, D]
         return dropout(x, self.dropout, self.training)
 
     def output_embedding(self) -> Tensor:
-        """The pre-softmax projection matrix ``[V, D]``: the embedding matrix itself (3.4).
+        """The pre-softmax projection matrix ``[V, D]``: the embedding matrix itself (3.4), or the target
+        embedding / the projection's own matrix in the untied variants.
 
         With FixNorm, its rows normalised to unit length (:func:`unit_rows`; the same unit vectors the input side
         scales by g; no g here): a logit is then ``|h| cos(h, e_y)``, so the decoder output's own length -- the gain
         of the last norm -- sets the softmax temperature, as the fixed-norm output layer of Nguyen & Chiang (2018)
         intends.
         """
-        return unit_rows(self.embed.weight) if self.cfg.fixnorm else self.embed.weight
+        w = (self.out_proj if self.out_proj is not None
+             else self.embed_tgt.weight if self.embed_tgt is not None else self.embed.weight)
+        return unit_rows(w) if self.cfg.fixnorm else w
 
     def logits(self, h: Tensor) -> Tensor:
         """Pre-softmax projection with the shared embedding matrix (3.4): ``[..., D] -> [..., V]``."""
-        return linear(h, self.output_embedding(), None)
+        return linear(h, self.output_embedding(), self.out_bias)
 
     # -- 3.1 the stacks, training ----------------------------------------------------------------------------------
 
@@ -415,7 +437,7 @@ class Transformer(nn.Module):
 
     def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
         """Decoder stack over a whole (shifted) target ``[B, T]`` with the causal mask: ``[B, T, D]``."""
-        x = self.embed_tokens(tgt_in)
+        x = self.embed_tokens(tgt_in, target=True)
         for layer in self._layers(self.decoder):
             x = layer(x, layer.cross_attn.project_kv(memory), src_mask)
         if self.decoder_norm is not None:
@@ -462,7 +484,7 @@ class Transformer(nn.Module):
         giving rows ``lo:hi`` only, so that beam search can project, normalise and rank a few hundred rows at a time
         while they are in the CPU's cache, rather than stream a ``[R, V]`` float32 matrix through memory four times.
         """
-        x = self.embed_tokens(tokens[:, None], offset=state.length)  # [R] -> [R, 1] -> [R, 1, D]
+        x = self.embed_tokens(tokens[:, None], offset=state.length, target=True)  # [R] -> [R, 1] -> [R, 1, D]
         for i, layer in enumerate(self.decoder):
             x = layer(x, state.cross[i], state.src_mask, cache=functools.partial(state.append, i))
         if self.decoder_norm is not None:

@@ -198,7 +198,7 @@ _BLOCK_ROWS = 256
 def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, penalty: LengthPenalty,
                 nbest: int = 1, device: torch.device | str = "cpu",
                 on_done: Callable[[int], None] | None = None,
-                stop_after: int | None = None) -> list[list[Hypothesis]]:
+                stop_after: int | None = None, start_id: int = BOS_ID) -> list[list[Hypothesis]]:
     """Beam search for ``len(max_lens)`` sentences at once; returns each sentence's ``nbest`` best, best first.
 
     ``state`` has one row per sentence; ``step(tokens [N], state)`` gives the log-probabilities ``[N, V]`` of the
@@ -209,7 +209,8 @@ def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, 
     ``state.select(rows, beams)``: rows of the kept hypotheses, ``beams`` consecutive rows per sentence still in the
     batch. ``stop_after=None`` stops a sentence by the exact bound, ``stop_after=m`` once m of its hypotheses have
     finished (fairseq's and CTranslate2's rule, ``decode.stop=finished``; m >= nbest). See the module docstring for
-    the search rules. (One function on purpose: the step loop reads as the algorithm it is.)
+    the search rules. ``start_id``: the decoder's first input (the model's ``start_id``: BOS, or EOS for
+    ``model.decoder_start=eos``). (One function on purpose: the step loop reads as the algorithm it is.)
     """
     if stop_after is not None and stop_after < nbest:
         raise MtpipeError(f"beam search: stop_after {stop_after} is below nbest {nbest}")
@@ -228,7 +229,7 @@ def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, 
     active = list(range(n_sent))  # the sentences still in the batch, in the order of their row blocks
     limits = torch.tensor(list(max_lens), dtype=torch.long, device=device)  # [n]
     k = 1  # slots per active sentence: 1 at the start, since every beam would hold the same BOS prefix
-    tokens = torch.full((n_sent,), BOS_ID, dtype=torch.long, device=device)  # [n*k] the last token of each row
+    tokens = torch.full((n_sent,), start_id, dtype=torch.long, device=device)  # [n*k] the last token of each row
     scores = torch.zeros(n_sent, 1, device=device)  # [n, k] log-probabilities of the live hypotheses (-inf: empty)
     history = torch.zeros(n_sent, 0, dtype=torch.long, device=device)  # [n*k, t] tokens after BOS
     banned = torch.tensor([PAD_ID, BOS_ID], device=device)

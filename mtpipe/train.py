@@ -347,7 +347,7 @@ class Trainer:
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss, nll]
         with torch.no_grad():
             for i in range(self.rank, len(valid), self.world):
-                batch = to_device(self.device, collate(valid_tokens, valid.batch(i)))
+                batch = to_device(self.device, collate(valid_tokens, valid.batch(i), self.model.start_id))
                 with runtime.autocast(self.device, self.precision):
                     loss, nll = self.updater.loss_module(*batch)
                 sums += torch.stack([loss, nll]).double()
@@ -386,7 +386,7 @@ class Trainer:
         sums = torch.zeros(2, dtype=torch.float32, device=self.device)
         mine = [int(b) for b in rank_batches(order, self.state.position, self.world, d.accum, self.rank)]
         for i, b in enumerate(mine):
-            batch = to_device(self.device, collate(d.train_tokens, d.train.batch(b)))
+            batch = to_device(self.device, collate(d.train_tokens, d.train.batch(b), self.model.start_id))
             try:
                 sums += self.updater.backward(*batch, scale=scale, sync=i == len(mine) - 1)
             except (RuntimeError, torch.OutOfMemoryError) as e:

@@ -22,6 +22,7 @@ from mtpipe.cli import app
 from mtpipe.config import DecodeConfig, ModelConfig, to_dict
 from mtpipe.decode import batches_by_tokens, translate
 from mtpipe.errors import MtpipeError
+from mtpipe.kernels import Linear
 from mtpipe.model import Transformer
 from mtpipe.search import DecodeRules, LengthPenalty, beam_search
 
@@ -462,6 +463,36 @@ def test_cli_decodes_a_split(trained):
     for row in t:
         assert len(row["nbest"]) == 2 and row["nbest"][0] == row["hypothesis"]
         assert row["nbest_scores"][0] == row["score"] >= row["nbest_scores"][1]
+
+
+def test_int8_decodes_what_fp32_decodes_and_quantises_every_linear_layer(trained):
+    """decode.precision=int8: every linear layer and the output projection of the decoding copy are int8 layers
+    (the caller's model is untouched), the log-probabilities stay within int8's rounding of fp32's, and on the
+    memorised pairs the outputs are fp32's; reachable from the CLI."""
+    import torch.ao.nn.quantized.dynamic as nnqd
+
+    from mtpipe.decode import int8_copy
+
+    model = trained["model"]
+    q = int8_copy(model)
+    kinds = {type(m) for m in q.modules()}
+    assert nnqd.Linear in kinds and not any(type(m) is torch.nn.Linear or isinstance(m, Linear) for m in q.modules())
+    assert any(isinstance(m, torch.nn.Linear) for m in model.modules())  # the original keeps float32 layers
+    src = torch.tensor([[5, 6, 7, EOS_ID]])
+    tgt = torch.tensor([[model.start_id, 8, 9]])
+    with torch.no_grad():
+        a, b = torch.log_softmax(model(src, tgt), -1), torch.log_softmax(q(src, tgt), -1)
+    assert (a - b).abs().max() < 0.5 and (a - b).abs().max() > 0  # quantised, and close
+    sp_pairs = trained["pairs"]
+    out32, out8 = trained["root"] / "out_fp32", trained["root"] / "out_int8"
+    for out, prec in ((out32, "fp32"), (out8, "int8")):
+        r = cli(trained, *decode_args(trained, out, "--split", "test", "--precision", prec))
+        assert r.exit_code == 0, r.output
+    lines32 = (out32 / "test.txt").read_text(encoding="utf-8").splitlines()
+    lines8 = (out8 / "test.txt").read_text(encoding="utf-8").splitlines()
+    assert len(lines8) == len(sp_pairs)
+    assert sum(x == y for x, y in zip(lines32, lines8)) >= 0.9 * len(lines32)
+    assert artifacts.read_manifest(out8, "hypotheses").extra["decode"]["precision"] == "int8"
 
 
 def test_cli_stop_finished(trained):

@@ -295,6 +295,70 @@ def test_head_size_other_than_d_model_over_heads_exports_exactly(world, tmp_path
         assert sum(r.log_probs) == pytest.approx(logp_of(model, sp.encode(s), sp.encode(t)), abs=1e-4)
 
 
+UNTIED = {
+    "none_bias_eos_per_stack": dict(share_embeddings="none", output_bias=True, decoder_start="eos",
+                                    positions="learned-per-stack"),
+    "decoder": dict(share_embeddings="decoder"),
+}
+
+
+def untied_model(world, seed: int, **variant) -> Transformer:
+    """A random tiny model (d_model 32) with ``variant``; its bias (if any) random, with -1e9 on PAD, BOS and a few
+    pieces the corpus never uses (so neither decoder can choose them and CTranslate2's PAD/BOS renormalisation is
+    exact)."""
+    sp = world["sp"]
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig(preset="tiny", d_model=32, d_ff=64, heads=4, dropout=0.0, max_positions=64,
+                                    **variant), sp.get_piece_size()).eval()
+    with torch.no_grad():
+        model.output_embedding().mul_(4.0)  # peaked distributions: no near-ties in greedy search
+        if model.out_bias is not None:
+            used = {i for s, t in corpus() for i in sp.encode(s) + sp.encode(t)}
+            unused = [i for i in range(4, sp.get_piece_size()) if i not in used][:3]
+            assert len(unused) == 3
+            model.out_bias.normal_()
+            model.out_bias[[PAD_ID, BOS_ID, *unused]] = -1e9
+    return model
+
+
+@pytest.mark.parametrize("case", list(UNTIED))
+def test_untied_embeddings_output_bias_eos_start_and_per_stack_positions_export_exactly(world, tmp_path, case):
+    from mtpipe.export import _load_source, build_ct2_spec
+
+    sp, variant = world["sp"], UNTIED[case]
+    model = untied_model(world, 7, **variant)
+    ckpt = save(model, tmp_path / "ckpt", world["root"] / "spm.model")
+    export_ctranslate2(ckpt, world["tokens"], tmp_path / "ct2")
+    config = json.loads((tmp_path / "ct2" / "config.json").read_text(encoding="utf-8"))
+    assert config["decoder_start_token"] == ("</s>" if model.start_id == EOS_ID else "<s>")
+    if case == "decoder":  # the target embedding and the projection are stored once
+        spec = build_ct2_spec(_load_source(ckpt, world["tokens"]))
+        spec.optimize()
+        assert spec.decoder.projection.weight == "decoder/embeddings/weight"
+        assert not isinstance(spec.encoder.embeddings[0].weight, str)
+    m = load_ct2(tmp_path / "ct2", threads=1)
+    pairs = corpus()[:10]
+    scored = m.translator.score_batch([sp.encode(s, out_type=str) for s, _ in pairs],
+                                      [sp.encode(t, out_type=str) for _, t in pairs])
+    worst = 0.0
+    for (s, t), r in zip(pairs, scored):
+        si, ti = sp.encode(s), sp.encode(t)
+        with torch.no_grad():  # the decoder's first input is the model's start token
+            logp = F.log_softmax(model(torch.tensor([si + [EOS_ID]]), torch.tensor([[model.start_id] + ti]))[0], -1)
+        ref = [float(logp[j, y]) for j, y in enumerate(ti + [EOS_ID])]
+        assert len(r.log_probs) == len(ref)
+        worst = max(worst, max(abs(a - b) for a, b in zip(ref, r.log_probs)))
+    assert worst < 1e-4
+    sources = world["sources"][:6] + world["sources"][-3:]
+    ref = translate(model, sources, DecodeConfig(beam=1, alpha=ALPHA, max_len_a=1.0, max_len_b=5))
+    got = ct2_translate(m, sources, beam=1, alpha=ALPHA, max_len_a=1.0, max_len_b=5)
+    for r, g in zip(ref, got):
+        assert g[0].ids == r[0].tokens
+        if model.out_bias is not None:  # P(PAD) = P(BOS) = 0: the scores are the same too
+            assert g[0].score == pytest.approx(r[0].score, abs=1e-4)
+    assert len({tuple(h[0].ids) for h in got}) > 1
+
+
 def test_unequal_d_k_and_d_v_fail_clearly(world, tmp_path):
     model = Transformer(ModelConfig(preset="tiny", d_k=16, d_v=32), world["sp"].get_piece_size())
     ckpt = save(model, tmp_path / "ckpt", world["root"] / "spm.model")
@@ -420,3 +484,32 @@ def test_marian_refuses_shapes_it_cannot_hold(world, tmp_path):
     with pytest.raises(MtpipeError, match="does not map exactly onto Hugging Face Marian: d_k=16"):
         export_marian(ckpt, world["tokens"], tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    per_stack = save(untied_model(world, 1, positions="learned-per-stack"), tmp_path / "per_stack",
+                     world["root"] / "spm.model")
+    with pytest.raises(MtpipeError, match="Marian: model.positions=learned-per-stack: MarianMTModel rebuilds"):
+        export_marian(per_stack, world["tokens"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.filterwarnings("ignore:Recommended. pip install sacremoses")
+@pytest.mark.parametrize("case", list(UNTIED))
+def test_marian_export_of_untied_biased_eos_start_models(world, tmp_path, case):
+    """Marian holds untied source/target/output matrices, ``final_logits_bias`` and the decoder start token (not
+    learned positions: the sinusoids here)."""
+    transformers = pytest.importorskip("transformers")
+    from mtpipe.export import export_marian
+
+    sp = world["sp"]
+    model = untied_model(world, 8, **{**UNTIED[case], "positions": "sinusoidal"})
+    ckpt = save(model, tmp_path / "ckpt", world["root"] / "spm.model")
+    export_marian(ckpt, world["tokens"], tmp_path / "marian")
+    hf = transformers.MarianMTModel.from_pretrained(str(tmp_path / "marian")).eval()
+    for s, t in corpus()[:4]:
+        src = sp.encode(s)
+        x, y = torch.tensor([src + [EOS_ID]]), torch.tensor([[model.start_id] + sp.encode(t)])
+        with torch.no_grad():
+            assert torch.allclose(hf(input_ids=x, decoder_input_ids=y).logits, model(x, y), atol=1e-4)
+            gen = hf.generate(x, num_beams=1, do_sample=False, max_new_tokens=limit(src, 1.0, 5) + 1)[0].tolist()
+        assert gen[0] == model.start_id
+        ref = translate(model, [src], DecodeConfig(beam=1, max_len_a=1.0, max_len_b=5))[0][0].tokens
+        assert [t for t in gen[1:] if t != EOS_ID] == ref

@@ -43,6 +43,9 @@ VARIANTS = {
     "pre_scale_fixnorm": dict(norm_position="pre", norm="scale", fixnorm=True),  # "Transformers without Tears"
     "learned": dict(positions="learned"),
     "layerdrop": dict(layerdrop=0.3),
+    "learned_per_stack": dict(positions="learned-per-stack"),
+    "untied_decoder": dict(share_embeddings="decoder"),
+    "untied_bias_eos_start": dict(share_embeddings="none", output_bias=True, decoder_start="eos"),
 }
 # The parameters each variant adds to the paper's model (by state-dict name).
 NEW_PARAMS = {
@@ -52,6 +55,9 @@ NEW_PARAMS = {
     "pre_scale_fixnorm": {"encoder_norm.g", "decoder_norm.g", "embed_g"},
     "learned": {"positions"},
     "layerdrop": set(),
+    "learned_per_stack": {"positions", "tgt_positions"},
+    "untied_decoder": {"embed_tgt.weight"},
+    "untied_bias_eos_start": {"embed_tgt.weight", "out_proj", "out_bias"},
 }
 
 
@@ -200,10 +206,67 @@ def test_learned_positions_are_a_parameter_and_too_long_inputs_fail_clearly() ->
         m.step(torch.tensor([5, 5, 5]), state)
 
 
+def test_untied_embeddings_each_matrix_plays_only_its_role() -> None:
+    """share_embeddings=none: the source matrix feeds only the encoder, the target matrix only the decoder's
+    input, ``out_proj`` only the projection; the output bias shifts logits, and a -1e9 entry takes a token out of
+    the softmax (the other tokens' probabilities renormalise exactly as if it did not exist)."""
+    m = make(share_embeddings="none", output_bias=True).eval()
+    src, tgt = batch()
+    with torch.no_grad():
+        memory, _ = m.encode(src)
+        base = m(src, tgt)
+        m.embed_tgt.weight[5].add_(1.0)
+        torch.testing.assert_close(m.encode(src)[0], memory, rtol=0, atol=0)  # the encoder does not read it
+        m.embed_tgt.weight[5].sub_(1.0)
+        m.out_proj[7].add_(1.0)
+        torch.testing.assert_close(m.encode(src)[0], memory, rtol=0, atol=0)
+        moved = m(src, tgt)
+        assert (moved[..., 7] - base[..., 7]).abs().max() > 1e-3
+        torch.testing.assert_close(moved[..., :7], base[..., :7], rtol=0, atol=1e-5)  # only token 7's logit moved
+        m.out_proj[7].sub_(1.0)
+        m.out_bias[9] = -1e9
+        logp = F.log_softmax(m(src, tgt), -1)
+        assert logp[..., 9].max() < -1e8
+        keep = [i for i in range(V) if i != 9]
+        torch.testing.assert_close(logp[..., keep], F.log_softmax(base[..., keep], -1), rtol=1e-5, atol=1e-5)
+    tied = make(share_embeddings="decoder")
+    assert tied.output_embedding() is tied.embed_tgt.weight and tied.out_proj is None
+
+
+def test_decoder_start_eos_is_the_first_decoder_input_in_training_and_decoding() -> None:
+    from mtpipe.batches import collate
+    from mtpipe.search import LengthPenalty, beam_search
+
+    m = make(decoder_start="eos").eval()
+    assert m.start_id == EOS_ID and make().start_id == BOS_ID
+
+    class Split:  # two target sentences [5, 6] and [7]
+        src, src_off = torch.tensor([4, 4, 4]).numpy(), torch.tensor([0, 2, 3]).numpy()
+        tgt, tgt_off = torch.tensor([5, 6, 7]).numpy(), torch.tensor([0, 2, 3]).numpy()
+
+    _, tgt_in, _ = collate(Split, torch.tensor([0, 1]).numpy(), m.start_id)
+    assert tgt_in[:, 0].tolist() == [EOS_ID, EOS_ID] and tgt_in[0, 1:].tolist() == [5, 6]
+    firsts = []
+
+    def step(tokens, state):
+        if not firsts:
+            firsts.append(tokens.tolist())
+        return torch.log_softmax(torch.randn(len(tokens), V), -1), state
+
+    class State:
+        def select(self, rows, beams):
+            return self
+
+    beam_search(step, State(), [3], 2, LengthPenalty("gnmt", 0.6), start_id=m.start_id)
+    assert firsts == [[EOS_ID]]
+
+
 def test_bad_variant_values_are_one_line_errors() -> None:
     for kw, pattern in [(dict(norm="rms"), "model.norm = 'rms' is not one of layer, scale"),
                         (dict(norm_position="sandwich"), "model.norm_position"),
                         (dict(positions="rotary"), "model.positions"),
+                        (dict(share_embeddings="some"), "model.share_embeddings"),
+                        (dict(decoder_start="pad"), "model.decoder_start = 'pad' is not one of bos, eos"),
                         (dict(layerdrop=1.0), "model.layerdrop = 1.0 must be >= 0 and < 1")]:
         with pytest.raises(MtpipeError, match=pattern):
             cfg(**kw).resolved()
@@ -212,7 +275,8 @@ def test_bad_variant_values_are_one_line_errors() -> None:
 def test_checkpoint_configs_from_before_the_variants_compare_equal() -> None:
     """A checkpoint written before these fields existed is the paper's model: resume and average accept it."""
     new = to_dict(cfg().resolved())
-    old = {k: v for k, v in new.items() if k not in ("norm_position", "norm", "fixnorm", "positions", "layerdrop")}
+    old = {k: v for k, v in new.items() if k not in ("norm_position", "norm", "fixnorm", "positions", "layerdrop",
+                                                         "share_embeddings", "output_bias", "decoder_start")}
     assert with_model_defaults(old) == new
     assert build_model(old, V).cfg == cfg().resolved()
 
