@@ -88,7 +88,7 @@ AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "CT2_F
              "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 # mtpipe's decoding precisions measured (bf16 only where the CPU has it natively), all with fairseq's and
 # CTranslate2's search: decode.stop=finished, decode.length_penalty=fairseq.
-MTPIPE_DECODE_PRECISIONS = ["fp32", "bf16"]
+MTPIPE_DECODE_PRECISIONS = ["fp32", "bf16", "int8"]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -501,14 +501,21 @@ class DecodeSetup:
            e.logs / "setup_import_export.log", e.env)
         dm = DecodeModel("fairseq-model", d / "ck", d / "bpe", d / "ct2", self.fs_ckpt)
         say("decode: greedy outputs of fairseq and of mtpipe on the imported weights")
-        fs = fairseq_decode(e, self, dm, 1, e.logs / "setup_greedy_fairseq.log")
+        # min_len 0: fairseq may end at the first step, as mtpipe may (fairseq-generate's default forbids it)
+        fs = fairseq_decode(e, self, dm, 1, e.logs / "setup_greedy_fairseq.log", min_len=0)
         mt = mtpipe_decode(e, self, dm, "fp32", "fairseq", "finished", e.logs / "setup_greedy_mtpipe.log", beam=1)
         same = sum(a == b for a, b in zip(fs["pieces"], mt["pieces"]))
+        # fairseq's length limit is per batch (a x the batch's widest source + b), mtpipe's per sentence; outputs
+        # that only differ past the shorter limit are counted apart.
+        cut = sum(a != b and (a.startswith(b) or b.startswith(a)) and min(len(a), len(b)) > 0
+                  for a, b in zip(fs["pieces"], mt["pieces"]))
         self.greedy_match = {"sentences": self.n, "identical": same, "rate": same / max(1, self.n),
+                             "equal_up_to_the_length_limit": cut,
                              "first_differences": [(i, a, b) for i, (a, b) in enumerate(zip(fs["pieces"],
                                                                                            mt["pieces"]))
                                                    if a != b][:5]}
-        say(f"decode: greedy outputs identical on {same} of {self.n} sentences")
+        say(f"decode: greedy outputs identical on {same} of {self.n} sentences ({cut} more equal up to the "
+            "shorter length limit)")
         return dm
 
     def _fairseq_checkpoint(self, e: Env, args: argparse.Namespace) -> Path:
@@ -592,13 +599,13 @@ def fairseq_generate(e: Env, ckpt: Path, data_bin: Path, n: int, log: Path, subs
     return {"seconds": secs, "sentences": len(det), "hyp_tokens": ntok, "hyps": hyps, "process_wall_s": wall}
 
 
-def fairseq_decode(e: Env, s: DecodeSetup, dm: DecodeModel, beam: int, log: Path) -> dict[str, Any]:
+def fairseq_decode(e: Env, s: DecodeSetup, dm: DecodeModel, beam: int, log: Path, min_len: int = 1) -> dict[str, Any]:
     """fairseq's SequenceGenerator through bench/fairseq_decode.py: fairseq's own batches of ``--max-tokens``
     source tokens (the budget every system gets), a warm-up, beam ``beam``, |Y|^0.6, max length source + 50."""
     js, txt, pcs = log.with_suffix(".json"), log.with_suffix(".txt"), log.with_suffix(".pieces")
     sh([e.fs_py, REPO / "bench" / "fairseq_decode.py", "--checkpoint", dm.fs_ckpt, "--data", s.fs_bin,
         "--max-tokens", s.max_tokens, "--beam", beam, "--alpha", 0.6, "--warmup", warmup_count(s.n),
-        "--threads", e.threads, "--json", js, "--hyps", txt, "--pieces", pcs], log, e.env)
+        "--min-len", min_len, "--threads", e.threads, "--json", js, "--hyps", txt, "--pieces", pcs], log, e.env)
     res = json.loads(js.read_text())
     res["hyps"] = txt.read_text(encoding="utf-8").split("\n")[:-1]
     res["pieces"] = pcs.read_text(encoding="utf-8").split("\n")[:-1]
@@ -663,8 +670,10 @@ def ct2_decode(e: Env, s: DecodeSetup, dm: DecodeModel, compute_type: str, limit
     js, txt = log.with_suffix(".json"), log.with_suffix(".txt")
     sh(e.worker(e.ct2_py, "_ct2-decode", "--model", dm.export, "--spm", dm.spm, "--src", s.src_raw,
                 "--compute-type", compute_type, "--batch", s.max_tokens, "--batch-type", "tokens", "--limit", limit,
-                "--threads", e.threads, "--json", js, "--hyps", txt), log, e.env)
+                "--threads", e.threads, "--json", js, "--hyps", txt), log, {**e.env, "CT2_VERBOSE": "1"})
     res = json.loads(js.read_text())
+    isa = re.search(r"ISA:?\s*([\w-]+)", log.read_text(errors="replace"))  # CTranslate2 logs the ISA it dispatches to
+    res["isa"] = isa[1] if isa else "?"
     res["hyps"] = txt.read_text(encoding="utf-8").split("\n")[:-1]
     return res
 
@@ -773,8 +782,7 @@ def rate(dtype, n=512, reps=5):
     for _ in range(reps):
         a @ b
     return round(2 * n**3 * reps / (time.perf_counter() - t0) / 1e9, 1)
-flags = open("/proc/cpuinfo").read().split("flags")[1].split("
-")[0].split()
+flags = open("/proc/cpuinfo").read().split("flags")[1].splitlines()[0].split()
 out = {"cpu_flags": sorted(f for f in set(flags) if f.startswith(("avx", "amx", "fma"))),
        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "bf16": cpu_supports_bf16(),
        "fp32_matmul_512_gflops": rate(torch.float32)}
@@ -792,13 +800,9 @@ def isa_probe(e: Env) -> dict[str, Any]:
     sh([PY, "-c", ISA_PROBE], log, e.env)
     probe = json.loads(log.read_text().splitlines()[-1])
     ct2 = e.logs / "isa_probe_ct2.log"
-    sh([e.ct2_py, "-c", "import ctranslate2; print(ctranslate2.get_supported_compute_types('cpu'))"], ct2,
-       {**e.env, "CT2_VERBOSE": "1"})
-    text = ct2.read_text(errors="replace")
-    isa = re.search(r"ISA:\s*([\w-]+)", text) or re.search(r"(AVX512|AVX2|AVX|NEON)\b", text)
-    probe["ctranslate2_isa"] = isa[1] if isa else "?"
-    probe["ctranslate2_compute_types"] = text.strip().splitlines()[-1]
-    return probe
+    sh([e.ct2_py, "-c", "import ctranslate2; print(ctranslate2.get_supported_compute_types('cpu'))"], ct2, e.env)
+    probe["ctranslate2_compute_types"] = ct2.read_text(errors="replace").strip().splitlines()[-1]
+    return probe  # CTranslate2's ISA is in each of its decode results ("isa", from its log)
 
 
 def matmul_probe(e: Env, log: Path) -> float:
@@ -1001,7 +1005,8 @@ def print_and_write(out: Path, meta: dict[str, Any], result: dict[str, Any]) -> 
     greedy = result.get("setup", {}).get("decode", {}).get("greedy_match_on_imported_fairseq_model")
     if greedy:
         con.print(f"mtpipe import: greedy outputs identical to fairseq's on {greedy['identical']} of "
-                  f"{greedy['sentences']} sentences ({greedy['rate']:.1%})")
+                  f"{greedy['sentences']} sentences ({greedy['rate']:.1%}); "
+                  f"{greedy['equal_up_to_the_length_limit']} more equal up to the shorter length limit")
     for rd_i, rd in enumerate(result["rounds"]):
         for g, systems in rd.items():
             if g.startswith("train"):

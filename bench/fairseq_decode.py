@@ -41,6 +41,7 @@ def main():
     ap.add_argument("--alpha", type=float, default=0.6)
     ap.add_argument("--max-len-a", type=float, default=1.0)
     ap.add_argument("--max-len-b", type=int, default=49)  # + the source's EOS in src_len = mtpipe's source + 50
+    ap.add_argument("--min-len", type=int, default=1)  # fairseq-generate's: never EOS at the first step
     ap.add_argument("--warmup", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", required=True)
@@ -59,7 +60,7 @@ def main():
     ds = task.dataset(a.subset)
     tgt = task.target_dictionary
     gen = SequenceGenerator([model], tgt, beam_size=a.beam, len_penalty=a.alpha, max_len_a=a.max_len_a,
-                            max_len_b=a.max_len_b)
+                            max_len_b=a.max_len_b, min_len=a.min_len)
     itr = task.get_batch_iterator(
         dataset=ds, max_tokens=a.max_tokens,
         max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
