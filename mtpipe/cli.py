@@ -147,8 +147,8 @@ def stage_command(name: str, sections: list[type], opts: list[Opt] = (), help: s
 
         def command(**kwargs: Any) -> None:
             with _one_line_errors():
-                params_file = kwargs.pop("params_file")
-                params = load_params(params_file or PARAMS_FILE, required=params_file is not None)
+                params_file = kwargs.pop("params_file", None)
+                params = load_params(params_file or PARAMS_FILE, required=params_file is not None) if sections else {}
                 where = str(params_file or PARAMS_FILE)
                 cfg = SimpleNamespace(**{section.SECTION: resolve(section, params, _overrides(section, kwargs),
                                                                   where=where) for section in sections})
@@ -177,6 +177,7 @@ def _signature(name: str, sections: list[type], opts: list[Opt]) -> inspect.Sign
     sig = [inspect.Parameter("params_file", kw, annotation=Optional[Path], default=typer.Option(
         None, "--params", show_default=False,
         help="params.yaml to read \\[default: ./params.yaml if it exists, else built-in defaults]."))]
+    sig = sig if sections else []  # a command that reads no params section has no --params
     for o in opts:
         # An output's default is applied after parsing, so that a default path and an explicit one differ.
         default = None if o.role == "out" else o.default
