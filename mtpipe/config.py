@@ -146,6 +146,9 @@ class ModelConfig(Section):
                             "Marian start decoding).", default="bos", choices=("bos", "eos"))
     layerdrop: float = _h("LayerDrop p (Fan et al. 2019): in training each encoder and decoder layer is skipped with "
                           "probability p (paper: 0.2); `--prune` removes layers at inference.", default=0.0, ge=0, lt=1)
+    attention_window: int = _h("Restricted self-attention (paper section 4): r > 0 lets each position attend only to "
+                               "positions within r of it (the decoder: itself and the r before it); encoder-decoder "
+                               "attention stays full. 0: full attention (the paper's models).", default=0, ge=0)
 
     def resolved(self) -> "ModelConfig":
         """Fill every ``None`` from the preset; derive d_k/d_v; validate."""

@@ -154,6 +154,9 @@ def _unsupported(cfg: Any) -> str | None:
         return f"model.norm={cfg.norm} (ScaleNorm): the exported Transformers have LayerNorm only"
     if getattr(cfg, "fixnorm", False):
         return "model.fixnorm=true (FixNorm): the exported Transformers scale embeddings by a constant, unnormalised"
+    if r := getattr(cfg, "attention_window", 0):
+        return (f"model.attention_window={r} (restricted self-attention): the exported Transformers' self-attention "
+                "sees every position and has no neighbourhood limit")
     return None
 
 

@@ -143,14 +143,14 @@ def prefer_explicit_attention(q: Tensor) -> bool:
     return q.device.type == "cpu" and (torch.is_grad_enabled() or q.size(2) <= 8)
 
 
-def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, p: float) -> Tensor:
-    """``softmax(Q K^T / sqrt(d_k) + bias) V`` (section 3.2.1) with ``bias`` = -inf where attending is not allowed,
-    attention dropout ``p`` on the weights (section 5.4).
+def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+    """``softmax(Q K^T / sqrt(d_k) + bias)`` (section 3.2.1) with ``bias`` = -inf where attending is not allowed:
+    the attention weights ``[B, h, Lq, Lk]`` (float32 softmax for bf16 scores is not needed: rows sum to 1 either way).
 
-    ``q`` ``[B, h, Lq, d_k]``, ``k`` ``[B, h, Lk, d_k]``, ``v`` ``[B, h, Lk, d_v]``; ``mask`` broadcasts to
-    ``[B, h, Lq, Lk]`` (True = may attend). The scale and the bias are applied in one ``add`` pass over the scores.
-    Every row keeps at least one key (a source has its EOS, a causal row its own position), so no row is all -inf.
-    Returns ``[B, h, Lq, d_v]``.
+    ``q`` ``[B, h, Lq, d_k]``, ``k`` ``[B, h, Lk, d_k]``; ``mask`` broadcasts to ``[B, h, Lq, Lk]`` (True = may attend);
+    ``causal``: query i sees keys j <= i (section 3.2.3). The scale and the bias are applied in one ``add`` pass over
+    the scores. Every row keeps at least one key (a source has its EOS, a causal or windowed row its own position),
+    so no row is all -inf. Also what ``mtpipe attention`` plots (:meth:`mtpipe.model.Transformer.recording`).
     """
     scores = torch.matmul(q, k.transpose(-1, -2))  # [B, h, Lq, d_k] x [B, h, d_k, Lk] -> [B, h, Lq, Lk]
     lq, lk = scores.shape[-2:]
@@ -159,5 +159,78 @@ def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cau
         bias.masked_fill_(~mask, float("-inf"))
     if causal:  # position i sees keys j <= i (section 3.2.3)
         bias = bias + torch.full((lq, lk), float("-inf"), dtype=scores.dtype, device=scores.device).triu_(1)
-    weights = torch.softmax(torch.add(bias, scores, alpha=q.size(-1) ** -0.5), dim=-1)  # [B, h, Lq, Lk]
+    return torch.softmax(torch.add(bias, scores, alpha=q.size(-1) ** -0.5), dim=-1)  # [B, h, Lq, Lk]
+
+
+def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, p: float) -> Tensor:
+    """``softmax(Q K^T / sqrt(d_k) + bias) V`` (section 3.2.1) as two matmuls (:func:`attention_weights`), attention
+    dropout ``p`` on the weights (section 5.4). ``v`` ``[B, h, Lk, d_v]``; returns ``[B, h, Lq, d_v]``."""
+    weights = attention_weights(q, k, mask, causal)
     return torch.matmul(dropout(weights, p, True).to(v.dtype), v)  # [B, h, Lq, Lk] x [B, h, Lk, d_v]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Restricted self-attention (section 4): each query sees the keys within r positions
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def window_mask(length: int, window: int, causal: bool, device: torch.device) -> Tensor:
+    """``[L, L]`` bool, True where query i may attend key j: ``|i - j| <= r`` (``causal``: ``0 <= i - j <= r``)."""
+    pos = torch.arange(length, device=device)
+    rel = pos[:, None] - pos[None, :]  # [L, 1] - [1, L] -> [L, L], i - j
+    return (rel <= window) & (rel >= (0 if causal else -window))
+
+
+def window_block(window: int) -> int:
+    """Queries per block of :func:`banded_attention`: small blocks waste few scores outside the band (each block
+    scores ``block + 2r`` keys per query for the ``2r + 1`` it needs), large ones make fewer, larger matmuls."""
+    return max(32, window + 1)
+
+
+def banded_min_length(window: int) -> int:
+    """From this length on :func:`banded_attention` is used (shorter inputs take the masked full score matrix).
+
+    Why this rule: the banded form scores about ``L (block + 2r)`` query-key pairs against the full form's ``L^2``,
+    but pays for padding, the unfolded views and more, smaller matmuls; measured with ``bench/complexity.py`` on
+    CPU (fp32, forward + backward, d = 512), it wins from about 4x the band's width on (BENCHMARKS.md)."""
+    return 4 * (window_block(window) + 2 * window)
+
+
+def banded_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, window: int, causal: bool,
+                     p: float) -> Tensor:
+    """Restricted self-attention (section 4) in ``O(L r d)`` time and memory instead of ``O(L^2 d)``: the queries
+    are cut into blocks of c (:func:`window_block`), and each block attends to the ``c + 2r`` keys around it
+    (``c + r`` when ``causal``) -- one batched matmul over all blocks, the band's edges masked.
+
+    ``q``/``k`` ``[B, h, L, d_k]``, ``v`` ``[B, h, L, d_v]``, ``key_mask`` broadcastable ``[B, 1, 1, L]`` (True = real
+    key) or None. Query i attends key j where ``|i - j| <= r`` (``causal``: ``0 <= i - j <= r``) and key j is real or
+    j = i (a padded query attends to itself, so no row is all -inf). Equal to :func:`explicit_attention` with
+    :func:`window_mask` (and the same rule) up to float rounding. Returns ``[B, h, L, d_v]``.
+    """
+    b, h, length, d_k = q.shape
+    c = window_block(window)
+    before, after = window, (0 if causal else window)
+    width = c + before + after  # keys per block
+    blocks = -(-length // c)
+    tail = blocks * c - length  # queries padded to whole blocks
+    qb = F.pad(q, (0, 0, 0, tail)).view(b, h, blocks, c, d_k)  # [B, h, L, d] -> [B, h, nb*c, d] -> [B, h, nb, c, d]
+    # Keys/values padded by the band on both sides, then every block's window as a strided view (no copy):
+    # [B, h, r + nb*c + r', d] -> unfold -> [B, h, nb, d, width]
+    kw = F.pad(k, (0, 0, before, tail + after)).unfold(2, width, c)
+    vw = F.pad(v, (0, 0, before, tail + after)).unfold(2, width, c)
+    scores = torch.matmul(qb, kw)  # [B, h, nb, c, d] x [B, h, nb, d, width] -> [B, h, nb, c, width]
+    # Query a of a block at key slot m is key j = i + m - r - a: in the band iff 0 <= m - a <= r + r'.
+    slot = torch.arange(width, device=q.device)
+    row = torch.arange(c, device=q.device)
+    rel = slot[None, :] - row[:, None]  # [c, 1], [1, width] -> [c, width], m - a
+    allowed = (rel >= 0) & (rel <= before + after)  # [c, width]
+    if key_mask is None:
+        key_mask = torch.ones(b, 1, 1, length, dtype=torch.bool, device=q.device)
+    real = F.pad(key_mask.reshape(key_mask.size(0), 1, length), (before, tail + after), value=False)  # [B, 1, r+L+r']
+    real = real.unfold(2, width, c).unsqueeze(-2)  # [B, 1, nb, width] -> [B, 1, nb, 1, width]
+    itself = rel == before  # [c, width]: key j = i
+    ok = (allowed & real) | itself  # [B, 1, nb, c, width]
+    bias = torch.zeros(ok.shape, dtype=scores.dtype, device=q.device).masked_fill_(~ok, float("-inf"))
+    weights = torch.softmax(torch.add(bias, scores, alpha=d_k**-0.5), dim=-1)  # [B, h, nb, c, width]
+    o = torch.matmul(dropout(weights, p, True).to(v.dtype), vw.transpose(-1, -2))  # [B, h, nb, c, d_v]
+    return o.reshape(b, h, blocks * c, v.size(-1))[:, :, :length]  # [B, h, nb, c, d_v] -> [B, h, L, d_v]

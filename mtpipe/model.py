@@ -35,17 +35,22 @@ and the default model runs exactly the code above -- every choice is made when t
   p; at inference :func:`mtpipe.pruning.prune` removes layers, no fine-tuning.
 * DropHead (Zhou et al. 2020) -- whole attention heads dropped in training with a probability the trainer sets each
   update (:meth:`Transformer.set_drophead`; its V-shaped schedule is :func:`mtpipe.train.drophead_rate`).
+* ``attention_window=r`` -- restricted self-attention (section 4): in the encoder each position attends to the
+  positions within r of it, in the decoder to itself and the r before it; encoder-decoder attention stays full.
+  Long inputs take a banded computation (:func:`mtpipe.kernels.banded_attention`), O(n r d) instead of O(n^2 d);
+  incremental decoding attends to the last r + 1 cached positions only.
 
 CPU speed tricks (dropout masks, linear shapes, bf16 activations, matmul attention): :mod:`mtpipe.kernels`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -54,8 +59,8 @@ from torch import Tensor, nn
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID
 from mtpipe.config import ModelConfig
 from mtpipe.errors import MtpipeError
-from mtpipe.kernels import Linear, autocast_activations, dropout, explicit_attention, linear, residual
-from mtpipe.kernels import prefer_explicit_attention
+from mtpipe.kernels import Linear, attention_weights, autocast_activations, banded_attention, banded_min_length
+from mtpipe.kernels import dropout, explicit_attention, linear, prefer_explicit_attention, residual, window_mask
 
 # --------------------------------------------------------------------------------------------------------------------
 # 3.4 Embeddings and 3.5 positional encoding
@@ -142,10 +147,15 @@ class MultiHeadAttention(nn.Module):
     The layers call :meth:`self_attend` or :meth:`attend_memory` (section 3.2.3's three uses of attention).
     """
 
-    def __init__(self, d_model: int, heads: int, d_k: int, d_v: int, dropout: float, self_attention: bool):
+    def __init__(self, d_model: int, heads: int, d_k: int, d_v: int, dropout: float, self_attention: bool,
+                 window: int = 0):
         super().__init__()
         self.heads, self.d_k, self.d_v, self.dropout = heads, d_k, d_v, dropout
         self.self_attention = self_attention
+        self.window = window  # restricted self-attention's r (section 4); 0 = every position
+        # Attention weights [B, h, Lq, Lk] of every forward pass are appended here while a list is set
+        # (Transformer.recording, for `mtpipe attention`): the same forward, the weights kept instead of discarded.
+        self.record: list[Tensor] | None = None
         # DropHead probability (Transformer.set_drophead; None = off, the default): a 0-dim buffer updated in place,
         # not a float, so a new value each update is data to torch.compile, not a reason to recompile.
         self.register_buffer("drophead", None, persistent=False)
@@ -171,10 +181,22 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self.qkv(x).split([hk, hk, hv], dim=-1)
         return self._split(q, self.d_k), self._split(k, self.d_k), self._split(v, self.d_v)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool = False) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool = False,
+               banded: bool = False) -> Tensor:
         """The h heads' scaled dot-product attention, DropHead in training, and the output projection W^O:
-        ``[B, h, Lq, d]`` queries -> ``[B, Lq, D]``."""
-        o = scaled_dot_product_attention(q, k, v, mask, causal, self.dropout if self.training else 0.0)
+        ``[B, h, Lq, d]`` queries -> ``[B, Lq, D]``. ``banded``: restricted self-attention computed band by band
+        (:func:`mtpipe.kernels.banded_attention`), ``mask`` then being the keys' padding mask."""
+        p = self.dropout if self.training else 0.0
+        if self.record is not None:
+            if banded:  # the full matrix, so that it can be kept
+                mask, causal = self._window_mask(q.size(2), mask, causal), False
+            weights = attention_weights(q, k, mask, causal)  # [B, h, Lq, Lk]
+            self.record.append(weights.detach().float())
+            o = torch.matmul(dropout(weights, p, True).to(v.dtype), v)  # [B, h, Lq, Lk] x [B, h, Lk, d_v]
+        elif banded:
+            o = banded_attention(q, k, v, mask, self.window, causal, p)
+        else:
+            o = scaled_dot_product_attention(q, k, v, mask, causal, p)
         if self.drophead is not None and self.training:
             o = drop_heads(o, self.drophead)
         b, _, length, _ = o.shape
@@ -186,13 +208,34 @@ class MultiHeadAttention(nn.Module):
         source padding) or the decoder's (``causal``).
 
         With ``cache`` (incremental decoding), ``x`` is the newest position ``[R, 1, D]``: its key/value is appended
-        to the cache and its query attends to every position so far (no mask: later positions do not exist yet).
+        to the cache and its query attends to every position so far (no mask: later positions do not exist yet), or,
+        restricted (``window`` r), to the last r + 1 of them.
+
+        Restricted self-attention (section 4) over a whole sequence: a band mask ``|i - j| <= r`` (causal:
+        ``0 <= i - j <= r``) joins the padding mask, or, from :func:`mtpipe.kernels.banded_min_length` on, only the
+        band is computed.
         """
         q, k, v = self.project_qkv(x)  # each [B, h, L, d]
         if cache is not None:
             k, v = cache(k, v)  # [R, h, 1, d] -> [R, h, t+1, d]
-            causal = False
+            if self.window:
+                k, v = k[:, :, -(self.window + 1):], v[:, :, -(self.window + 1):]  # [R, h, <= r+1, d]
+            return self.attend(q, k, v, None)
+        length = x.size(1)
+        if self.window and length > self.window + 1:  # shorter: every pair is within r anyway
+            if length >= banded_min_length(self.window):
+                return self.attend(q, k, v, mask, causal, banded=True)
+            return self.attend(q, k, v, self._window_mask(length, mask, causal))
         return self.attend(q, k, v, mask, causal)
+
+    def _window_mask(self, length: int, key_mask: Tensor | None, causal: bool) -> Tensor:
+        """The restricted self-attention mask (True = may attend) over ``length`` positions joined with the keys'
+        padding mask ``[B, 1, 1, L]``: ``[L, L]`` or ``[B, 1, L, L]``. A padded query may attend to itself, so
+        that no row is empty (its output is never used)."""
+        band = window_mask(length, self.window, causal, self.out.weight.device)  # [L, L]
+        if key_mask is None:
+            return band
+        return (band & key_mask) | torch.eye(length, dtype=torch.bool, device=band.device)  # [B, 1, L, L]
 
     def attend_memory(self, x: Tensor, mem_k: Tensor, mem_v: Tensor, src_mask: Tensor) -> Tensor:
         """Encoder-decoder attention (section 3.2.3): decoder states ``x`` ``[R, L, D]`` query the encoder output's
@@ -285,7 +328,8 @@ class EncoderLayer(Sublayers):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.d_k, cfg.d_v, cfg.attention_dropout, True)
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.d_k, cfg.d_v, cfg.attention_dropout, True,
+                                            cfg.attention_window)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.relu_dropout)
         self.norm1, self.norm2 = make_norm(cfg), make_norm(cfg)
 
@@ -301,7 +345,8 @@ class DecoderLayer(Sublayers):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.d_k, cfg.d_v, cfg.attention_dropout, True)
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.d_k, cfg.d_v, cfg.attention_dropout, True,
+                                            cfg.attention_window)
         self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.d_k, cfg.d_v, cfg.attention_dropout, False)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.relu_dropout)
         self.norm1, self.norm2, self.norm3 = (make_norm(cfg) for _ in range(3))
@@ -464,6 +509,29 @@ class Transformer(nn.Module):
                     m.drophead = torch.tensor(float(p), device=m.out.weight.device)
                 else:
                     m.drophead.fill_(float(p))
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[dict[str, list[list[Tensor]]]]:
+        """Keep the attention weights of every forward pass run inside the block (for ``mtpipe attention``, the
+        paper's Figures 3-5): ``{"encoder": ..., "decoder": ..., "cross": ...}``, each one list per layer of the
+        ``[B, h, Lq, Lk]`` float32 weights of every call, in call order (one per :meth:`step` when decoding).
+
+        The weights are those of the forward pass itself (:func:`mtpipe.kernels.attention_weights`, the formula the
+        CPU paths compute anyway), not of a second implementation."""
+        groups = {"encoder": [layer.self_attn for layer in self.encoder],
+                  "decoder": [layer.self_attn for layer in self.decoder],
+                  "cross": [layer.cross_attn for layer in self.decoder]}
+        kept: dict[str, list[list[Tensor]]] = {name: [] for name in groups}
+        for name, modules in groups.items():
+            for m in modules:
+                m.record = []
+                kept[name].append(m.record)
+        try:
+            yield kept
+        finally:
+            for modules in groups.values():
+                for m in modules:
+                    m.record = None
 
     # -- incremental decoding --------------------------------------------------------------------------------------
 

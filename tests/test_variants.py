@@ -1,7 +1,7 @@
-"""The Transformer variants: pre-norm, ScaleNorm, FixNorm, learned positions, LayerDrop with pruning and
-scheduled DropHead. Each: shapes, gradients reaching its new parameters, deterministic eval, incremental decoding
-equal to the full forward pass, and its defining property; then a tiny model trained with the variants through
-``mtpipe.train.run`` resumes bitwise and decodes (pruned or not) through the CLI with no extra flag."""
+"""The Transformer variants: pre-norm, ScaleNorm, FixNorm, learned positions, restricted self-attention, LayerDrop
+with pruning and scheduled DropHead. Each: shapes, gradients reaching its new parameters, deterministic eval,
+incremental decoding equal to the full forward pass, and its defining property; then a tiny model trained with the
+variants through ``mtpipe.train.run`` resumes bitwise and decodes (pruned or not) through the CLI with no extra flag."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ VARIANTS = {
     "learned_per_stack": dict(positions="learned-per-stack"),
     "untied_decoder": dict(share_embeddings="decoder"),
     "untied_bias_eos_start": dict(share_embeddings="none", output_bias=True, decoder_start="eos"),
+    "window": dict(attention_window=2),
 }
 # The parameters each variant adds to the paper's model (by state-dict name).
 NEW_PARAMS = {
@@ -58,6 +59,7 @@ NEW_PARAMS = {
     "learned_per_stack": {"positions", "tgt_positions"},
     "untied_decoder": {"embed_tgt.weight"},
     "untied_bias_eos_start": {"embed_tgt.weight", "out_proj", "out_bias"},
+    "window": set(),
 }
 
 
@@ -421,7 +423,8 @@ SUBJECTS = [("the dog", "der hund"), ("the cat", "die katze"), ("a man", "ein ma
 VERBS = [("sees", "sieht"), ("likes", "mag"), ("eats", "isst"), ("finds", "findet")]
 OBJECTS = [("an apple", "einen apfel"), ("a ball", "einen ball"), ("the house", "das haus"), ("a book", "ein buch")]
 TRAINED = dict(preset="tiny", encoder_layers=4, decoder_layers=4, d_model=32, d_ff=64, heads=4, max_positions=48,
-               norm_position="pre", norm="scale", fixnorm=True, positions="learned", layerdrop=0.25)
+               norm_position="pre", norm="scale", fixnorm=True, positions="learned", layerdrop=0.25,
+               attention_window=2)
 
 
 def tcfg(**kw) -> TrainConfig:
@@ -434,7 +437,8 @@ def tcfg(**kw) -> TrainConfig:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
     """A bpe artifact with a real SentencePiece model, its bucket artifact, and a short training run of a model with
-    every variant (pre-norm + ScaleNorm + FixNorm + learned positions + LayerDrop, DropHead in training)."""
+    every variant (pre-norm + ScaleNorm + FixNorm + learned positions + LayerDrop + restricted self-attention r = 2,
+    DropHead in training)."""
     from mtpipe import bucket, train
 
     threads = torch.get_num_threads()
@@ -615,7 +619,8 @@ def test_export_maps_pre_norm_and_learned_positions_and_refuses_scalenorm(run, t
         return tmp_path / name
 
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(**{**TRAINED, "norm": "layer", "fixnorm": False, "dropout": 0.0}), 90).eval()
+    model = Transformer(ModelConfig(**{**TRAINED, "norm": "layer", "fixnorm": False, "dropout": 0.0,
+                                       "attention_window": 0}), 90).eval()
     with torch.no_grad():
         model.embed.weight.mul_(4.0)  # peaked distributions
         model.decoder_norm.bias.add_(0.3)
