@@ -18,7 +18,8 @@ Variants (``--variants``, comma list; default all):
 * ``layerdrop``: ``model.layerdrop=0.2``, decoded at full depth;
 * ``layerdrop_pruned``: the ``layerdrop`` experiment's model (not retrained: DVC re-runs only decode and score)
   decoded with ``decode.prune=every_other:0.5`` (half depth, no fine-tuning);
-* ``half_depth_scratch``: a model with the pruned model's layer counts, trained from scratch with the same budget.
+* ``half_depth_scratch``: a model with the pruned model's layer counts, trained from scratch with the same budget;
+* ``window4``, ``window8``: restricted self-attention (section 4), ``model.attention_window`` r = 4 and 8.
 
     python bench/ablation.py --repo /tmp/ablation --steps 1330          # 10 epochs of the quickstart each
     python bench/ablation.py --repo /tmp/ablation --steps 400 --variants paper,prenorm
@@ -49,6 +50,8 @@ VARIANTS: dict[str, list[str]] = {
     "layerdrop": ["model.layerdrop=0.2"],
     "layerdrop_pruned": ["decode.prune=every_other:0.5"],  # on top of the layerdrop experiment: decode + score only
     "half_depth_scratch": [],  # layer counts filled in from the pruning plan
+    "window4": ["model.attention_window=4"],  # restricted self-attention (section 4), r = 4
+    "window8": ["model.attention_window=8"],
 }
 
 
