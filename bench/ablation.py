@@ -75,6 +75,18 @@ def hydra_key(repo: Path, override: str) -> str:
     return override
 
 
+def forget_model_stages(lock: Path) -> None:
+    """Drop the train stage and those after it from ``dvc.lock``, keeping the data stages' entries (not re-run)."""
+    import yaml
+
+    if not lock.exists():
+        return
+    data = yaml.safe_load(lock.read_text(encoding="utf-8")) or {}
+    for stage in ("train", "average", "decode", "score"):
+        data.get("stages", {}).pop(stage, None)
+    lock.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+
+
 def pruned_layers(repo: Path) -> tuple[int, int]:
     """Layer counts of the half-depth pruned model, from the repository's model params."""
     sys.path.insert(0, str(repo))
@@ -115,6 +127,15 @@ def main() -> int:
             # decode and score.
             tracked = sh(["git", "ls-files", "params.yaml", "dvc.lock"], repo).split()
             sh(["git", "checkout", "HEAD", "--", *tracked], repo)
+            # The train stage's checkpoints persist (a re-run resumes them, and mtpipe refuses to continue a run of
+            # another model): move the previous experiment's run aside so that this one starts fresh.
+            # DVC would check the lock file's checkpoints out again, so the lock forgets the stages from train on.
+            previous = repo / "artifacts" / "train"
+            if previous.exists():
+                aside = repo / "ablation-runs" / f"before-{name}-{stamp}"
+                aside.parent.mkdir(exist_ok=True)
+                previous.rename(aside)
+            forget_model_stages(repo / "dvc.lock")
         sets = [hydra_key(repo, kv) for kv in sets]
         cmd = ["dvc", "exp", "run", "-n", f"abl-{name}-{args.steps}-{stamp}", *[a for s in budget + sets for a in ("-S", s)]]
         print(f"[{datetime.datetime.now():%H:%M:%S}] {name}: {' '.join(cmd)}", flush=True)
