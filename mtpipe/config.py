@@ -208,6 +208,10 @@ class TrainConfig(Section):
     max_time: float = _h("Stop after this many minutes of training. 0 = no limit.", default=0.0, ge=0)
     lr_scale: float = _h("Multiplier on the paper's learning-rate formula.", default=1.0, gt=0)
     warmup: int = _h("warmup_steps of the paper's schedule.", default=4000, ge=1)
+    schedule: str = _h("Learning-rate schedule: 'inverse_sqrt' (the paper, section 5.3) or 'linear' (budgeted "
+                       "training, Li et al. 2020: the paper's warm-up line, then a straight line to zero exactly where "
+                       "the budget ends: the first of max_steps, max_epochs, max_time, time measured as training goes).",
+                       default="inverse_sqrt", choices=("inverse_sqrt", "linear"))
     adam_beta1: float = _h("Adam beta1.", default=0.9)
     adam_beta2: float = _h("Adam beta2.", default=0.98)
     adam_eps: float = _h("Adam epsilon.", default=1e-9, gt=0)
@@ -219,6 +223,10 @@ class TrainConfig(Section):
     threads: int = _h("CPU threads per process (0 = torch's default).", default=0, ge=0)
     save_every_minutes: float = _h("Checkpoint every this many minutes (paper: 10). 0 = off.", default=10.0, ge=0)
     save_every_steps: int = _h("Checkpoint every this many updates. 0 = off.", default=0, ge=0)
+    save_every_progress: float = _h("Checkpoint each time this fraction of the budget (the first of max_steps, "
+                                    "max_epochs, max_time to run out) has passed, e.g. 0.05 = every 5 %, so that "
+                                    "the last checkpoints averaged lie in the run's final stretch. 0 = off.",
+                                    default=0.0, ge=0, lt=1)
     keep_last: int = _h("Keep this many most recent checkpoints (>= the average stage's count).", default=20, ge=1)
     valid_every_steps: int = _h("Validation loss/perplexity every this many updates. 0 = only at the end.",
                                 default=1000, ge=0)

@@ -73,6 +73,18 @@ def learning_rate(step: int, d_model: int, warmup: int, scale: float = 1.0) -> f
     return scale * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
 
 
+def linear_learning_rate(step: int, progress: float, d_model: int, warmup: int, scale: float = 1.0) -> float:
+    """Budgeted training (Li et al., ICLR 2020: at a fixed budget, linear decay to zero beats step and inverse
+    square root schedules): the paper's warm-up line ``scale * d_model^-0.5 * step * warmup^-1.5`` and a straight
+    line from the paper's peak (``step = warmup``) at ``progress = 0`` down to zero at ``progress = 1``, the end of
+    the budget; the lower of the two. ``progress`` is the fraction of the budget spent (:meth:`Trainer.progress`),
+    so the decay follows wall-clock time when ``train.max_time`` is the budget that runs out first. When the
+    warm-up is a sizeable part of the budget the lines cross below the paper's peak, rather than jumping at
+    ``warmup``."""
+    peak = scale * d_model**-0.5 * warmup**-0.5
+    return peak * max(0.0, min(step / warmup, 1.0 - progress))
+
+
 def drophead_rate(step: int, warmup: int, total: int, p_start: float, p_end: float | None = None) -> float:
     """Scheduled DropHead's V-shaped rate (Zhou et al. 2020) for update ``step`` (counted from 1, as in
     :func:`learning_rate`): ``p_start`` at step 0, falling linearly to 0 at ``step = warmup`` (the learning rate's
@@ -280,6 +292,8 @@ class Trainer:
         self.state = TrainState()  # overwritten by a resume
         self.resumed_from: Path | None = None
         self.last_saved_step = -1
+        self.last_lr = 0.0  # the rate of the last applied update (logged as train/lr)
+        self.last_progress = 0.0  # rank 0: the budget progress after the last update (save_every_progress)
         self.last_train: dict[str, float] = {}  # the last logged train/* values, for the summary
         self.metrics = Metrics()
         # This invocation's clocks (monotonic seconds), restarted when the loop starts.
@@ -362,7 +376,7 @@ class Trainer:
 
     # -- one update ----------------------------------------------------------------------------------------------
 
-    def _update(self, order: np.ndarray, save_due: bool, time_up: bool) -> UpdateResult:
+    def _update(self, order: np.ndarray, save_due: bool, time_up: bool, progress: float) -> UpdateResult:
         """One update: this rank's micro-batches, the all-reduced loss and control flags, and the optimizer step."""
         st, d = self.state, self.data
         group = order[st.position : st.position + d.per_update]
@@ -371,10 +385,12 @@ class Trainer:
             self.model.set_drophead(self._drophead(st.step + 1))
         # DDP averages gradients over ranks: scale each rank's sum by world/ntok for the global per-token gradient.
         sums = self._forward_backward(order, scale=self.world / ntok)  # [2]: this rank's loss and nll sums
-        flags = torch.tensor([float(save_due), float(time_up)], dtype=torch.float64, device=self.device)
-        # One all-reduce for the loss and rank 0's flags: [loss, nll, save_due, time_up], summed over ranks.
-        loss, nll, save_n, time_n = distributed.all_reduce_sum(torch.cat([sums.double(), flags])).tolist()
-        lr = learning_rate(st.step + 1, self.model.cfg.d_model, self.cfg.warmup, self.cfg.lr_scale)
+        flags = torch.tensor([float(save_due), float(time_up), progress], dtype=torch.float64, device=self.device)
+        # One all-reduce for the loss and rank 0's flags and budget progress (the others send zeros):
+        # [loss, nll, save_due, time_up, progress], summed over ranks.
+        loss, nll, save_n, time_n, progress = distributed.all_reduce_sum(torch.cat([sums.double(), flags])).tolist()
+        lr = self.learning_rate(st.step + 1, progress)
+        self.last_lr = lr
         norm, status = self.updater.finish(lr, skip=not math.isfinite(loss))
         return UpdateResult(loss=loss, nll=nll, grad_norm=norm, status=status, tgt_tokens=ntok, src_tokens=nsrc,
                             save_due=save_n > 0, time_up=time_n > 0)
@@ -445,6 +461,7 @@ class Trainer:
             return reason
         self.loop_start = self.last_save_time = time.monotonic()
         self.seconds_before = self.state.train_seconds
+        self.last_progress = self.progress(self.seconds_before)
         self.throughput.restart(self.loop_start)
         order = epoch_order(len(self.data.train), self.cfg.seed, self.state.epoch)
         from rich.progress import TextColumn
@@ -463,15 +480,45 @@ class Trainer:
                 bar.update(task, completed=self.state.step)
         return reason
 
-    def _rank0_clock(self) -> tuple[bool, bool]:
-        """``(save_due, time_up)`` by rank 0's clock (others say False): the update's all-reduce hands rank 0's
-        decision to every rank, so that ranks whose clocks differ still save and stop at the same update."""
+    def _rank0_clock(self) -> tuple[bool, bool, float]:
+        """``(save_due, time_up, progress)`` by rank 0's clock (others say False, False, 0): the update's all-reduce
+        hands rank 0's decision to every rank, so that ranks whose clocks differ still save, stop and set the
+        learning rate alike at the same update."""
         if self.rank != 0:
-            return False, False
+            return False, False, 0.0
         now, cfg = time.monotonic(), self.cfg
+        seconds = self.seconds_before + now - self.loop_start
+        progress = self.progress(seconds)  # before this update: its learning rate's
         save_due = cfg.save_every_minutes > 0 and now - self.last_save_time >= 60 * cfg.save_every_minutes
-        time_up = cfg.max_time > 0 and self.seconds_before + now - self.loop_start >= 60 * cfg.max_time
-        return save_due, time_up
+        if cfg.save_every_progress > 0:
+            # A checkpoint once this update takes progress across a multiple of save_every_progress (counting the
+            # update itself, so max_steps=100 and 0.05 save at steps 5, 10, ...).
+            after, every = self.progress(seconds, self.state.step + 1), cfg.save_every_progress
+            save_due = save_due or math.floor(after / every + 1e-9) > math.floor(self.last_progress / every + 1e-9)
+            self.last_progress = after
+        time_up = cfg.max_time > 0 and seconds >= 60 * cfg.max_time
+        return save_due, time_up, progress
+
+    def progress(self, seconds: float, step: int | None = None) -> float:
+        """The fraction of the budget spent after ``seconds`` of training and ``step`` updates (default: those
+        applied): the largest of the fractions of ``max_steps``, ``max_epochs`` and ``max_time`` used (whichever runs
+        out first ends training), in [0, 1]."""
+        cfg, st = self.cfg, self.state
+        parts = [0.0]
+        if cfg.max_steps:
+            parts.append((st.step if step is None else step) / cfg.max_steps)
+        if cfg.max_epochs:
+            parts.append((st.epoch + st.position / self.data.usable) / cfg.max_epochs)
+        if cfg.max_time:
+            parts.append(seconds / (60 * cfg.max_time))
+        return min(1.0, max(parts))
+
+    def learning_rate(self, step: int, progress: float) -> float:
+        """The rate of update ``step`` under ``train.schedule``, ``progress`` being the budget spent before it."""
+        d_model, cfg = self.model.cfg.d_model, self.cfg
+        if cfg.schedule == "linear":
+            return linear_learning_rate(step, progress, d_model, cfg.warmup, cfg.lr_scale)
+        return learning_rate(step, d_model, cfg.warmup, cfg.lr_scale)
 
     def _maybe_log(self, bar: Any, task: Any) -> None:
         """Log the window every ``train.log_every_steps`` (and trim the CPU heap every ``_TRIM_EVERY_STEPS``)."""
@@ -515,8 +562,7 @@ class Trainer:
     def _window_values(self, tgt_per_s: float, src_per_s: float) -> dict[str, float]:
         """The logged point of the window (then emptied)."""
         st = self.state
-        lr = learning_rate(st.step, self.model.cfg.d_model, self.cfg.warmup, self.cfg.lr_scale)
-        values = st.window.values(lr, tgt_per_s, src_per_s, epoch=st.epoch + st.position / self.data.usable)
+        values = st.window.values(self.last_lr, tgt_per_s, src_per_s, epoch=st.epoch + st.position / self.data.usable)
         if _drophead_on(self.cfg):
             values["train/drophead"] = self._drophead(st.step)
         self.last_train = values
