@@ -210,7 +210,7 @@ class TrainConfig(Section):
     warmup: int = _h("warmup_steps of the paper's schedule.", default=4000, ge=1)
     schedule: str = _h("Learning-rate schedule: 'inverse_sqrt' (the paper, section 5.3) or 'linear' (budgeted "
                        "training, Li et al. 2020: the paper's warm-up line, then a straight line to zero exactly where "
-                       "the budget ends: the first of max_steps, max_epochs, max_time, time measured as training goes).",
+                       "the budget ends: the first of max_steps, max_epochs, max_time; time measured as it goes).",
                        default="inverse_sqrt", choices=("inverse_sqrt", "linear"))
     adam_beta1: float = _h("Adam beta1.", default=0.9)
     adam_beta2: float = _h("Adam beta2.", default=0.98)
