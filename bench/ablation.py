@@ -125,7 +125,7 @@ def main() -> int:
             # Every experiment starts from the committed params (dvc exp run builds on the workspace, which holds
             # the previous experiment's); layerdrop_pruned builds on layerdrop's on purpose, so DVC re-runs only
             # decode and score.
-            tracked = sh(["git", "ls-files", "params.yaml", "dvc.lock"], repo).split()
+            tracked = sh(["git", "ls-tree", "--name-only", "HEAD", "params.yaml", "dvc.lock"], repo).split()
             sh(["git", "checkout", "HEAD", "--", *tracked], repo)
             # The train stage's checkpoints persist (a re-run resumes them, and mtpipe refuses to continue a run of
             # another model): move the previous experiment's run aside so that this one starts fresh.
@@ -137,7 +137,8 @@ def main() -> int:
                 previous.rename(aside)
             forget_model_stages(repo / "dvc.lock")
         sets = [hydra_key(repo, kv) for kv in sets]
-        cmd = ["dvc", "exp", "run", "-n", f"abl-{name}-{args.steps}-{stamp}", *[a for s in budget + sets for a in ("-S", s)]]
+        cmd = ["dvc", "exp", "run", "-n", f"abl-{name}-{args.steps}-{stamp}",
+               *[a for s in budget + sets for a in ("-S", s)]]
         print(f"[{datetime.datetime.now():%H:%M:%S}] {name}: {' '.join(cmd)}", flush=True)
         t0 = time.perf_counter()
         sh(cmd, repo)
@@ -159,7 +160,8 @@ def main() -> int:
             "| variant | overrides | valid ppl | test_2016_flickr sacreBLEU | chrF2 | train min |\n"
             "|---|---|---|---|---|---|\n")
     md = head + "".join(f"| {r['variant']} | {' '.join(r['overrides']) or '(paper)'} | "
-                        f"{'n/a' if r['valid_ppl'] is None else format(r['valid_ppl'], '.2f')} | {r['test_bleu']:.2f} | {r['chrf']:.1f} | {r['train_minutes']:.1f} |\n"
+                        f"{'n/a' if r['valid_ppl'] is None else format(r['valid_ppl'], '.2f')} | "
+                        f"{r['test_bleu']:.2f} | {r['chrf']:.1f} | {r['train_minutes']:.1f} |\n"
                         for r in rows)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ablation.md").write_text(md, encoding="utf-8")

@@ -271,11 +271,15 @@ def plot(res: dict[str, Any], path: Path, facts: dict[str, Any], d: int) -> None
 
     ns = res["ns"]
     fig, ax = plt.subplots(figsize=(8, 5.5))
+    # One colour per layer kind and per window r; the line style tells mtpipe's choice (solid) from the forced
+    # masked full matrix (dotted) and the forced banded form (dashed).
+    colours: dict[tuple[str, int], str] = {}
     for row in res["rows"]:
         name = row["name"]
         pts = [(n, 1e3 * min(res["times"][name][n])) for n in ns if res["times"][name][n]]
+        colour = colours.setdefault((row["kind"], row["window"]), f"C{len(colours)}")
         style = {True: "-", False: ":", "forced": "--"}[row["banded"]]
-        ax.plot(*zip(*pts), marker="o", linestyle=style, label=name)
+        ax.plot(*zip(*pts), marker="o", markersize=3, linestyle=style, color=colour, label=name)
     # Guides: slopes 1 and 2 through the self-attention's last point, to read the fitted exponents by eye.
     top = [(n, 1e3 * min(res["times"]["self-attention"][n])) for n in ns if res["times"]["self-attention"][n]]
     if top:

@@ -191,9 +191,11 @@ def banded_min_length(window: int) -> int:
     """From this length on :func:`banded_attention` is used (shorter inputs take the masked full score matrix).
 
     Why this rule: the banded form scores about ``L (block + 2r)`` query-key pairs against the full form's ``L^2``,
-    but pays for padding, the unfolded views and more, smaller matmuls; measured with ``bench/complexity.py`` on
-    CPU (fp32, forward + backward, d = 512), it wins from about 4x the band's width on (BENCHMARKS.md)."""
-    return 4 * (window_block(window) + 2 * window)
+    but pays for padding, the unfolded views and more, smaller matmuls. ``bench/complexity.py`` (one layer, fp32,
+    forward + backward, d = 512, 2 CPU threads, the banded form forced at every length) measured where it starts to
+    win: for r = 16 between n = 128 and 256, r = 64 between 256 and 512 (about even at 384), r = 256 between 512
+    and 1,024 (BENCHMARKS.md). ``max(256, 4r + 128)`` lies inside or just above each interval."""
+    return max(256, 4 * window + 128)
 
 
 def banded_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, window: int, causal: bool,
