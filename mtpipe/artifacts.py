@@ -56,6 +56,8 @@ FORMAT_VERSIONS: dict[str, int] = {
     "checkpoint": 1,
     "hypotheses": 1,
     "export": 1,  # mtpipe export: a CTranslate2 or Hugging Face Marian model directory (mtpipe/export.py)
+    "attention": 1,  # mtpipe attention: heatmap PNGs, index.html, attention.npz / .json (mtpipe/attention.py)
+    "plots": 1,  # mtpipe plots: training-curve PNGs and index.html (mtpipe/plots.py)
 }
 
 # Special token ids shared by the SentencePiece model, the batches and the Transformer's embedding table.
@@ -229,7 +231,8 @@ def splits_of(directory: Path | str, kind: str) -> list[str]:
 
 CHECKPOINTS = "checkpoints"
 # What `mtpipe train` puts in its run directory; a run directory holding anything else was not made by it.
-RUN_ENTRIES = (CHECKPOINTS, "live", "train.json", "train.log")
+# ("plots": `mtpipe plots` draws the run's curves there by default.)
+RUN_ENTRIES = (CHECKPOINTS, "live", "train.json", "train.log", "best.json", "plots")
 # A checkpoint directory: the weights (safetensors, with the model config in its metadata) and, for a resumable
 # training checkpoint, the trainer state (optimizer, schedule, RNG, data position; torch.load with weights_only).
 WEIGHTS, TRAINER_STATE = "model.safetensors", "trainer.pt"

@@ -8,6 +8,10 @@ Which checkpoints (all are ``checkpoint`` artifacts, see :func:`mtpipe.writing.w
 
 * by default the last ``average.last`` of ``RUN/checkpoints/*/`` ordered by the step in their manifests (never by
   directory name), optionally only those at or before ``average.up_to_step``;
+* with ``average.select=best``, the ``average.last`` best of them by the run's ``train.stop_metric`` (valid
+  perplexity, lower is better, or valid BLEU, higher is better), as recorded in the manifest of each checkpoint that
+  was validated at its own step (:func:`checkpoint_metric`; training keeps the best one whatever ``keep_last``
+  removes); checkpoints without a recorded value are left out, and too few is a one-line error;
 * or exactly the directories given with ``--checkpoint`` (repeatable).
 
 Previously averaged checkpoints found under ``RUN/checkpoints`` are skipped: averaging averages again would weight
@@ -74,12 +78,73 @@ def select(cfg: AverageConfig, run_dir: Path, checkpoints: list[Path] | None) ->
         where += f" at or before step {cfg.up_to_step:,}"
     if not found:
         raise MtpipeError(f"{where}: no checkpoints to average")
+    if cfg.select == "best":
+        return _best(cfg, found, where)
     picked = found[-cfg.last:]
     if len(picked) < cfg.last:
         msg = f"{where}: asked to average the last {cfg.last} checkpoints but only {len(picked)} exist"
         if not cfg.allow_fewer:
             raise MtpipeError(msg + " (lower --last, or pass --allow-fewer)")
         warn(msg + "; averaging those (--allow-fewer)")
+    return picked
+
+
+def checkpoint_metric(d: Path, m: artifacts.Manifest) -> tuple[str, float | None]:
+    """``(train.stop_metric, its value)`` of a training checkpoint: the run's metric from the manifest's train params,
+    and the validation at the checkpoint's step that training recorded (``extra["valid"]``), or None when the
+    checkpoint was written without one (or before mtpipe recorded them)."""
+    from mtpipe.resume import STOP_METRICS
+
+    metric = ((m.params or {}).get("train") or {}).get("stop_metric", "valid_ppl")
+    if metric not in STOP_METRICS:
+        raise MtpipeError(f"{d}: checkpoint manifest names an unknown train.stop_metric {metric!r}")
+    value = (m.extra.get("valid") or {}).get(STOP_METRICS[metric][0])
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise MtpipeError(f"{d}: checkpoint manifest has a non-numeric {STOP_METRICS[metric][0]} ({value!r})")
+    return metric, None if value is None else float(value)
+
+
+def rank_best(measured: list[tuple[int, Path, float]], metric: str, n: int) -> list[tuple[int, Path]]:
+    """The ``n`` best of ``(step, directory, value)`` by ``metric`` (ties: the newer first), sorted by step."""
+    from mtpipe.resume import STOP_METRICS
+
+    higher = STOP_METRICS[metric][1]
+    ranked = sorted(measured, key=lambda sdv: ((-sdv[2] if higher else sdv[2]), -sdv[0]))
+    return sorted(((s, d) for s, d, _ in ranked[:n]), key=lambda sd: sd[0])
+
+
+def _best(cfg: AverageConfig, found: list[tuple[int, Path]], where: str) -> list[tuple[int, Path]]:
+    """``average.select=best``: the ``average.last`` checkpoints with the best validation of the run's
+    ``train.stop_metric``. Only checkpoints validated at their own step have a value; the others are left out
+    (named), and too few measured ones is an error, as too few checkpoints is for ``select=last``."""
+    measured, unmeasured, metrics = [], [], set()
+    for step, d in found:
+        metric, value = checkpoint_metric(d, artifacts.read_manifest(d, "checkpoint"))
+        metrics.add(metric)
+        if value is None:
+            unmeasured.append(d.name)
+        else:
+            measured.append((step, d, value))
+    if len(metrics) > 1:
+        raise MtpipeError(f"{where}: checkpoints were trained with different train.stop_metric values "
+                          f"({', '.join(sorted(metrics))}); select the inputs with --checkpoint")
+    metric = metrics.pop()
+    if not measured:
+        raise MtpipeError(f"{where}: no checkpoint has a recorded {metric} (none was validated at its own step): "
+                          "use --select last, or train with validations at the checkpoint steps")
+    if unmeasured:
+        warn(f"{where}: {len(unmeasured)} checkpoint(s) without a recorded {metric} left out of --select best "
+             f"(first: {unmeasured[0]})")
+    if len(measured) < cfg.last:
+        msg = (f"{where}: asked to average the best {cfg.last} checkpoints by {metric} but only {len(measured)} "
+               "have a recorded value")
+        if not cfg.allow_fewer:
+            raise MtpipeError(msg + " (lower --last, or pass --allow-fewer)")
+        warn(msg + "; averaging those (--allow-fewer)")
+    picked = rank_best(measured, metric, cfg.last)
+    steps = {s for s, _ in picked}
+    info(f"averaging the best {len(picked)} by {metric}: "
+         + ", ".join(f"step {s:,} ({v:.4g})" for s, _, v in measured if s in steps))
     return picked
 
 

@@ -29,6 +29,7 @@ from mtpipe.config import (
     FetchConfig,
     ModelConfig,
     ScoreConfig,
+    ServeConfig,
     TrainConfig,
     base_type,
     field_types,
@@ -377,6 +378,23 @@ def decode(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
 
 
 @stage_command(
+    "serve",
+    [ServeConfig, DecodeConfig],
+    [
+        _in("checkpoint", PATHS["average"], "Checkpoint directory (trained or averaged); with --engine ctranslate2 "
+            "also a CTranslate2 export (`mtpipe export`).", "--checkpoint"),
+        _in("tokens", PATHS["bpe"], "The bpe artifact (its SentencePiece model).", "--tokens"),
+    ],
+)
+def serve(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
+    """Serve translations over HTTP (POST /translate, GET /health, GET /info), concurrent requests decoded together
+    in dynamic batches; decoding settings from the decode section. Needs `pip install 'mtpipe\\[serve]'`."""
+    from mtpipe.serve import serve_model
+
+    serve_model(cfg.serve, cfg.decode, checkpoint=opts.checkpoint, tokens=opts.tokens)
+
+
+@stage_command(
     "score",
     [ScoreConfig],
     [
@@ -438,3 +456,44 @@ def import_(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
         if value is None:
             raise MtpipeError(f"{name}: required")
     import_fairseq(opts.checkpoint, opts.dictionary, opts.spm_model, opts.out, opts.tokens_out, force=opts.force)
+
+
+@stage_command(
+    "attention",
+    [],
+    [
+        _in("checkpoint", PATHS["average"], "Checkpoint directory (trained or averaged).", "--checkpoint"),
+        _in("tokens", PATHS["bpe"], "The bpe artifact (its SentencePiece model).", "--tokens"),
+        Opt("text", Optional[str], None, "The sentence to translate and draw.", ("--text",)),
+        Opt("layer", Optional[int], None, "Layer (1-based) drawn head by head \\[default: the last of each stack]; "
+            "index.html shows every layer.", ("--layer",)),
+        Opt("beam", int, 1, "Beam size of the translation whose attention is drawn (1 = greedy).", ("--beam",)),
+        Opt("alpha", float, 0.6, "Length penalty alpha (GNMT) when --beam > 1.", ("--alpha",)),
+        _out("attention", None, "Output directory: PNG heatmaps, index.html, attention.npz/.json."),
+    ],
+)
+def attention(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
+    """Draw one sentence's attention (encoder self-, decoder self- and encoder-decoder attention, every head) as
+    heatmaps labelled with its pieces, and an offline index.html (the paper's Figures 3-5)."""
+    from mtpipe.attention import attention_command
+
+    attention_command(opts.checkpoint, opts.tokens, opts.text, opts.out, opts.layer, opts.beam, opts.alpha,
+                      force=opts.force)
+
+
+@stage_command(
+    "plots",
+    [],
+    [
+        # Not an "in" path: the default output lies inside the run (the command checks it against live/ instead).
+        Opt("run", Path, Path(PATHS["train"]), "Input: the train run directory (its live/ dvclive metrics).",
+            ("--run",)),
+        _out("plots", None, "Output directory \\[default: RUN/plots]: a PNG per chart and index.html."),
+    ],
+)
+def plots(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
+    """Draw a training run's curves (loss, perplexity, learning rate, valid BLEU, ...) as PNGs and an index.html
+    that opens offline (`dvc plots show` needs a CDN)."""
+    from mtpipe.plots import plots_command
+
+    plots_command(opts.run, opts.out, force=opts.force)

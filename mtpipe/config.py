@@ -230,6 +230,16 @@ class TrainConfig(Section):
     keep_last: int = _h("Keep this many most recent checkpoints (>= the average stage's count).", default=20, ge=1)
     valid_every_steps: int = _h("Validation loss/perplexity every this many updates. 0 = only at the end.",
                                 default=1000, ge=0)
+    valid_bleu_every_steps: int = _h("Validation BLEU (sacreBLEU 13a on the detokenised valid sentences, logged as "
+                                     "valid/bleu) every this many updates. 0 = off.", default=0, ge=0)
+    valid_bleu_sentences: int = _h("Valid sentences decoded for validation BLEU: a fixed, evenly spaced subset of "
+                                   "this many (0 = all).", default=500, ge=0)
+    valid_bleu_beam: int = _h("Beam size of validation BLEU decoding (1 = greedy search).", default=1, ge=1)
+    stop_metric: str = _h("The validation metric that picks the best checkpoint and drives train.patience: "
+                          "valid_ppl (lower is better; every valid_every_steps) or valid_bleu (higher is better; "
+                          "every valid_bleu_every_steps).", default="valid_ppl", choices=("valid_ppl", "valid_bleu"))
+    patience: int = _h("Early stopping: stop after this many validations of train.stop_metric in a row without "
+                       "improvement. 0 = off.", default=0, ge=0)
     log_every_steps: int = _h("Log training metrics every this many updates.", default=10, ge=1)
     max_bad_steps: int = _h("Stop with an error after this many non-finite losses in a row.", default=5, ge=1)
     device: str = _h("auto (cuda:LOCAL_RANK when a GPU is visible, else cpu), cpu or cuda.", default="auto")
@@ -257,6 +267,9 @@ class AverageConfig(Section):
     last: int = _h("Average the last N checkpoints by step (paper: base 5, big 20).", default=5, ge=1)
     up_to_step: Optional[int] = _h("Only consider checkpoints at or before this step.", default=None, ge=0)
     allow_fewer: bool = _h("Warn instead of failing when fewer checkpoints than asked exist.", default=False)
+    select: str = _h("Which N (= average.last) checkpoints: last (the newest by step) or best (the best by the "
+                     "run's train.stop_metric, as recorded in the checkpoints validated when they were written).",
+                     default="last", choices=("last", "best"))
     prune: str = _h(PRUNE_HELP, default="")
 
 
@@ -359,10 +372,35 @@ class ExportConfig(Section):
                                     "float16", "bfloat16", "float32"))
 
 
+@dataclass(frozen=True)
+class ServeConfig(Section):
+    """``serve``: the HTTP translation server (``mtpipe serve``); decoding settings come from ``decode``.
+
+    Key names differ from ``decode``'s: both sections are flags of the one command."""
+
+    SECTION: typing.ClassVar[str] = "serve"
+
+    host: str = _h("Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface).",
+                   default="127.0.0.1")
+    port: int = _h("TCP port (0 = any free port; the one taken is printed).", default=8080, ge=0, le=65535)
+    max_sentences: int = _h("Most sentences in one request (more: 413).", default=64, ge=1)
+    max_chars: int = _h("Most characters in one sentence (more: 413).", default=1000, ge=1)
+    max_queue: int = _h("Most requests waiting for a decoding batch (more: 503 with Retry-After).", default=64, ge=1)
+    batch_wait_ms: float = _h("How long the first waiting request waits for concurrent ones to share its decoding "
+                              "batch (milliseconds).", default=5.0, ge=0)
+    batch_tokens: int = _h("Source tokens (EOS included) of the requests gathered into one decoding batch (a larger "
+                           "request gets a batch of its own); decode.max_tokens still splits each batch.",
+                           default=8000, ge=1)
+    max_beam: int = _h("Largest beam a request may ask for (decode.beam is the default).", default=8, ge=1)
+    max_nbest: int = _h("Largest nbest a request may ask for (decode.nbest is the default).", default=4, ge=1)
+    max_alpha: float = _h("Largest length-penalty alpha a request may ask for (decode.alpha is the default).",
+                          default=4.0, ge=0)
+
+
 SECTIONS: dict[str, type] = {
     c.SECTION: c
     for c in (FetchConfig, BpeConfig, BucketConfig, ModelConfig, TrainConfig, AverageConfig, DecodeConfig, ScoreConfig,
-              ExportConfig)
+              ExportConfig, ServeConfig)
 }
 
 

@@ -29,6 +29,21 @@ def _quiet() -> bool:
     return os.environ.get("RANK", "0") != "0" or os.environ.get("MTPIPE_QUIET") == "1"
 
 
+class _TimeRemaining(TimeRemainingColumn):
+    """rich's ETA, unless the task carries its own estimate in the field ``eta_seconds`` (``mtpipe train``: the
+    sooner of the step plan's end and train.max_time's), which rich's rate-times-steps-left cannot know."""
+
+    def render(self, task: Any) -> Any:
+        eta = task.fields.get("eta_seconds")
+        if eta is None:
+            return super().render(task)
+        from rich.text import Text
+
+        minutes, seconds = divmod(int(eta), 60)
+        hours, minutes = divmod(minutes, 60)
+        return Text(f"{hours:d}:{minutes:02d}:{seconds:02d}", style="progress.remaining")
+
+
 def progress(*extra_columns: Any, transient: bool = False) -> Progress:
     """A progress bar: description, bar, n/total, elapsed, ETA, plus any extra columns (e.g. a rate field)."""
     return Progress(
@@ -38,7 +53,7 @@ def progress(*extra_columns: Any, transient: bool = False) -> Progress:
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         TextColumn("eta"),
-        TimeRemainingColumn(),
+        _TimeRemaining(),
         *extra_columns,
         console=console,
         transient=transient,

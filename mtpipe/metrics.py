@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpipe import writing
-from mtpipe.console import table
+from mtpipe.console import fmt, info, table
 from mtpipe.distributed import rank0_only
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -87,6 +87,86 @@ def log_line(step: int, v: dict[str, float]) -> str:
     """A log line for non-terminal output (DVC, CI, files), where no progress bar is drawn."""
     return (f"step {step:,}  epoch {v['epoch']:.2f}  loss {v['train/loss']:.3f}  ppl {v['train/ppl']:.1f}  "
             f"lr {v['train/lr']:.2e}  |g| {v['train/grad_norm']:.2f}  {v['train/tgt_tokens_per_s']:,.0f} tok/s")
+
+
+def valid_line(step: int, v: dict[str, float]) -> str:
+    """The log line of a validation (loss/perplexity, BLEU, or both)."""
+    parts = []
+    if "valid/loss" in v:
+        parts.append(f"valid loss {v['valid/loss']:.4f}, ppl {v['valid/ppl']:.2f}")
+    if "valid/bleu" in v:
+        parts.append(f"valid BLEU {v['valid/bleu']:.2f}")
+    return f"step {step:,}: " + ", ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Time left and how a run ended
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def remaining_seconds(steps_done: int, total_steps: int, steps_timed: int, seconds_timed: float,
+                      trained_seconds: float, max_time_minutes: float) -> float | None:
+    """The progress bar's estimate of the time left: the sooner of the step plan's end (``total_steps - steps_done``
+    updates at the rate of the ``steps_timed`` updates in ``seconds_timed``) and ``train.max_time``'s (minutes,
+    against the ``trained_seconds`` so far, every invocation counted), whichever ends training first. ``None`` when
+    neither is known yet (no step plan, no time limit; or no update timed for a step plan alone)."""
+    ends = []
+    if total_steps > 0 and steps_timed > 0 and seconds_timed > 0:
+        ends.append(max(total_steps - steps_done, 0) * seconds_timed / steps_timed)
+    if max_time_minutes > 0:
+        ends.append(max(60 * max_time_minutes - trained_seconds, 0.0))
+    return min(ends) if ends else None
+
+
+def stop_note(s: dict[str, Any]) -> str | None:
+    """The loud last line of a run that stopped before its plan ended (``None`` otherwise), from its summary:
+    ``stopped_by`` ``max_time`` with ``planned_updates`` (> ``steps``) of max_steps/max_epochs, or ``patience``
+    with the best validation."""
+    if s.get("stopped_by") == "max_time" and s.get("planned_updates") and s["steps"] < s["planned_updates"]:
+        done, plan = s["steps"], s["planned_updates"]
+        return (f"stopped by train.max_time={s['max_time']:g} min after {done:,} of {plan:,} planned updates "
+                f"({100 * done / plan:.0f} %)")
+    if s.get("stopped_by") == "patience":
+        best = s.get("best") or {}
+        return (f"stopped early by train.patience={s['patience']} at update {s['steps']:,}: {best.get('bad')} "
+                f"validations of {best.get('metric')} without improvement on the best, {best.get('value'):.4g} at "
+                f"update {best.get('step'):,} (checkpoint kept, named in best.json)")
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The plain-text log
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class TextLog:
+    """``OUT/train.log`` (rank 0 only): the step and validation lines, resumes and the final summary as plain text
+    with UTC times, appended across invocations, so that a run read later (or on a machine without the terminal it
+    ran in) keeps its story. Lines are flushed as written: a kill loses none that were printed."""
+
+    NAME = "train.log"
+
+    def __init__(self) -> None:
+        self.f: Any = None
+
+    @rank0_only
+    def open(self, out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.f = open(out / self.NAME, "a", encoding="utf-8", buffering=1)
+
+    @rank0_only
+    def write(self, line: str) -> None:
+        if self.f is not None:
+            import time
+
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+            self.f.write("".join(f"{stamp}  {ln}\n" for ln in line.splitlines() or [""]))
+
+    @rank0_only
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+            self.f = None
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -203,16 +283,28 @@ class Metrics:
 
 
 @rank0_only
-def report(out: Path, s: dict[str, Any]) -> None:
-    """Write the run's summary to ``out/train.json`` and print it as a table."""
+def report(out: Path, s: dict[str, Any], log: TextLog | None = None) -> None:
+    """Write the run's summary to ``out/train.json``, print it as a table (and into ``log``), and end with the loud
+    :func:`stop_note` of a run that stopped before its plan ended."""
     writing.atomic_write_text(out / "train.json", json.dumps(s, indent=2, sort_keys=True) + "\n")
+    best = s.get("best") or {}
     rows = [
         ("steps", s["steps"]), ("epochs", s["epochs"]), ("stopped by", s["stopped_by"]),
         ("target tokens", s["target_tokens"]), ("train loss", s["train_loss"]), ("train ppl", s["train_ppl"]),
         ("valid loss", s["valid_loss"]), ("valid ppl", s["valid_ppl"]),
+        *([("valid BLEU", s["valid_bleu"])] if s.get("valid_bleu") is not None else []),
+        *([(f"best {best['metric']} (update)", f"{best['value']:.4g} ({best['step']:,})")]
+          if best.get("step", -1) >= 0 else []),
         ("training time (min)", s["train_minutes"]), ("target tokens/s (this run)", s["tgt_tokens_per_s"]),
         ("processes x accumulation", f"{s['processes']} x {s['accumulation']}"),
         ("precision / device", f"{s['precision']} / {s['device']}"),
         ("last checkpoint", s["checkpoints"][-1] if s["checkpoints"] else None),
     ]
     table(f"train: {out}", ["", "value"], rows)
+    note = stop_note(s)
+    if log is not None:
+        log.write("summary: " + "; ".join(f"{k} {fmt(v)}" for k, v in rows))
+        if note:
+            log.write(f"*** {note} ***")
+    if note:  # last, in bold, so that a run cut short is not mistaken for a finished one
+        info(f"[bold red]*** {note} ***[/bold red]")

@@ -27,6 +27,48 @@ from mtpipe.metrics import Window
 
 TRAINER_STATE_VERSION = 1
 
+# train.stop_metric -> (the valid/* curve it reads, whether higher is better)
+STOP_METRICS = {"valid_ppl": ("valid/ppl", False), "valid_bleu": ("valid/bleu", True)}
+
+
+def improves(metric: str, value: float, best: float | None) -> bool:
+    """Whether ``value`` of ``train.stop_metric`` beats ``best`` (``None``: nothing measured yet); strictly, so a
+    plateau counts against the patience."""
+    higher = STOP_METRICS[metric][1]
+    return best is None or (value > best if higher else value < best)
+
+
+@dataclass
+class Best:
+    """Early stopping's record (part of ``trainer.pt``, so a resume in the middle of a patience count continues it):
+    the best scheduled validation of ``train.stop_metric`` so far, its step (whose checkpoint is never pruned), and
+    the validations since then that did not improve on it."""
+
+    metric: str = ""  # the train.stop_metric the record is about ("": none yet)
+    value: float | None = None
+    step: int = -1
+    bad: int = 0  # validations in a row without improvement
+
+    def update(self, metric: str, value: float, step: int) -> bool:
+        """Book one validation; True when it improved on the best (it is the new best). A record about another
+        metric (train.stop_metric changed between invocations) starts over."""
+        if metric != self.metric:
+            self.metric, self.value, self.step, self.bad = metric, None, -1, 0
+        if improves(metric, value, self.value):
+            self.value, self.step, self.bad = float(value), step, 0
+            return True
+        self.bad += 1
+        return False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"metric": self.metric, "value": self.value, "step": self.step, "bad": self.bad}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Best:
+        value = d.get("value")
+        return cls(metric=str(d.get("metric", "")), value=None if value is None else float(value),
+                   step=int(d.get("step", -1)), bad=int(d.get("bad", 0)))
+
 
 @dataclass
 class TrainState:
@@ -43,6 +85,9 @@ class TrainState:
     window: Window = field(default_factory=Window)  # sums since the last logged point: that point resumes exact
     last_valid_step: int = -1  # the step of the last validation (-1: none yet)
     last_valid: dict[str, float] = field(default_factory=dict)  # its valid/* values
+    last_bleu_step: int = -1  # the step of the last validation BLEU (-1: none yet)
+    last_bleu: float | None = None  # its valid/bleu
+    best: Best = field(default_factory=lambda: Best())  # early stopping: the best validation so far
 
     def to_dict(self) -> dict[str, Any]:
         """Plain numbers and dicts, under the keys every version-1 ``trainer.pt`` has."""
@@ -52,6 +97,7 @@ class TrainState:
             "train_seconds": self.train_seconds, "tgt_seen": self.tgt_seen, "src_seen": self.src_seen,
             "window": self.window.to_dict(),
             "last_valid_step": self.last_valid_step, "last_valid": dict(self.last_valid),
+            "last_bleu_step": self.last_bleu_step, "last_bleu": self.last_bleu, "best": self.best.to_dict(),
         }
 
     @classmethod
@@ -63,6 +109,10 @@ class TrainState:
             train_seconds=float(ts["train_seconds"]), tgt_seen=int(ts["tgt_seen"]), src_seen=int(ts["src_seen"]),
             window=Window.from_dict(dict(ts["window"])),
             last_valid_step=int(ts["last_valid_step"]), last_valid=dict(ts["last_valid"]),
+            # Checkpoints written before validation BLEU and early stopping existed lack these keys.
+            last_bleu_step=int(ts.get("last_bleu_step", -1)),
+            last_bleu=None if ts.get("last_bleu") is None else float(ts["last_bleu"]),
+            best=Best.from_dict(dict(ts.get("best") or {})),
         )
 
 
@@ -93,7 +143,7 @@ def restore(ck: artifacts.Checkpoint, optimizer: torch.optim.Optimizer, scaler: 
     state = TrainState.from_dict(ts)
     rank, world, rngs = distributed.rank(), distributed.world_size(), ts["rng"]
     if len(rngs) == world and ts.get("accum") == accum:
-        _set_rng_state(rngs[rank], device)
+        set_rng_state(rngs[rank], device)
     else:
         warn(f"resuming {ck.path.name} with {world} process(es) x {accum} accumulation (it was written "
              f"with {len(rngs)} x {ts.get('accum')}): training continues, but not bitwise like an uninterrupted run")
@@ -105,15 +155,38 @@ def restore(ck: artifacts.Checkpoint, optimizer: torch.optim.Optimizer, scaler: 
 def write(out: Path, model: torch.nn.Module, model_config: dict[str, Any], vocab: dict[str, Any],
           trainer_state: dict[str, Any], cfg: TrainConfig, upstream: dict[str, Path], extra: dict[str, Any]) -> None:
     """Write checkpoint ``out/checkpoints/step_{step:08d}`` (:func:`mtpipe.writing.write_checkpoint`: atomic, so a
-    kill leaves the previous ones intact) and remove all but the last ``train.keep_last``."""
+    kill leaves the previous ones intact), record the best one in ``out/best.json``, and remove all but the last
+    ``train.keep_last`` and the best (:func:`prunable`)."""
     step = int(trainer_state["step"])
     writing.write_checkpoint(
         artifacts.checkpoint_path(out, step), state_dict=model.state_dict(), model_config=model_config, vocab=vocab,
         step=step, trainer_state=trainer_state, params={"model": model_config, "train": to_dict(cfg)},
         upstream=upstream, extra=extra,
     )
-    for _, old in list_checkpoints(out)[: -cfg.keep_last]:
+    best = Best.from_dict(dict(trainer_state.get("best") or {}))
+    if best.step >= 0:
+        write_best(out, best)
+    for _, old in prunable(list_checkpoints(out), cfg.keep_last, protect={best.step}):
         shutil.rmtree(old, ignore_errors=True)
+
+
+BEST_FILE = "best.json"  # in the run directory: the best checkpoint by train.stop_metric
+
+
+def prunable(found: list[tuple[int, Path]], keep_last: int, protect: set[int]) -> list[tuple[int, Path]]:
+    """The checkpoints (``found`` sorted by step) that ``train.keep_last`` lets go: all but the newest ``keep_last``,
+    never one at a ``protect``ed step (the best checkpoint survives however many newer ones follow it)."""
+    return [(s, d) for s, d in found[: max(len(found) - keep_last, 0)] if s not in protect]
+
+
+def write_best(out: Path, best: Best) -> None:
+    """``out/best.json``: which checkpoint is the best by ``train.stop_metric``, and the early-stopping count."""
+    import json
+
+    record = {"metric": best.metric, "value": best.value, "step": best.step,
+              "checkpoint": str(artifacts.checkpoint_path(".", best.step)),
+              "validations_without_improvement": best.bad}
+    writing.atomic_write_text(out / BEST_FILE, json.dumps(record, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -127,7 +200,7 @@ def rng_state(device: torch.device) -> dict[str, Any]:
             "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
 
-def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and state.get("cuda") is not None:
         torch.cuda.set_rng_state(state["cuda"], device)

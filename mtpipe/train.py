@@ -19,11 +19,18 @@
   same command on the same ``OUT`` continues from the latest checkpoint, and the loss curve from there equals the
   uninterrupted run's (bitwise on CPU).
 * Metrics (:mod:`mtpipe.metrics`): dvclive under ``OUT/live`` (``plots/metrics/{train,valid}/*.tsv`` with ``step``
-  as x, for ``dvc plots``), ``OUT/train.json`` (final summary), a rich progress bar and summary table.
+  as x, for ``dvc plots``), ``OUT/train.json`` (final summary), ``OUT/train.log`` (the same lines as plain text,
+  appended across resumes), a rich progress bar (its time left honours ``train.max_time``) and summary table.
+* Validation (section 6.2's dev set): loss/perplexity every ``train.valid_every_steps``; BLEU of greedy translations
+  of a fixed valid sample every ``train.valid_bleu_every_steps`` (:meth:`Trainer.valid_bleu`). Each validation of
+  ``train.stop_metric`` that improves on the best writes that step's checkpoint, which ``keep_last`` never removes
+  (``OUT/best.json``); ``train.patience`` such validations in a row without improvement stop training
+  (:class:`mtpipe.resume.Best`, part of the trainer state, so a resume continues the count).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -47,7 +54,7 @@ from mtpipe.config import ModelConfig, TrainConfig, to_dict
 from mtpipe.console import console, info, progress, warn
 from mtpipe.errors import MtpipeError
 from mtpipe.loss import label_smoothed_nll
-from mtpipe.metrics import Metrics, Throughput, Window
+from mtpipe.metrics import Metrics, TextLog, Throughput, Window
 from mtpipe.resume import (
     TrainState,
     changed_trajectory_keys,
@@ -234,6 +241,15 @@ _TRIM_EVERY_STEPS = 100
 
 
 @dataclass
+class ValidBleu:
+    """Validation BLEU's fixed sample of the valid split (:meth:`Trainer._bleu_setup`)."""
+
+    sources: list[list[int]]  # source pieces without EOS, as the decoder takes them
+    references: list[str]  # the target pieces detokenised by ``sp``
+    sp: Any  # sentencepiece.SentencePieceProcessor of the bpe artifact
+
+
+@dataclass
 class UpdateResult:
     """One update as every rank sees it after the update's all-reduce (the same values on all ranks)."""
 
@@ -261,6 +277,12 @@ def check_stopping(cfg: TrainConfig) -> None:
     if _drophead_on(cfg) and not (cfg.max_steps > 0 or cfg.max_epochs > 0):
         raise MtpipeError("train.drophead_start/drophead_end: the schedule rises to drophead_end at the last step: "
                           "set train.max_steps or train.max_epochs")
+    if cfg.stop_metric == "valid_bleu" and cfg.valid_bleu_every_steps == 0:
+        raise MtpipeError("train.stop_metric=valid_bleu: needs validation BLEU: set train.valid_bleu_every_steps > 0 "
+                          "(or use stop_metric valid_ppl)")
+    if cfg.patience and cfg.stop_metric == "valid_ppl" and cfg.valid_every_steps == 0:
+        raise MtpipeError("train.patience: counts validations of valid_ppl, which train.valid_every_steps=0 turns "
+                          "off: set train.valid_every_steps > 0")
 
 
 def _drophead_on(cfg: TrainConfig) -> bool:
@@ -296,6 +318,9 @@ class Trainer:
         self.last_progress = 0.0  # rank 0: the budget progress after the last update (save_every_progress)
         self.last_train: dict[str, float] = {}  # the last logged train/* values, for the summary
         self.metrics = Metrics()
+        self.text_log = TextLog()
+        self.best_due = False  # a scheduled validation improved on the best: checkpoint this step
+        self.bleu = self._bleu_setup()  # (sources, references, SentencePiece) of validation BLEU, or None
         # This invocation's clocks (monotonic seconds), restarted when the loop starts.
         self.loop_start = self.last_save_time = time.monotonic()
         self.seconds_before = 0.0  # training seconds of the invocations before this one
@@ -348,8 +373,20 @@ class Trainer:
             ts = resume.trainer_state(st, u.optimizer, u.scaler, rngs, self.world, self.data.accum, self.cfg.seed)
             resume.write(self.out, self.model, self.model_config, self.data.vocab, ts, self.cfg,
                          upstream={"tokens": self.tokens, "batches": self.batches},
-                         extra={"epoch": st.epoch, "world_size": self.world, "precision": self.precision})
+                         extra={"epoch": st.epoch, "world_size": self.world, "precision": self.precision,
+                                "valid": self._valid_at_step()})
         self.last_saved_step = self.state.step
+        self.best_due = False
+
+    def _valid_at_step(self) -> dict[str, float]:
+        """The validation metrics measured at the current step (``{}``: none), recorded in its checkpoint's manifest
+        so that ``mtpipe average --select best`` can rank checkpoints."""
+        st, out = self.state, {}
+        if st.last_valid_step == st.step:
+            out.update(st.last_valid)
+        if st.last_bleu_step == st.step and st.last_bleu is not None:
+            out["valid/bleu"] = st.last_bleu
+        return out
 
     # -- validation ----------------------------------------------------------------------------------------------
 
@@ -373,6 +410,74 @@ class Trainer:
         self.state.last_valid = {"valid/loss": loss / ntok, "valid/nll": nll / ntok,
                                  "valid/ppl": math.exp(min(nll / ntok, 700.0))}
         return self.state.last_valid
+
+    def _bleu_setup(self) -> ValidBleu | None:
+        """The fixed valid sample that validation BLEU decodes (``train.valid_bleu_sentences``, evenly spaced over
+        the split so that it is the same at every validation and on every rank), its references detokenised from the
+        bpe artifact's pieces, and the SentencePiece model; None when validation BLEU is off."""
+        cfg = self.cfg
+        if cfg.valid_bleu_every_steps == 0:
+            return None
+        vt = self.data.valid_tokens
+        if vt is None:
+            raise MtpipeError(f"{self.batches}: train.valid_bleu_every_steps={cfg.valid_bleu_every_steps} needs a "
+                              "valid split and these batches have none that the model can take; set it to 0")
+        from mtpipe.bpe import load_spm
+        from mtpipe.loading import SPM_MODEL
+        from mtpipe.search import max_source_len
+
+        sp = load_spm(artifacts.verify_file(self.tokens, SPM_MODEL, artifacts.read_manifest(self.tokens, "tokens")))
+        limit = max_source_len(self.model.cfg.max_positions)
+        n = len(vt.ids)
+        want = min(cfg.valid_bleu_sentences or n, n)
+        rows = np.unique(np.linspace(0, n - 1, want).round().astype(np.int64)) if n else np.zeros(0, np.int64)
+        rows = [int(r) for r in rows if vt.src_len[r] <= limit]  # longer ones would not fit the positions table
+        if not rows:
+            raise MtpipeError(f"{self.tokens}: no valid sentence fits model.max_positions="
+                              f"{self.model.cfg.max_positions} for train.valid_bleu_every_steps; set it to 0")
+        sources = [vt.src[vt.src_off[r] : vt.src_off[r + 1]].tolist() for r in rows]
+        refs = [sp.decode(vt.tgt[vt.tgt_off[r] : vt.tgt_off[r + 1]].tolist()) for r in rows]
+        return ValidBleu(sources=sources, references=refs, sp=sp)
+
+    def valid_bleu(self, bar: Any = None) -> float:
+        """sacreBLEU (13a, mixed case) of the model's translations of the valid sample against its references, by
+        :func:`mtpipe.decode.translate_batches` (greedy search at ``train.valid_bleu_beam`` 1; the paper's rules of
+        section 6.1 otherwise: length penalty alpha 0.6, at most input + 50 tokens). Ranks translate every
+        world-size-th sentence and rank 0 scores them all (one number, handed to every rank, so early stopping
+        decides alike everywhere). The bare model (not DDP's wrapper) decodes in eval mode and goes back to train
+        mode; the RNG state is put back, so a run that validates stays the run it would have been (exact resume).
+        ``bar``: a live progress bar to show the decoding on (else one of its own)."""
+        from mtpipe.decode import translate_batches
+        from mtpipe.search import DecodeRules
+
+        v, cfg = self.bleu, self.cfg
+        assert v is not None
+        mine = list(range(self.rank, len(v.sources), self.world))
+        rules = DecodeRules(beam=cfg.valid_bleu_beam)
+        rng = resume.rng_state(self.device)
+        try:
+            with contextlib.ExitStack() as stack:
+                if bar is None:
+                    bar = stack.enter_context(progress())
+                task = bar.add_task("valid BLEU", total=len(mine), stats="")
+                results = translate_batches(self.model, [v.sources[i] for i in mine], rules,
+                                            max_tokens=max(self.data.max_tokens // cfg.valid_bleu_beam, 1),
+                                            device=self.device, on_done=lambda n: bar.advance(task, n))
+                bar.remove_task(task)
+        finally:
+            self.model.train()
+            resume.set_rng_state(rng, self.device)
+        texts = v.sp.decode([r[0].tokens for r in results])
+        gathered = distributed.all_gather_object(list(zip(mine, texts)))  # [world][(index, hypothesis)]
+        score = None
+        if distributed.is_rank0():
+            from sacrebleu.metrics import BLEU
+
+            hyps = dict(pair for part in gathered for pair in part)
+            score = float(BLEU().corpus_score([hyps[i] for i in range(len(v.sources))], [v.references]).score)
+        bleu = float(distributed.broadcast_object(score))
+        self.state.last_bleu_step, self.state.last_bleu = self.state.step, bleu
+        return bleu
 
     # -- one update ----------------------------------------------------------------------------------------------
 
@@ -466,19 +571,28 @@ class Trainer:
         order = epoch_order(len(self.data.train), self.cfg.seed, self.state.epoch)
         from rich.progress import TextColumn
 
+        start_step = self.state.step
         with progress(TextColumn("{task.fields[stats]}")) as bar:
-            task = bar.add_task("train", total=self.total_steps or None, completed=self.state.step, stats="")
+            task = bar.add_task("train", total=self.total_steps or None, completed=self.state.step, stats="",
+                                eta_seconds=self._eta(start_step))
             while not reason:
                 result = self._update(order, *self._rank0_clock())
                 order = self._account(result, order)
                 if result.applied:
                     self._maybe_log(bar, task)
-                    self._maybe_validate()
+                    self._maybe_validate(bar)
                 reason = self._stop_reason(result.time_up)
                 if result.applied and not reason:
-                    self._maybe_save(result.save_due)
-                bar.update(task, completed=self.state.step)
+                    self._maybe_save(result.save_due or self.best_due)
+                bar.update(task, completed=self.state.step, eta_seconds=self._eta(start_step))
         return reason
+
+    def _eta(self, start_step: int) -> float | None:
+        """The progress bar's time left (:func:`mtpipe.metrics.remaining_seconds`): the sooner of the step plan's
+        end, at this invocation's pace so far, and train.max_time's (rich alone would ignore the time limit)."""
+        elapsed = time.monotonic() - self.loop_start
+        return metrics.remaining_seconds(self.state.step, self.total_steps, self.state.step - start_step, elapsed,
+                                         self.seconds_before + elapsed, self.cfg.max_time)
 
     def _rank0_clock(self) -> tuple[bool, bool, float]:
         """``(save_due, time_up, progress)`` by rank 0's clock (others say False, False, 0): the update's all-reduce
@@ -529,18 +643,39 @@ class Trainer:
             self.metrics.log(st.step, values)
             bar.update(task, stats=f"loss {values['train/loss']:.3f} | "
                                    f"{values['train/tgt_tokens_per_s']:,.0f} tgt tok/s")
+            line = metrics.log_line(st.step, values)
             if not console.is_terminal:
-                info(metrics.log_line(st.step, values))
+                info(line)
+            self.text_log.write(line)
             self.throughput.restart(now)
         if st.step % _TRIM_EVERY_STEPS == 0 and self.device.type == "cpu":
             runtime.trim_cpu_memory()
 
-    def _maybe_validate(self) -> None:
-        every = self.cfg.valid_every_steps
-        if every and self.state.step % every == 0 and self.data.valid is not None:
-            vals = self.valid_loss()
-            self.metrics.log(self.state.step, vals)
-            info(f"step {self.state.step:,}: valid loss {vals['valid/loss']:.4f}, ppl {vals['valid/ppl']:.2f}")
+    def _maybe_validate(self, bar: Any = None) -> None:
+        """The scheduled validations: loss/perplexity every ``train.valid_every_steps``, BLEU every
+        ``train.valid_bleu_every_steps``. Each one of ``train.stop_metric`` is booked for early stopping
+        (:class:`mtpipe.resume.Best`): an improvement makes this step's checkpoint the best one (written now if
+        none is due); ``train.patience`` counts the others."""
+        cfg, st = self.cfg, self.state
+        vals: dict[str, float] = {}
+        if cfg.valid_every_steps and st.step % cfg.valid_every_steps == 0 and self.data.valid is not None:
+            vals.update(self.valid_loss())
+        if self.bleu is not None and st.step % cfg.valid_bleu_every_steps == 0:
+            vals["valid/bleu"] = self.valid_bleu(bar)
+        if not vals:
+            return
+        self.metrics.log(st.step, vals)
+        line = metrics.valid_line(st.step, vals)
+        curve = resume.STOP_METRICS[cfg.stop_metric][0]
+        if curve in vals:
+            if st.best.update(cfg.stop_metric, vals[curve], st.step):
+                self.best_due = True
+                line += f" (best {cfg.stop_metric} so far)"
+            else:
+                line += (f" (no improvement on {st.best.value:.4g} at update {st.best.step:,}: {st.best.bad}"
+                         + (f" of patience {cfg.patience})" if cfg.patience else ")"))
+        info(line)
+        self.text_log.write(line)
 
     def _stop_reason(self, time_up: bool) -> str:
         cfg, st = self.cfg, self.state
@@ -548,6 +683,8 @@ class Trainer:
             return "max_steps"
         if cfg.max_epochs and st.epoch >= cfg.max_epochs:
             return "max_epochs"
+        if cfg.patience and st.best.metric == cfg.stop_metric and st.best.bad >= cfg.patience:
+            return "patience"
         return "max_time" if time_up else ""
 
     def _maybe_save(self, save_due: bool) -> None:
@@ -574,33 +711,55 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         st, d = self.state, self.data
         t0 = time.monotonic()
+        self.text_log.open(self.out)
         if self.resumed_from is not None:
-            info(f"resuming from {self.resumed_from} (step {st.step:,}, epoch {st.epoch + 1}, batch "
-                 f"{st.position:,}/{d.usable:,})")
-        info(f"training {sum(p.numel() for p in self.model.parameters()):,} parameters on {self.world} x "
-             f"{self.device.type} ({self.precision}), {d.accum} batch(es) of <= {d.max_tokens:,} tokens per "
-             f"process per update, {len(d.train):,} batches per epoch ({len(d.train) - d.usable} left out)")
+            self._say(f"resuming from {self.resumed_from} (step {st.step:,}, epoch {st.epoch + 1}, batch "
+                      f"{st.position:,}/{d.usable:,})")
+        self._say(f"training {sum(p.numel() for p in self.model.parameters()):,} parameters on {self.world} x "
+                  f"{self.device.type} ({self.precision}), {d.accum} batch(es) of <= {d.max_tokens:,} tokens per "
+                  f"process per update, {len(d.train):,} batches per epoch ({len(d.train) - d.usable} left out)")
         self.metrics.open(self.out, st.step if self.resumed_from is not None else None)
         start_step, start_tokens = st.step, st.tgt_seen
         try:
             reason = self.train_loop()
+            # The last step's metrics, off the validation schedule: logged and recorded in the last checkpoint,
+            # but not booked for early stopping (a longer run would not validate here; its count must not differ).
+            final: dict[str, float] = {}
             if d.valid is not None and st.last_valid_step != st.step:
-                self.metrics.log(st.step, self.valid_loss())
+                final.update(self.valid_loss())
+            if self.bleu is not None and st.last_bleu_step != st.step and st.step > 0:
+                final["valid/bleu"] = self.valid_bleu()
+            if final:
+                self.metrics.log(st.step, final)
+                self._say(metrics.valid_line(st.step, final))
             if st.step > 0 and self.last_saved_step != st.step:
                 self.save()
             elif st.step == 0:
                 warn("no update was made: no checkpoint written")
+            seconds = time.monotonic() - t0
+            summary = self._summary(reason, st.step - start_step, (st.tgt_seen - start_tokens) / max(seconds, 1e-9))
+            metrics.report(self.out, summary, self.text_log)
         finally:
             self.metrics.close()
-        seconds = time.monotonic() - t0
-        summary = self._summary(reason, st.step - start_step, (st.tgt_seen - start_tokens) / max(seconds, 1e-9))
-        metrics.report(self.out, summary)
+            self.text_log.close()
         return summary
+
+    def _say(self, line: str) -> None:
+        """A line for the console and ``OUT/train.log``."""
+        info(line)
+        self.text_log.write(line)
+
+    def planned_updates(self) -> int:
+        """The updates max_steps and max_epochs plan for (the sooner of the two; 0: neither is set)."""
+        cfg, d = self.cfg, self.data
+        plans = [n for n in (cfg.max_steps, cfg.max_epochs * d.usable // d.per_update) if n > 0]
+        return min(plans) if plans else 0
 
     def _summary(self, reason: str, updates_now: int, tgt_per_s: float) -> dict[str, Any]:
         st, d = self.state, self.data
         found = list_checkpoints(self.out) if distributed.is_rank0() else []
-        return {
+        planned = self.planned_updates()
+        summary = {
             "steps": st.step, "updates_this_run": updates_now, "stopped_by": reason,
             "epochs": round(st.epoch + st.position / d.usable, 4),
             "target_tokens": st.tgt_seen, "source_tokens": st.src_seen,
@@ -615,7 +774,17 @@ class Trainer:
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "checkpoints": [str(p) for _, p in found],
             "model": self.model_config, "vocab": d.vocab,
+            "valid_bleu": st.last_bleu,
+            # How far the plan got: a run the time guard (or early stopping) ended before max_steps/max_epochs.
+            "planned_updates": planned, "plan_done": round(st.step / planned, 4) if planned else None,
+            "max_time": self.cfg.max_time, "patience": self.cfg.patience,
+            "stopped_early": reason == "patience" or (reason == "max_time" and st.step < planned),
+            "best": {**st.best.to_dict(),
+                     "checkpoint": str(artifacts.checkpoint_path(self.out, st.best.step)) if st.best.step >= 0
+                     else None},
         }
+        summary["stop_note"] = metrics.stop_note(summary)  # the loud last line, when the plan was cut short
+        return summary
 
 
 def train_model(model_cfg: ModelConfig, cfg: TrainConfig, tokens: Path, batches: Path, out: Path, *,

@@ -1,0 +1,253 @@
+#!/usr/bin/env python3
+"""Serving throughput: `mtpipe serve` under N concurrent clients against offline `mtpipe decode` on the same sentences.
+
+One command: starts `mtpipe serve` on loopback with the given checkpoint and bpe artifact, then runs ``--rounds``
+interleaved rounds (the order alternates each round: this machine's speed drifts by up to 40 % over minutes, so only
+same-round ratios mean anything). Each round:
+
+* **offline**: `mtpipe decode --input FILE` over the sentences in its own process; its throughput is the sentences
+  over the decoding seconds it reports itself (model loading and start-up excluded: that is the fair baseline for a
+  server, which loads once);
+* **server**: ``--clients`` threads (default 8), each with its own keep-alive connection, sending the sentences one
+  per request (``{"text": [sentence]}``) until all are translated; throughput is the sentences over the wall time,
+  latency is each request's round trip.
+
+Reported (a rich table, and a markdown table under ``--out``, default ``bench/out/serve``): sentences/s of both, the
+server's ratio to offline, p50 / p99 latency, failed (non-200) and lost (no answer: a connection error or timeout)
+requests, answers that differ from the offline translation, and the largest number of requests the server merged
+into one batch. min / median / max over the rounds. Target: server >= 70 % of offline throughput.
+
+    python bench/serve.py --checkpoint artifacts/average --tokens artifacts/bpe \\
+        --sentences /data/multi30k/test_2016_flickr.en.gz
+    python bench/serve.py ... --n 100 --rounds 3 --clients 8 --decode-args "--beam 4 --threads 2" \\
+        --serve-args "--batch-wait-ms 5"
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gzip
+import os
+import platform
+import queue
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import unicodedata
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mtpipe.console import console, fmt, table  # noqa: E402
+
+
+def read_sentences(path: Path, n: int) -> list[str]:
+    """The first ``n`` non-blank lines, cleaned as `mtpipe decode --input` cleans them (NFC, stripped)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    out = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            line = unicodedata.normalize("NFC", line.rstrip("\n")).strip()
+            if line:
+                out.append(line)
+            if len(out) == n:
+                break
+    if not out:
+        sys.exit(f"error: {path}: no sentences")
+    return out
+
+
+def common_args(args: argparse.Namespace) -> list[str]:
+    params = ["--params", str(args.params)] if args.params else []
+    return [*params, "--checkpoint", str(args.checkpoint), "--tokens", str(args.tokens),
+            *shlex.split(args.decode_args)]
+
+
+class Server:
+    """`mtpipe serve` in a subprocess on 127.0.0.1, a free port (read back from its start-up line)."""
+
+    def __init__(self, args: argparse.Namespace, log: Path) -> None:
+        cmd = [sys.executable, "-m", "mtpipe", "serve", *common_args(args), "--host", "127.0.0.1", "--port", "0",
+               "--max-queue", str(max(64, 4 * args.clients)), *shlex.split(args.serve_args)]
+        self.log = log.open("w", encoding="utf-8")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                     env={**os.environ, "COLUMNS": "160"})
+        self.url = ""
+        ready = threading.Event()
+
+        def read() -> None:
+            for line in self.proc.stderr:
+                self.log.write(line)
+                self.log.flush()
+                if "listening on " in line and not ready.is_set():
+                    self.url = line.split("listening on ")[1].split()[0]
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        ready.wait(300)
+        if not self.url:
+            sys.exit(f"error: mtpipe serve did not start (log: {log})")
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(120)
+        finally:
+            self.log.close()
+
+
+def offline(args: argparse.Namespace, infile: Path, n: int) -> tuple[float, list[str]]:
+    """``(sentences/s, translations)`` of `mtpipe decode --input` (decoding seconds as decode reports them)."""
+    cmd = [sys.executable, "-m", "mtpipe", "decode", *common_args(args), "--input", str(infile)]
+    start = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "COLUMNS": "160"})
+    wall = time.perf_counter() - start
+    if p.returncode != 0:
+        sys.exit(f"error: mtpipe decode failed: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ''}")
+    # decode's summary table: "│ seconds │ 12.34 │" (rich; the row's first number is the time spent translating)
+    m = re.search(r"\bseconds\b\D*?([\d,]+(?:\.\d+)?)", p.stderr)
+    seconds = float(m.group(1).replace(",", "")) if m else wall
+    if not m:
+        console.print("[yellow]warning:[/yellow] decode's seconds not found in its summary: using process wall time")
+    return n / max(seconds, 1e-9), p.stdout.splitlines()
+
+
+def load(url: str, sentences: list[str], clients: int, timeout: float) -> dict:
+    """``clients`` threads sending the sentences one per request: throughput, latencies, failures, answers."""
+    import httpx
+
+    todo: queue.Queue[int] = queue.Queue()
+    for i in range(len(sentences)):
+        todo.put(i)
+    answers: list[str | None] = [None] * len(sentences)
+    latencies: list[float] = []
+    failed, lost, batches = [0], [0], []
+    lock = threading.Lock()
+
+    def client() -> None:
+        with httpx.Client(base_url=url, timeout=timeout) as c:
+            while True:
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
+                    return
+                t0 = time.perf_counter()
+                try:
+                    r = c.post("/translate", json={"text": [sentences[i]]})
+                except httpx.HTTPError:
+                    with lock:
+                        lost[0] += 1
+                    continue
+                dt = time.perf_counter() - t0
+                with lock:
+                    if r.status_code != 200:
+                        failed[0] += 1
+                        continue
+                    latencies.append(dt)
+                    body = r.json()
+                    answers[i] = body["translations"][0]
+                    batches.append(body["batch"]["requests"])
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    latencies.sort()
+
+    def pct(q: float) -> float:
+        return latencies[min(len(latencies) - 1, int(q * len(latencies)))] if latencies else float("nan")
+
+    ok = sum(a is not None for a in answers)
+    return {"sent_s": ok / wall, "p50_ms": 1000 * pct(0.50), "p99_ms": 1000 * pct(0.99), "failed": failed[0],
+            "lost": lost[0], "answers": answers, "mean_batch": statistics.mean(batches) if batches else 0.0}
+
+
+def spread(values: list[float]) -> str:
+    return f"{fmt(min(values))} / {fmt(statistics.median(values))} / {fmt(max(values))}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", type=Path, required=True, help="checkpoint (or CTranslate2 export) to serve")
+    ap.add_argument("--tokens", type=Path, required=True, help="its bpe artifact")
+    ap.add_argument("--sentences", type=Path, required=True, help="source sentences, one a line (.gz read as gzip)")
+    ap.add_argument("--n", type=int, default=1000, help="sentences to translate (the first N non-blank lines)")
+    ap.add_argument("--clients", type=int, default=8, help="concurrent clients, one sentence per request")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (>= 3 for min / median / max)")
+    ap.add_argument("--params", type=Path, default=None, help="params file for both (default: ./params.yaml)")
+    ap.add_argument("--decode-args", default="", help="decode flags for both, e.g. '--beam 4 --threads 2'")
+    ap.add_argument("--serve-args", default="", help="serve flags, e.g. '--batch-wait-ms 5'")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds a request may take before it counts lost")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "serve", help="markdown table and logs")
+    args = ap.parse_args()
+    if args.rounds < 1 or args.clients < 1 or args.n < 1:
+        sys.exit("error: --rounds, --clients and --n must be >= 1")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    sentences = read_sentences(args.sentences, args.n)
+    infile = args.out / "sentences.txt"
+    infile.write_text("".join(s + "\n" for s in sentences), encoding="utf-8")
+    console.print(f"{len(sentences):,} sentences, {args.clients} clients, {args.rounds} rounds")
+
+    server = Server(args, args.out / "serve.log")
+    rows, reference = [], None
+    try:
+        load(server.url, sentences[: 4 * args.clients], args.clients, args.timeout)  # warm-up, not timed
+        for r in range(args.rounds):
+            order = ("offline", "server") if r % 2 == 0 else ("server", "offline")
+            row: dict = {"round": r + 1}
+            for part in order:
+                if part == "offline":
+                    row["offline"], reference = offline(args, infile, len(sentences))
+                else:
+                    row.update(load(server.url, sentences, args.clients, args.timeout))
+            row["ratio"] = row["sent_s"] / row["offline"]
+            row["differ"] = sum(a is not None and a != ref for a, ref in zip(row["answers"], reference))
+            rows.append(row)
+            console.print(f"round {r + 1}: offline {row['offline']:.1f} sent/s, server {row['sent_s']:.1f} sent/s "
+                          f"({row['ratio']:.2f}x), p50 {row['p50_ms']:.0f} ms, p99 {row['p99_ms']:.0f} ms")
+        import httpx
+
+        counters = httpx.get(server.url + "/info", timeout=30).json()["counters"]
+    finally:
+        code = server.stop()
+
+    keys = [("offline sentences/s", "offline"), ("server sentences/s", "sent_s"), ("server / offline", "ratio"),
+            ("p50 latency (ms)", "p50_ms"), ("p99 latency (ms)", "p99_ms"), ("mean requests per batch", "mean_batch"),
+            ("failed requests", "failed"), ("lost requests", "lost"), ("answers differing from offline", "differ")]
+    header = ["", *[f"round {row['round']}" for row in rows], "min / median / max"]
+    body = [[name, *[row[k] for row in rows], spread([row[k] for row in rows])] for name, k in keys]
+    table("mtpipe serve vs mtpipe decode", header, body)
+    ratio = statistics.median(row["ratio"] for row in rows)
+    verdict = "pass" if ratio >= 0.7 else "missed"
+    console.print(f"server / offline throughput, median: {ratio:.2f}x (target >= 0.70x: {verdict}); largest batch "
+                  f"{counters['max_requests_per_batch']} requests; server exit status {code}")
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    md = [f"# mtpipe serve vs mtpipe decode ({stamp})", "",
+          f"{args.checkpoint}, {len(sentences):,} sentences of {args.sentences.name}, {args.clients} clients (one "
+          f"sentence per request), {args.rounds} interleaved rounds, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs. decode args: `{args.decode_args}`; serve args: `{args.serve_args}`.", "",
+          "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    md += ["| " + " | ".join(str(c) if isinstance(c, str) else fmt(c) for c in line) + " |" for line in body]
+    md += ["", f"Median ratio {ratio:.2f}x (target >= 0.70x: {verdict}). Largest batch: "
+               f"{counters['max_requests_per_batch']} requests. Server exit status: {code}.", ""]
+    out = args.out / "serve.md"
+    out.write_text("\n".join(md), encoding="utf-8")
+    console.print(f"written: {out}")
+    sys.exit(0 if code == 0 and all(row["failed"] == row["lost"] == 0 for row in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()

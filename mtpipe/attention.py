@@ -1,0 +1,345 @@
+"""``mtpipe attention``: the attention weights of one sentence as heatmaps, as the paper's Figures 3-5 show them.
+
+The paper (section 3.2.3, appendix "Attention Visualizations") looks at what the heads of one layer attend to. Here,
+for one input sentence:
+
+* the sentence is encoded as ``decode`` encodes raw text (NFC, stripped, the checkpoint's SentencePiece model) and
+  translated by the same search (greedy by default, ``--beam`` for beam search);
+* the translation is then decoded once more, step by step (:meth:`Transformer.start` / :meth:`Transformer.step`,
+  the incremental path ``decode`` runs), under :meth:`Transformer.recording`: every weight drawn is one the model's
+  own forward pass computed, not a re-implementation (:func:`record_attention`);
+* three kinds of attention per layer (section 3.2.3), each ``[h, Lq, Lk]``: the encoder's self-attention over the
+  source pieces, the decoder's masked self-attention over its inputs (start token + output; future positions, which
+  the causal mask hides, are grey), and the encoder-decoder attention of each output step over the source (the
+  source-target alignment);
+* pictures: every head of the chosen layer (default: the last) as its own labelled heatmap, every layer as a grid of
+  its heads, an ``index.html`` that shows them all (``<img>`` tags of the PNGs beside it; no script, no network),
+  and the matrices themselves (``attention.npz``, ``attention.json`` with the pieces) for other tools.
+
+The output directory is an artifact of kind ``attention`` (a manifest), written atomically.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mtpipe.errors import MtpipeError
+
+KINDS = ("encoder", "decoder", "cross")
+TITLES = {
+    "encoder": "encoder self-attention",
+    "decoder": "decoder self-attention (masked)",
+    "cross": "encoder-decoder attention",
+}
+# Axis names per kind: (rows = queries, columns = keys).
+AXES = {
+    "encoder": ("source (query)", "source (key)"),
+    "decoder": ("decoder input (query)", "decoder input (key)"),
+    "cross": ("output piece (step)", "source (key)"),
+}
+NPZ, JSON_FILE, INDEX = "attention.npz", "attention.json", "index.html"
+
+
+@dataclass
+class AttentionMaps:
+    """One sentence's attention weights, every layer, with the pieces that label the axes.
+
+    ``weights[kind][l]`` is layer l+1's ``[h, Lq, Lk]`` float32 array: encoder ``[h, S, S]``, decoder ``[h, T, T]``,
+    cross ``[h, T, S]``, with S = source pieces + ``</s>`` and T = output pieces + ``</s>`` (the decoder's inputs are
+    the start token + the output pieces: step t reads input t and produces output t).
+    """
+
+    text: str
+    translation: str
+    source: list[str]  # S source pieces, </s> last
+    decoder_inputs: list[str]  # T decoder inputs: the start token, then the output pieces
+    outputs: list[str]  # T output pieces, </s> last
+    weights: dict[str, list[Any]]  # kind -> per layer [h, Lq, Lk] numpy float32
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The weights: the model's own forward pass, recorded
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def record_attention(model: Any, src_ids: list[int], out_ids: list[int]) -> dict[str, list[Any]]:
+    """Every layer's attention weights while ``model`` encodes ``src_ids`` (EOS appended) and decodes ``out_ids``
+    (EOS last) step by step, as decoding does (:meth:`Transformer.start` / :meth:`Transformer.step`, the
+    self-attention cache included), under :meth:`Transformer.recording`.
+
+    Returns ``{kind: [layer weights [h, Lq, Lk] (torch float32)]}``. Each step's rows (``[1, h, 1, Lk]``) are stacked
+    into the ``[h, T, Lk]`` matrix; a decoder self-attention row covers the positions so far (with a restricted
+    window, the last ``r + 1``), and later positions, hidden by the causal mask, are zero.
+    """
+    import torch
+
+    from mtpipe.artifacts import EOS_ID
+
+    src = torch.tensor([[*src_ids, EOS_ID]], dtype=torch.long)  # [1, S]
+    tgt_in = [model.start_id, *out_ids[:-1]]  # the input of each step: what the step before produced
+    steps = len(tgt_in)
+    model.eval()
+    with torch.inference_mode(), model.recording() as kept:
+        state = model.start(*model.encode(src))
+        for token in tgt_in:
+            _, state = model.step(torch.tensor([token], dtype=torch.long), state)
+
+    encoder = [calls[0][0] for calls in kept["encoder"]]  # one call per layer: [1, h, S, S] -> [h, S, S]
+    cross = [torch.cat([c[0] for c in calls], dim=1) for calls in kept["cross"]]  # T x [h, 1, S] -> [h, T, S]
+    decoder = []
+    for calls in kept["decoder"]:
+        heads = calls[0].size(1)
+        full = torch.zeros(heads, steps, steps)  # [h, T, T]; what a row does not cover was masked: weight 0
+        for t, c in enumerate(calls):
+            seen = c.size(-1)  # keys this step attended over: positions t+1-seen .. t
+            full[:, t, t + 1 - seen : t + 1] = c[0, :, 0]  # [1, h, 1, seen] -> [h, seen]
+        decoder.append(full)
+    return {"encoder": encoder, "decoder": decoder, "cross": cross}
+
+
+def attention_maps(model: Any, sp: Any, text: str, beam: int = 1, alpha: float = 0.6) -> AttentionMaps:
+    """Encode ``text`` as ``decode --input`` does, translate it (greedy, or beam search with ``beam``), and record
+    the attention of decoding that translation (:func:`record_attention`)."""
+    from mtpipe.artifacts import EOS_ID
+    from mtpipe.decode import translate_batches
+    from mtpipe.search import DecodeRules, LengthPenalty, max_source_len
+
+    text = unicodedata.normalize("NFC", text).strip()  # as decode's read_lines cleans a line
+    if not text:
+        raise MtpipeError("--text: empty; give the sentence to translate")
+    if "\n" in text:
+        raise MtpipeError("--text: one sentence (one line) at a time")
+    src_ids = sp.encode(text, out_type=int)
+    limit = max_source_len(model.cfg.max_positions)
+    if len(src_ids) > limit:
+        raise MtpipeError(f"--text: {len(src_ids)} pieces, more than the model's {limit} (max_positions "
+                          f"{model.cfg.max_positions} with EOS)")
+    rules = DecodeRules(beam=beam, penalty=LengthPenalty("gnmt", alpha))
+    best = translate_batches(model, [src_ids], rules, max_tokens=len(src_ids) + 1)[0][0]
+    out_ids = [*best.tokens, EOS_ID]
+    recorded = record_attention(model, src_ids, out_ids)
+    return AttentionMaps(
+        text=text,
+        translation=sp.decode(best.tokens),
+        source=[sp.id_to_piece(i) for i in [*src_ids, EOS_ID]],
+        decoder_inputs=[sp.id_to_piece(i) for i in [model.start_id, *best.tokens]],
+        outputs=[sp.id_to_piece(i) for i in out_ids],
+        weights={kind: [w.numpy() for w in layers] for kind, layers in recorded.items()},
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Pictures
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def axis_pieces(maps: AttentionMaps, kind: str) -> tuple[list[str], list[str]]:
+    """``(row labels, column labels)`` of ``kind``'s matrices."""
+    if kind == "encoder":
+        return maps.source, maps.source
+    if kind == "decoder":
+        return maps.decoder_inputs, maps.decoder_inputs
+    return maps.outputs, maps.source
+
+
+def _heatmap(ax: Any, w: Any, rows: list[str], cols: list[str], kind: str, fontsize: float) -> Any:
+    """One head's ``[Lq, Lk]`` weights on ``ax``, pieces on both axes; positions the causal mask hides are grey
+    (their weight is 0 by construction, not by what the model learned)."""
+    import numpy as np
+
+    from matplotlib import colormaps
+
+    cmap = colormaps["viridis"].with_extremes(bad="#d9d9d9")
+    shown = w
+    if kind == "decoder":
+        shown = np.ma.masked_array(w, mask=np.triu(np.ones_like(w, dtype=bool), k=1))  # future keys: j > i
+    image = ax.imshow(shown, cmap=cmap, vmin=0.0, vmax=1.0, interpolation="nearest")
+    ax.set_xticks(range(len(cols)), cols, rotation=90, fontsize=fontsize)
+    ax.set_yticks(range(len(rows)), rows, fontsize=fontsize)
+    ax.tick_params(length=0)
+    return image
+
+
+def _font(n: int) -> float:
+    """Tick label size for n labels: smaller for long sentences, so that labels do not overlap."""
+    return max(5.0, min(10.0, 220.0 / max(n, 1)))
+
+
+def draw_head(path: Path, maps: AttentionMaps, kind: str, layer: int, head: int) -> None:
+    """One head of one layer (1-based numbers) as a PNG, with a colour bar."""
+    from matplotlib.figure import Figure
+
+    w = maps.weights[kind][layer - 1][head - 1]  # [Lq, Lk]
+    rows, cols = axis_pieces(maps, kind)
+    n = max(len(rows), len(cols))
+    size = min(16.0, 2.5 + 0.32 * n)
+    fig = Figure(figsize=(size + 1.2, size), layout="constrained")
+    ax = fig.add_subplot()
+    image = _heatmap(ax, w, rows, cols, kind, _font(n))
+    heads = len(maps.weights[kind][layer - 1])
+    layers = len(maps.weights[kind])
+    ax.set_title(f"{TITLES[kind]}: layer {layer} of {layers}, head {head} of {heads}", fontsize=11)
+    ax.set_ylabel(AXES[kind][0])
+    ax.set_xlabel(AXES[kind][1])
+    fig.colorbar(image, ax=ax, shrink=0.8, label="attention weight")
+    fig.savefig(path, dpi=110)
+
+
+def draw_layer(path: Path, maps: AttentionMaps, kind: str, layer: int) -> None:
+    """Every head of one layer (1-based) side by side in one PNG, one colour bar for all."""
+    import math
+
+    from matplotlib.figure import Figure
+
+    ws = maps.weights[kind][layer - 1]  # [h, Lq, Lk]
+    heads = len(ws)
+    rows, cols = axis_pieces(maps, kind)
+    n = max(len(rows), len(cols))
+    per_row = min(heads, 4)
+    grid_rows = math.ceil(heads / per_row)
+    cell = min(7.0, 1.8 + 0.2 * n)
+    fig = Figure(figsize=(cell * per_row + 1.0, cell * grid_rows + 0.6), layout="constrained")
+    axes = fig.subplots(grid_rows, per_row, squeeze=False)
+    image = None
+    for h in range(grid_rows * per_row):
+        ax = axes[h // per_row][h % per_row]
+        if h >= heads:
+            ax.set_axis_off()
+            continue
+        image = _heatmap(ax, ws[h], rows, cols, kind, _font(n) * 0.75)
+        ax.set_title(f"head {h + 1}", fontsize=9)
+    fig.suptitle(f"{TITLES[kind]}: layer {layer} of {len(maps.weights[kind])}, all {heads} heads "
+                 f"(rows: {AXES[kind][0]}, columns: {AXES[kind][1]})", fontsize=11)
+    fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
+    fig.savefig(path, dpi=90)
+
+
+def head_file(kind: str, layer: int, head: int) -> str:
+    return f"{kind}-layer{layer}-head{head}.png"
+
+
+def layer_file(kind: str, layer: int) -> str:
+    return f"{kind}-layer{layer}.png"
+
+
+def index_html(maps: AttentionMaps, layer: dict[str, int], checkpoint: str) -> str:
+    """The page: the sentence and its translation, the chosen layer's heads one by one, then every layer's grid.
+    Only ``<img>`` tags of the PNGs beside it: it opens offline, from any folder it is copied to with them."""
+    from mtpipe.plots import html_page
+
+    esc = html.escape
+    parts = [f"<p><b>source</b>: {esc(maps.text)}<br><b>translation</b>: {esc(maps.translation)}<br>"
+             f"<b>checkpoint</b>: {esc(checkpoint)}</p>",
+             "<p>Rows attend to columns; each row sums to 1. Grey cells are future positions that the decoder's "
+             "causal mask hides (section 3.2.3).</p>"]
+    for kind in KINDS:
+        n_layers, n_heads = len(maps.weights[kind]), len(maps.weights[kind][0])
+        parts.append(f"<h2>{esc(TITLES[kind])}, layer {layer[kind]} of {n_layers}: each head</h2>")
+        parts.extend(f'<img src="{head_file(kind, layer[kind], h)}" alt="{esc(TITLES[kind])} layer {layer[kind]} '
+                     f'head {h}">' for h in range(1, n_heads + 1))
+    parts.append("<h2>Every layer</h2>")
+    for kind in KINDS:
+        parts.append(f"<h3>{esc(TITLES[kind])}</h3>")
+        parts.extend(f'<img class="wide" src="{layer_file(kind, i)}" alt="{esc(TITLES[kind])} layer {i}">'
+                     for i in range(1, len(maps.weights[kind]) + 1))
+    return html_page(f"Attention: {maps.text}", parts)
+
+
+def write_attention(out: Path, maps: AttentionMaps, layer: dict[str, int], checkpoint: Path, tokens: Path, *,
+                    beam: int, force: bool = False) -> list[str]:
+    """The ``attention`` artifact: the PNGs (the chosen layer's heads, every layer's grid), ``index.html``,
+    ``attention.npz`` (``{kind}_layer{l}`` = ``[h, Lq, Lk]``) and ``attention.json`` (pieces, translation,
+    layers); returns the PNG names."""
+    import numpy as np
+
+    from mtpipe import writing
+    from mtpipe.console import progress
+
+    jobs = [(head_file(kind, layer[kind], h), kind, layer[kind], h) for kind in KINDS
+            for h in range(1, len(maps.weights[kind][0]) + 1)]
+    jobs += [(layer_file(kind, i), kind, i, 0) for kind in KINDS for i in range(1, len(maps.weights[kind]) + 1)]
+    with writing.ArtifactWriter(out, "attention", {}, upstream={"checkpoint": checkpoint, "tokens": tokens},
+                                force=force) as w:
+        with progress() as bar:
+            task = bar.add_task("draw", total=len(jobs))
+            for name, kind, i, h in jobs:
+                if h:
+                    draw_head(w.path(name), maps, kind, i, h)
+                else:
+                    draw_layer(w.path(name), maps, kind, i)
+                bar.advance(task)
+        arrays = {f"{kind}_layer{i + 1}": a for kind in KINDS for i, a in enumerate(maps.weights[kind])}
+        with open(w.path(NPZ), "wb") as f:
+            np.savez_compressed(f, **arrays)
+        info = {"text": maps.text, "translation": maps.translation, "source_pieces": maps.source,
+                "decoder_input_pieces": maps.decoder_inputs, "output_pieces": maps.outputs, "layer": layer,
+                "layers": {kind: len(maps.weights[kind]) for kind in KINDS},
+                "heads": len(maps.weights["encoder"][0]), "beam": beam, "checkpoint": str(checkpoint),
+                "arrays": {k: list(a.shape) for k, a in arrays.items()}}
+        w.path(JSON_FILE).write_text(json.dumps(info, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        w.path(INDEX).write_text(index_html(maps, layer, str(checkpoint)), encoding="utf-8")
+        w.extra.update({"text": maps.text, "translation": maps.translation, "layer": layer, "beam": beam})
+    return [job[0] for job in jobs]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The command
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def chosen_layers(layer: int | None, encoder_layers: int, decoder_layers: int) -> dict[str, int]:
+    """The 1-based layer drawn head by head in each stack: ``layer`` in both, or each stack's last."""
+    if layer is None:
+        return {"encoder": encoder_layers, "decoder": decoder_layers, "cross": decoder_layers}
+    if not 1 <= layer <= min(encoder_layers, decoder_layers):
+        raise MtpipeError(f"--layer {layer}: out of range; the model has {encoder_layers} encoder and "
+                          f"{decoder_layers} decoder layers (1 to {min(encoder_layers, decoder_layers)})")
+    return {"encoder": layer, "decoder": layer, "cross": layer}
+
+
+def attention_command(checkpoint: Path, tokens: Path, text: str | None, out: Path | None, layer: int | None = None,
+                      beam: int = 1, alpha: float = 0.6, *, force: bool = False) -> None:
+    """``mtpipe attention``: check the inputs, translate ``text`` while recording its attention, draw it into ``out``
+    (every check before any work; nothing is written on an error)."""
+    import torch
+
+    from mtpipe.console import info, table
+    from mtpipe.loading import load_model_and_vocab
+
+    if out is None:
+        raise MtpipeError("--out: required (the directory for the pictures)")
+    if text is None or not text.strip():
+        raise MtpipeError("--text: empty; give the sentence to translate")
+    if beam < 1:
+        raise MtpipeError(f"--beam {beam}: must be >= 1 (1 = greedy search)")
+    if not Path(checkpoint).is_dir():
+        raise MtpipeError(f"{checkpoint}: checkpoint not found (--checkpoint: a checkpoint directory)")
+    if not Path(tokens).is_dir():
+        raise MtpipeError(f"{tokens}: bpe artifact not found (--tokens: the directory with spm.model)")
+    loaded = load_model_and_vocab(checkpoint, tokens)
+    model = loaded.model
+    layers = chosen_layers(layer, len(model.encoder), len(model.decoder))
+    torch.manual_seed(0)  # nothing here is random (eval mode); set anyway, so that a run repeats exactly
+    maps = attention_maps(model, loaded.sp, text, beam=beam, alpha=alpha)
+    info(f"[bold]source[/bold]      {maps.text}\n[bold]translation[/bold] {maps.translation}")
+    pngs = write_attention(out, maps, layers, checkpoint, tokens, beam=beam, force=force)
+    table(f"attention: {out}", ["", "value"], [
+        ["checkpoint", f"{checkpoint} (step {loaded.ck.step:,})"],
+        ["source pieces (with </s>)", len(maps.source)],
+        ["output pieces (with </s>)", len(maps.outputs)],
+        ["search", "greedy" if beam == 1 else f"beam {beam}, alpha {alpha:g}"],
+        ["layers (encoder / decoder)", f"{len(model.encoder)} / {len(model.decoder)}"],
+        ["heads", len(maps.weights["encoder"][0])],
+        ["layer drawn head by head", ", ".join(f"{k} {v}" for k, v in layers.items())],
+        ["pictures", len(pngs)],
+        ["page", str(Path(out) / INDEX)],
+    ])
+
+
+__all__ = ["AttentionMaps", "KINDS", "attention_command", "attention_maps", "chosen_layers", "record_attention",
+           "write_attention"]

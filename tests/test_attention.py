@@ -1,0 +1,197 @@
+"""`mtpipe attention`: the drawn matrices are the model's own attention (equal to a teacher-forced forward pass of the
+decoded output under ``recording()``), each row a distribution, masked positions at zero; the pictures, the page
+(local files only) and the matrices are written atomically; bad input fails in one line with nothing written."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from conftest import synthetic_pairs, train_spm
+from typer.testing import CliRunner
+
+from mtpipe import artifacts, writing
+from mtpipe.artifacts import EOS_ID
+from mtpipe.attention import KINDS, attention_maps, chosen_layers, record_attention
+from mtpipe.cli import app
+from mtpipe.config import ModelConfig, to_dict
+from mtpipe.decode import translate_batches
+from mtpipe.errors import MtpipeError
+from mtpipe.model import Transformer
+from mtpipe.search import DecodeRules
+
+TEXT = "Kalo mi tenra su ve dor."
+
+
+def random_model(vocab: int, window: int = 0, seed: int = 0) -> Transformer:
+    """A random tiny model (2 + 2 layers, 2 heads); 24 positions keep the (never-ending) greedy output short."""
+    torch.manual_seed(seed)
+    return Transformer(ModelConfig(preset="tiny", dropout=0.0, max_positions=24, attention_window=window),
+                       vocab).eval()
+
+
+def teacher_forced(model: Transformer, src_ids: list[int], out_ids: list[int]) -> dict[str, list[torch.Tensor]]:
+    """Each layer's ``[h, Lq, Lk]`` weights of one full forward pass (model.encode / model.decode over the whole
+    shifted output) under recording(): the reference the step-by-step recording must equal."""
+    src = torch.tensor([[*src_ids, EOS_ID]])  # [1, S]
+    tgt_in = torch.tensor([[model.start_id, *out_ids[:-1]]])  # [1, T]
+    with torch.no_grad(), model.recording() as kept:
+        memory, src_mask = model.encode(src)
+        model.decode(tgt_in, memory, src_mask)
+    return {kind: [calls[0][0] for calls in kept[kind]] for kind in KINDS}  # one call each: [1, h, Lq, Lk] -> [h, ..]
+
+
+def check_distributions(weights: dict[str, list], window: int = 0) -> None:
+    """Every row sums to 1 and is non-negative; in the decoder's self-attention a query never sees a later position
+    (nor, with a window r, one more than r before it)."""
+    for kind in KINDS:
+        for w in weights[kind]:
+            w = torch.as_tensor(np.asarray(w))
+            assert (w >= 0).all()
+            torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:-1]), rtol=0, atol=1e-5)
+    for w in weights["decoder"]:
+        w = torch.as_tensor(np.asarray(w))
+        steps = w.size(-1)
+        i, j = torch.meshgrid(torch.arange(steps), torch.arange(steps), indexing="ij")
+        hidden = (j > i) | ((i - j > window) if window else torch.zeros_like(i, dtype=torch.bool))
+        assert (w[:, hidden] == 0).all()
+        assert (w[:, ~hidden] > 0).all()  # softmax: every visible position gets some weight
+
+
+@pytest.mark.parametrize("window", [0, 2])
+def test_recorded_steps_equal_a_teacher_forced_forward_pass(window):
+    model = random_model(60, window)
+    src_ids = torch.randint(4, 60, (7,), generator=torch.Generator().manual_seed(1)).tolist()
+    best = translate_batches(model, [src_ids], DecodeRules(beam=1), max_tokens=64)[0][0]
+    out_ids = [*best.tokens, EOS_ID]
+    got = record_attention(model, src_ids, out_ids)
+    want = teacher_forced(model, src_ids, out_ids)
+    steps, length = len(out_ids), len(src_ids) + 1
+    for kind, shape in (("encoder", (length, length)), ("decoder", (steps, steps)), ("cross", (steps, length))):
+        assert len(got[kind]) == 2  # one matrix per layer
+        for g, w in zip(got[kind], want[kind]):
+            assert g.shape == (2, *shape)
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    check_distributions(got, window)
+
+
+def test_layer_choice_defaults_to_the_last_and_refuses_out_of_range():
+    assert chosen_layers(None, 6, 4) == {"encoder": 6, "decoder": 4, "cross": 4}
+    assert chosen_layers(2, 6, 4) == {"encoder": 2, "decoder": 2, "cross": 2}
+    for bad in (0, 5, -1):
+        with pytest.raises(MtpipeError, match=f"--layer {bad}: out of range"):
+            chosen_layers(bad, 6, 4)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The command, end to end, on a random tiny checkpoint
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> dict:
+    """A bpe artifact (a small SentencePiece model) and a random tiny checkpoint trained with it."""
+    root = tmp_path_factory.mktemp("attention")
+    sp = train_spm(root / "spm", [s for pair in synthetic_pairs(300, seed=5) for s in pair], vocab_size=150)
+    tokens = root / "tokens"
+    with writing.ArtifactWriter(tokens, "tokens") as w:
+        w.write_table("test.parquet", pa.table({"id": [0], "src": [sp.encode("ka lo")], "tgt": [sp.encode("mi")]}))
+        shutil.copy(root / "spm.model", w.path("spm.model"))
+    model = random_model(sp.get_piece_size())
+    checkpoint = root / "ckpt"
+    writing.write_checkpoint(checkpoint, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
+                             vocab={"spm_sha256": artifacts.file_hash(root / "spm.model"), "size": sp.get_piece_size()},
+                             step=7)
+    return {"root": root, "tokens": tokens, "checkpoint": checkpoint, "model": model, "sp": sp}
+
+
+def run(ckpt: dict, *args: str):
+    return CliRunner().invoke(app, ["attention", "--checkpoint", str(ckpt["checkpoint"]), "--tokens",
+                                    str(ckpt["tokens"]), *args])
+
+
+@pytest.fixture(scope="module")
+def drawn(ckpt) -> Path:
+    out = ckpt["root"] / "drawn"
+    r = run(ckpt, "--text", f"  {TEXT} ", "--layer", "1", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def test_cli_matrices_are_the_models_attention_of_its_greedy_translation(ckpt, drawn):
+    model, sp = ckpt["model"], ckpt["sp"]
+    info = json.loads((drawn / "attention.json").read_text(encoding="utf-8"))
+    src_ids = sp.encode(TEXT, out_type=int)
+    greedy = translate_batches(model, [src_ids], DecodeRules(beam=1), max_tokens=64)[0][0].tokens
+    # The axes: the source's pieces and the greedy output's (what decode --beam 1 translates), </s> last.
+    assert info["text"] == TEXT and info["translation"] == sp.decode(greedy)
+    assert info["source_pieces"] == [sp.id_to_piece(i) for i in [*src_ids, EOS_ID]]
+    assert info["output_pieces"] == [sp.id_to_piece(i) for i in [*greedy, EOS_ID]]
+    assert info["layer"] == {"encoder": 1, "decoder": 1, "cross": 1}
+    want = teacher_forced(model, src_ids, [*greedy, EOS_ID])
+    with np.load(drawn / "attention.npz") as npz:
+        got = {kind: [npz[f"{kind}_layer{i}"] for i in (1, 2)] for kind in KINDS}
+    for kind in KINDS:
+        for g, w in zip(got[kind], want[kind]):
+            torch.testing.assert_close(torch.from_numpy(g), w, rtol=1e-5, atol=1e-6)
+    check_distributions(got)
+
+
+def test_cli_writes_every_picture_and_a_page_of_local_files_only(drawn):
+    m = artifacts.read_manifest(drawn, "attention")
+    pngs = {p.name for p in drawn.glob("*.png")}
+    heads = {f"{kind}-layer1-head{h}.png" for kind in KINDS for h in (1, 2)}  # --layer 1: each head of layer 1
+    grids = {f"{kind}-layer{i}.png" for kind in KINDS for i in (1, 2)}  # every layer: all heads in one picture
+    assert pngs == heads | grids
+    for name in pngs:
+        assert (drawn / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert artifacts.verify_file(drawn, name, m)  # listed in the manifest with its hash
+    page = (drawn / "index.html").read_text(encoding="utf-8")
+    assert "http" not in page.lower() and "<script" not in page.lower()
+    refs = re.findall(r'(?:src|href)\s*=\s*"([^"]*)"', page)
+    assert set(refs) == pngs  # every picture shown, nothing else referenced
+    assert all((drawn / ref).is_file() and "/" not in ref for ref in refs)
+    assert not [p for p in drawn.parent.iterdir() if ".tmp-" in p.name]  # no temporary left
+
+
+def test_beam_search_output_is_drawn_and_recorded_the_same_way(ckpt):
+    model, sp = ckpt["model"], ckpt["sp"]
+    maps = attention_maps(model, sp, TEXT, beam=3)
+    src_ids = sp.encode(TEXT, out_type=int)
+    best = translate_batches(model, [src_ids], DecodeRules(beam=3), max_tokens=64)[0][0].tokens
+    assert maps.outputs == [sp.id_to_piece(i) for i in [*best, EOS_ID]]
+    want = teacher_forced(model, src_ids, [*best, EOS_ID])
+    for kind in KINDS:
+        for g, w in zip(maps.weights[kind], want[kind]):
+            torch.testing.assert_close(torch.from_numpy(g), w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--text", ""], "--text: empty"),
+    (["--text", "   "], "--text: empty"),
+    (["--text", TEXT, "--layer", "3"], "--layer 3: out of range; the model has 2 encoder and 2 decoder layers"),
+    (["--text", TEXT, "--layer", "0"], "--layer 0: out of range"),
+    (["--text", TEXT, "--checkpoint", "/nonexistent/ckpt"], "/nonexistent/ckpt: checkpoint not found"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(ckpt, args, message):
+    out = ckpt["root"] / "bad"
+    r = run(ckpt, *args, "--out", str(out))
+    assert r.exit_code == 1
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.output
+    assert not out.exists() and not [p for p in out.parent.iterdir() if p.name.startswith(".bad.")]
+
+
+def test_a_folder_mtpipe_did_not_write_is_not_replaced(ckpt):
+    out = ckpt["root"] / "notes"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep", encoding="utf-8")
+    r = run(ckpt, "--text", TEXT, "--out", str(out))
+    assert r.exit_code == 1 and "not an mtpipe artifact" in r.output
+    assert [p.name for p in out.iterdir()] == ["mine.txt"]

@@ -1,0 +1,337 @@
+"""`mtpipe serve`: the real server (a subprocess on a free loopback port) with a tiny model that memorised a few
+sentences. Its answers equal `mtpipe decode`'s on the same sentences, also when requests of different lengths and
+settings share a batch; bad input gets a 4xx with one line of JSON and the server keeps serving; a full queue gets
+503 with Retry-After; concurrent requests are decoded in one batch; SIGTERM lets the request in flight finish and
+exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pyarrow as pa
+import pytest
+from conftest import memorise, train_spm
+from typer.testing import CliRunner
+
+from mtpipe import artifacts, writing
+from mtpipe.cli import app
+from mtpipe.config import to_dict
+
+# Sentences of 3 to 9 words, so that a batch of several requests holds padded rows.
+PAIRS = [
+    ("the dog runs .", "der hund rennt ."),
+    ("a cat sleeps .", "eine katze schläft ."),
+    ("the man sees a ball .", "der mann sieht einen ball ."),
+    ("a woman likes the house .", "eine frau mag das haus ."),
+    ("the child eats an apple in the garden .", "das kind isst einen apfel im garten ."),
+    ("the big dog finds a small book near the house .", "der große hund findet ein kleines buch beim haus ."),
+    ("a man and a woman see the child .", "ein mann und eine frau sehen das kind ."),
+    ("the cat likes the garden .", "die katze mag den garten ."),
+    ("a child runs .", "ein kind rennt ."),
+    ("the woman finds the ball near the garden .", "die frau findet den ball beim garten ."),
+]
+LIMITS = ["--max-sentences", "12", "--max-chars", "80", "--max-beam", "6", "--max-nbest", "3", "--max-alpha", "2"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> dict:
+    """A bpe-like tokens artifact (its SentencePiece model) and a checkpoint of a tiny model that memorised PAIRS."""
+    root = tmp_path_factory.mktemp("serve")
+    sp = train_spm(root / "spm", [line for pair in PAIRS for line in pair] * 3, vocab_size=160)  # ~ a piece a word
+    src = [sp.encode(s) for s, _ in PAIRS]
+    tgt = [sp.encode(t) for _, t in PAIRS]
+    tokens = root / "tokens"
+    with writing.ArtifactWriter(tokens, "tokens") as w:
+        w.write_table("test.parquet", pa.table({"id": list(range(len(src))), "src": src, "tgt": tgt}))
+        shutil.copy(root / "spm.model", w.path("spm.model"))
+        w.extra.update({"spm_sha256": artifacts.file_hash(w.path("spm.model")), "vocab_size": sp.get_piece_size()})
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is as fast, and does not fight the server's for the cores
+    try:
+        net = memorise(src, tgt, sp.get_piece_size(), 40, steps=100, stop_loss=0.02)
+    finally:
+        torch.set_num_threads(threads)
+    checkpoint = root / "ckpt"
+    writing.write_checkpoint(checkpoint, state_dict=net.state_dict(), model_config=to_dict(net.cfg), step=100,
+                             vocab={"spm_sha256": artifacts.file_hash(root / "spm.model"), "size": sp.get_piece_size()})
+    params = root / "params.yaml"
+    params.write_text("", encoding="utf-8")  # built-in defaults, not the repository's params.yaml
+    return {"root": root, "tokens": tokens, "checkpoint": checkpoint, "params": params}
+
+
+class Server:
+    """``python -m mtpipe serve`` on 127.0.0.1, port 0 (a free one, read back from its start-up line)."""
+
+    def __init__(self, model: dict, *flags: str) -> None:
+        cmd = [sys.executable, "-m", "mtpipe", "serve", "--params", str(model["params"]), "--checkpoint",
+               str(model["checkpoint"]), "--tokens", str(model["tokens"]), "--host", "127.0.0.1", "--port", "0",
+               "--threads", "1", *flags]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "COLUMNS": "160"})
+        self.log: list[str] = []
+        found = threading.Event()
+        self.url = ""
+
+        def read() -> None:  # keep the pipe drained for as long as the server logs
+            for line in self.proc.stderr:
+                self.log.append(line)
+                if "listening on " in line and not found.is_set():
+                    self.url = line.split("listening on ")[1].split()[0]
+                    found.set()
+            found.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        found.wait(120)
+        assert self.url, f"server did not start: {''.join(self.log)}"
+        self.client = httpx.Client(base_url=self.url, timeout=60)
+
+    def post(self, body, **kw) -> httpx.Response:
+        if isinstance(body, (bytes, str)):
+            return self.client.post("/translate", content=body, headers={"content-type": "application/json"}, **kw)
+        return self.client.post("/translate", json=body, **kw)
+
+    def wait_queued(self, n: int) -> None:
+        for _ in range(500):
+            if self.client.get("/health").json()["queued"] == n:
+                return
+            time.sleep(0.01)
+        raise AssertionError(f"never {n} queued requests")
+
+    def stop(self) -> None:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    """One server for the module: 200 ms to gather concurrent requests, small limits to test them against."""
+    s = Server(model, "--batch-wait-ms", "200", *LIMITS)
+    yield s
+    s.stop()
+
+
+def decode(model: dict, sentences: list[str], *flags: str) -> list[dict]:
+    """`mtpipe decode --input FILE` (in this process) on ``sentences``: its hypotheses table rows."""
+    root = model["root"]
+    n = len(list(root.glob("in*.txt")))
+    infile, out = root / f"in{n}.txt", root / f"out{n}"
+    infile.write_text("".join(s + "\n" for s in sentences), encoding="utf-8")
+    r = CliRunner().invoke(app, ["decode", "--params", str(model["params"]), "--checkpoint", str(model["checkpoint"]),
+                                 "--tokens", str(model["tokens"]), "--input", str(infile), "--out", str(out),
+                                 "--threads", "1", *flags])
+    assert r.exit_code == 0, r.output
+    return artifacts.read_table(out, "input.parquet", "hypotheses").to_pylist()
+
+
+def concurrently(fns: list) -> list:
+    """Run the callables at once (threads released together); their results in order."""
+    results: list = [None] * len(fns)
+    barrier = threading.Barrier(len(fns))
+
+    def run(i: int) -> None:
+        barrier.wait()
+        results[i] = fns[i]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Answers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_one_request_equals_mtpipe_decode(server, model):
+    sentences = [s for s, _ in PAIRS]
+    want = decode(model, sentences, "--nbest", "2")
+    assert sum(row["hypothesis"] == t for row, (_, t) in zip(want, PAIRS)) >= 8  # the model memorised PAIRS
+
+    r = server.post({"text": [f"  {s} " for s in sentences], "nbest": 2})  # stripped as decode strips a line
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["translations"] == [row["hypothesis"] for row in want]
+    assert got["scores"] == pytest.approx([row["score"] for row in want], abs=1e-4)
+    assert got["nbest"] == [row["nbest"] for row in want]
+    for scores, row in zip(got["nbest_scores"], want):
+        assert scores == pytest.approx(row["nbest_scores"], abs=1e-4)
+    assert got["model"] == artifacts.manifest_hash(model["checkpoint"])
+    assert got["settings"] == {"beam": 4, "alpha": 0.6, "nbest": 2} and got["truncated"] == 0
+    assert got["batch"]["sentences"] >= len(sentences) and got["batch"]["requests"] >= 1
+
+
+def test_mixed_batches_equal_mtpipe_decode(server, model):
+    """One sentence per request, all sent at once, half at beam 1 and half at the default beam 4: sentences of
+    different lengths and requests of different settings share batches (padded rows, one group per setting), and
+    every answer is still `mtpipe decode`'s."""
+    sentences = [s for s, _ in PAIRS]
+    want = {4: decode(model, sentences), 1: decode(model, sentences, "--beam", "1")}
+    beams = [1 if i % 2 else 4 for i in range(len(sentences))]
+    answers = concurrently([lambda s=s, b=b: server.post({"text": [s], "beam": b}) for s, b in zip(sentences, beams)])
+    for i, (r, beam) in enumerate(zip(answers, beams)):
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["translations"] == [want[beam][i]["hypothesis"]]
+        assert got["scores"] == pytest.approx([want[beam][i]["score"]], abs=1e-4)
+        assert "nbest" not in got  # nbest 1: no lists
+    shared = [r.json()["batch"] for r in answers if r.json()["batch"]["requests"] > 1]
+    assert shared, "no two requests shared a batch"
+    assert any(b["groups"] == 2 for b in shared)  # beam 1 and beam 4 in one batch, decoded as two groups
+    assert any(b["group_requests"] > 1 for b in shared)  # padded rows of different requests in one decoding
+
+
+def test_concurrent_requests_are_batched_and_counted(server):
+    before = server.client.get("/info").json()["counters"]
+    answers = concurrently([lambda s=s: server.post({"text": [s]}) for s, _ in PAIRS[:8]])
+    assert all(r.status_code == 200 for r in answers)
+    batches = [r.json()["batch"] for r in answers]
+    ids = [b["id"] for b in batches]
+    for b in batches:  # each answer says how many requests its batch held: exactly the answers with its id
+        assert b["requests"] == ids.count(b["id"])
+        assert b["sentences"] >= b["group_sentences"] >= 1 and b["queue_ms"] >= 0 and b["decode_ms"] > 0
+    assert max(b["requests"] for b in batches) >= 2
+    after = server.client.get("/info").json()["counters"]
+    assert after["requests"] - before["requests"] == 8
+    assert after["sentences"] - before["sentences"] == 8
+    assert after["batches"] - before["batches"] == len(set(ids)) < 8
+    assert after["max_requests_per_batch"] >= max(b["requests"] for b in batches)
+
+
+def test_health_and_info(server, model):
+    assert server.client.get("/health").json()["status"] == "ok"
+    info = server.client.get("/info").json()
+    assert info["model"] == artifacts.manifest_hash(model["checkpoint"]) and info["step"] == 100
+    assert info["engine"] == "mtpipe" and info["precision"] == "fp32" and info["vocab_size"] > 10
+    assert info["model_config"]["d_model"] == 64 and info["max_positions"] == 40
+    assert info["decode"]["beam"] == 4 and info["serve"]["max_beam"] == 6 and info["serve"]["max_queue"] == 64
+    assert {"requests", "batches", "max_requests_per_batch", "queued"} <= set(info["counters"])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------------------------------
+
+OK = '"text": ["the dog runs ."]'
+BAD = {
+    "malformed json": (b'{"text": ["the dog runs ."', 400, "not valid JSON"),
+    "not utf-8": ('{"text": ["der Hund läuft"]}'.encode("latin-1"), 400, "not valid UTF-8"),
+    "nan": ("{" + OK + ', "alpha": NaN}', 400, "NaN"),
+    "not an object": ('["the dog runs ."]', 422, "JSON object"),
+    "no text": ('{"beam": 2}', 422, "text: missing"),
+    "unknown field": ("{" + OK + ', "bem": 2}', 422, "unknown field 'bem'"),
+    "text a string": ('{"text": "the dog runs ."}', 422, "list of strings"),
+    "text of numbers": ('{"text": ["the dog runs .", 3]}', 422, "text[1]: must be a string"),
+    "text null": ('{"text": null}', 422, "list of strings"),
+    "empty list": ('{"text": []}', 422, "empty list"),
+    "empty string": ('{"text": ["the dog runs .", ""]}', 422, "text[1]: empty"),
+    "whitespace only": ('{"text": [" \\t\\n "]}', 422, "text[0]: empty or whitespace"),
+    "lone surrogate": ('{"text": ["a \\ud800 b"]}', 422, "lone surrogate"),
+    "too many sentences": (json.dumps({"text": ["the dog runs ."] * 13}), 413, "serve.max_sentences"),
+    "too many chars": (json.dumps({"text": ["the dog runs . " * 6]}), 413, "serve.max_chars"),
+    "huge body": (b'{"text": ["' + b"a" * 2_000_000 + b'"]}', 413, "body"),
+    "beam a string": ("{" + OK + ', "beam": "4"}', 422, "beam: must be an integer"),
+    "beam a float": ("{" + OK + ', "beam": 2.5}', 422, "beam: must be an integer"),
+    "beam a bool": ("{" + OK + ', "beam": true}', 422, "beam: must be an integer"),
+    "beam 0": ("{" + OK + ', "beam": 0}', 422, "beam: 0 must be >= 1"),
+    "beam over limit": ("{" + OK + ', "beam": 7}', 422, "serve.max_beam"),
+    "nbest over limit": ("{" + OK + ', "beam": 6, "nbest": 4}', 422, "serve.max_nbest"),
+    "nbest over beam": ("{" + OK + ', "beam": 2, "nbest": 3}', 422, "more than beam"),
+    "alpha a string": ("{" + OK + ', "alpha": "0.6"}', 422, "alpha: must be a number"),
+    "alpha negative": ("{" + OK + ', "alpha": -0.5}', 422, "alpha: -0.5"),
+    "alpha over limit": ("{" + OK + ', "alpha": 2.5}', 422, "serve.max_alpha"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_bad_input_gets_a_4xx_line_and_the_server_keeps_serving(server, case):
+    body, status, words = BAD[case]
+    r = server.post(body)
+    assert r.status_code == status, r.text
+    reason = r.json()["error"]
+    assert words in reason and "\n" not in reason and list(r.json()) == ["error"]
+    ok = server.post({"text": ["the dog runs ."], "beam": 1})
+    assert ok.status_code == 200 and ok.json()["translations"] == ["der hund rennt ."]
+
+
+def test_wrong_method_and_path_get_json_errors(server):
+    for r, status in ((server.client.get("/translate"), 405), (server.client.post("/nowhere", json={}), 404)):
+        assert r.status_code == status and "error" in r.json()
+    assert server.client.get("/health").status_code == 200
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Queue and shutdown (a server of their own, gathering slowly: 1.5 s)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_full_queue_gets_503_with_retry_after(model):
+    s = Server(model, "--batch-wait-ms", "1500", "--max-queue", "1")
+    try:
+        first: list = []
+        waiting = threading.Thread(target=lambda: first.append(s.post({"text": ["the dog runs ."]})))
+        waiting.start()
+        s.wait_queued(1)  # the first request waits for company: the queue is full
+        r = s.post({"text": ["a cat sleeps ."]})
+        assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
+        assert "serve.max_queue" in r.json()["error"]
+        waiting.join(30)
+        assert first[0].status_code == 200 and first[0].json()["translations"] == ["der hund rennt ."]
+        again = s.post({"text": ["a cat sleeps ."]})  # the queue drained: served again
+        assert again.status_code == 200 and again.json()["translations"] == ["eine katze schläft ."]
+        assert s.client.get("/info").json()["counters"]["rejected_queue_full"] == 1
+    finally:
+        s.stop()
+
+
+def test_sigterm_finishes_the_request_in_flight_and_exits_0(model):
+    s = Server(model, "--batch-wait-ms", "1500")
+    answer: list = []
+    in_flight = threading.Thread(target=lambda: answer.append(s.post({"text": ["the man sees a ball ."]})))
+    in_flight.start()
+    s.wait_queued(1)
+    s.proc.send_signal(signal.SIGTERM)
+    in_flight.join(30)
+    assert answer and answer[0].status_code == 200, s.log
+    assert answer[0].json()["translations"] == ["der mann sieht einen ball ."]
+    assert s.proc.wait(30) == 0, "".join(s.log)
+    with pytest.raises(httpx.TransportError):  # it no longer accepts connections
+        httpx.get(s.url + "/health", timeout=5)
+    s.stop()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Start-up errors: one line, exit 1
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_startup_errors_are_one_line(model, tmp_path):
+    base = ["serve", "--params", str(model["params"]), "--port", "0", "--tokens", str(model["tokens"])]
+    r = CliRunner().invoke(app, [*base, "--checkpoint", str(tmp_path / "missing")])
+    assert r.exit_code == 1 and r.output.startswith("error: ") and len(r.output.strip().splitlines()) == 1
+    r = CliRunner().invoke(app, [*base, "--checkpoint", str(model["checkpoint"]), "--beam", "9"])
+    assert r.exit_code == 1 and "serve.max_beam" in r.output and len(r.output.strip().splitlines()) == 1
+
+    # Without FastAPI / uvicorn installed: a hint, before anything is loaded.
+    code = ("import sys; sys.modules['uvicorn'] = None\nfrom mtpipe.cli import app\n"
+            f"app({[*base, '--checkpoint', str(model['checkpoint'])]!r})")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "install mtpipe[serve]" in p.stderr and len(p.stderr.strip().splitlines()) == 1
