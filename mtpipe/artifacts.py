@@ -19,9 +19,16 @@ lies inside the artifact, each file's hash, and each Parquet file's schema.
 | corpus      | {train,valid,test}.parquet              | id int64, src string, tgt string                            |
 | tokens      | {split}.parquet, spm.model, spm.vocab   | id int64, src list<int32>, tgt list<int32> (EOS not stored) |
 | batches     | {train,valid}.parquet                   | batch int64, ids list<int64>, src_tokens, tgt_tokens, ... |
-| checkpoint  | model.safetensors [, trainer.pt]        | safetensors weights; trainer.pt loads with weights_only     |
+| checkpoint  | model.safetensors [, trainer.pt, spm.*] | safetensors weights; trainer.pt loads with weights_only     |
 | hypotheses  | {split}.parquet, {split}.txt            | id int64, hypothesis string, score float64, nbest ...       |
 | export      | model.bin, config.json, *vocabulary.json, spm.model (CTranslate2) or Marian files | extra: format |
+
+Checkpoint format 2 (format 1 is still read): the checkpoint may carry the SentencePiece model it was trained with,
+``spm.model`` (and the bpe artifact's ``spm.vocab`` listing), named by ``extra["spm_model"]`` (``extra["spm_vocab"]``),
+so that it decodes away from the bpe artifact (:func:`checkpoint_spm` validates it against ``extra["vocab"]``);
+``extra["decode"]`` may record the decode settings it was trained with (the params.yaml ``decode`` keys of
+:data:`mtpipe.config.RECORDED_DECODE`), which ``decode`` and ``serve`` use where neither params.yaml nor a flag sets
+them.
 
 Hypotheses contract (written by ``decode``, read by ``score``): ``manifest.extra["split"]`` names the split that was
 translated; the rows are in ``{split}.parquet`` (and ``{split}.txt``, one detokenised line per row in ``id`` order).
@@ -48,17 +55,21 @@ from mtpipe.errors import MtpipeError, os_reason
 
 MANIFEST = "manifest.json"
 
-# Bump a kind's version whenever its files change incompatibly; readers refuse other versions.
+# Bump a kind's version whenever its files change incompatibly; readers refuse other versions (but those of
+# OLDER_READABLE).
 FORMAT_VERSIONS: dict[str, int] = {
     "corpus": 1,
     "tokens": 1,
     "batches": 1,
-    "checkpoint": 1,
+    "checkpoint": 2,  # 2: may carry spm.model / spm.vocab and the decode settings (see the module docstring)
     "hypotheses": 1,
     "export": 1,  # mtpipe export: a CTranslate2 or Hugging Face Marian model directory (mtpipe/export.py)
     "attention": 1,  # mtpipe attention: heatmap PNGs, index.html, attention.npz / .json (mtpipe/attention.py)
     "plots": 1,  # mtpipe plots: training-curve PNGs and index.html (mtpipe/plots.py)
 }
+
+# Earlier versions a reader still accepts: a format-1 checkpoint is a format-2 one without spm.model.
+OLDER_READABLE: dict[str, tuple[int, ...]] = {"checkpoint": (1,)}
 
 # Special token ids shared by the SentencePiece model, the batches and the Transformer's embedding table.
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -146,10 +157,11 @@ def read_manifest(directory: Path | str, kind: str | None = None) -> Manifest:
         raise MtpipeError(f"{path}: unknown artifact kind '{m.kind}'")
     if isinstance(m.format_version, bool) or not isinstance(m.format_version, int):
         raise MtpipeError(f"{path}: format_version must be an integer, got {m.format_version!r}")
-    if m.format_version != want:
+    if m.format_version != want and m.format_version not in OLDER_READABLE.get(m.kind, ()):
+        readable = (*OLDER_READABLE.get(m.kind, ()), want)
         raise MtpipeError(
-            f"{directory}: '{m.kind}' format version {m.format_version}, this mtpipe ({__version__}) reads version "
-            f"{want}; re-run the stage that made it"
+            f"{directory}: '{m.kind}' format version {m.format_version}, this mtpipe ({__version__}) reads version"
+            f"{'s' if len(readable) > 1 else ''} {', '.join(map(str, readable))}; re-run the stage that made it"
         )
     for name in [*m.files, *m.rows]:
         check_member_name(path, name)
@@ -236,6 +248,8 @@ RUN_ENTRIES = (CHECKPOINTS, "live", "train.json", "train.log", "best.json", "plo
 # A checkpoint directory: the weights (safetensors, with the model config in its metadata) and, for a resumable
 # training checkpoint, the trainer state (optimizer, schedule, RNG, data position; torch.load with weights_only).
 WEIGHTS, TRAINER_STATE = "model.safetensors", "trainer.pt"
+# The SentencePiece model a checkpoint carries (format 2), and the bpe artifact's listing of its pieces.
+CHECKPOINT_SPM, CHECKPOINT_SPM_VOCAB = "spm.model", "spm.vocab"
 
 
 def checkpoint_path(run_dir: Path | str, step: int) -> Path:
@@ -273,6 +287,31 @@ def list_checkpoints(run_dir: Path | str) -> list[tuple[int, Path]]:
     return sorted(found.items())
 
 
+def bare_sha(value: Any) -> str:
+    """A sha256 as bare lowercase hex (manifests write ``sha256:<hex>``)."""
+    text = str(value).strip().lower()
+    return text.split(":", 1)[1] if text.startswith("sha256:") else text
+
+
+def checkpoint_spm(path: Path | str, m: Manifest) -> Path | None:
+    """The SentencePiece model checkpoint ``path`` carries, after checking that its manifest lists it, its hash, and
+    that it is the model the checkpoint's ``vocab`` record names; None for a checkpoint without one (format 1, or
+    written without it)."""
+    path = Path(path)
+    name = m.extra.get("spm_model")
+    if name is None:
+        return None
+    if name != CHECKPOINT_SPM or m.format_version < 2:
+        raise MtpipeError(f"{path / MANIFEST}: extra.spm_model = {name!r} in a format {m.format_version} checkpoint; "
+                          f"expected '{CHECKPOINT_SPM}' in format 2 or later")
+    spm = verify_file(path, name, m)
+    vocab = m.extra.get("vocab") if isinstance(m.extra.get("vocab"), dict) else {}
+    if bare_sha(m.files[name]) != bare_sha(vocab.get("spm_sha256")):
+        raise MtpipeError(f"{spm}: is not the SentencePiece model of the checkpoint's vocabulary (vocab.spm_sha256 "
+                          f"{bare_sha(vocab.get('spm_sha256'))[:12]}..., the file {bare_sha(m.files[name])[:12]}...)")
+    return spm
+
+
 @dataclass
 class Checkpoint:
     """A loaded checkpoint. ``model_config`` rebuilds the model alone (``ModelConfig(**model_config)``)."""
@@ -284,6 +323,7 @@ class Checkpoint:
     step: int
     manifest: Manifest
     trainer_state: dict[str, Any] | None = None
+    spm: Path | None = None  # the SentencePiece model it carries (checkpoint_spm), or None
 
 
 def load_checkpoint(path: Path | str, *, trainer_state: bool = False, device: str = "cpu") -> Checkpoint:
@@ -307,7 +347,7 @@ def load_checkpoint(path: Path | str, *, trainer_state: bool = False, device: st
         if key not in m.extra:
             raise MtpipeError(f"{path}: checkpoint manifest lacks '{key}'")
     return Checkpoint(path=path, state_dict=state, model_config=m.extra["model_config"], vocab=m.extra["vocab"],
-                      step=int(m.extra["step"]), manifest=m, trainer_state=ts)
+                      step=int(m.extra["step"]), manifest=m, trainer_state=ts, spm=checkpoint_spm(path, m))
 
 
 def from_numpy(a: Any) -> pa.Array:

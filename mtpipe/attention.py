@@ -250,8 +250,8 @@ def index_html(maps: AttentionMaps, layer: dict[str, int], checkpoint: str) -> s
     return html_page(f"Attention: {maps.text}", parts)
 
 
-def write_attention(out: Path, maps: AttentionMaps, layer: dict[str, int], checkpoint: Path, tokens: Path, *,
-                    beam: int, force: bool = False) -> list[str]:
+def write_attention(out: Path, maps: AttentionMaps, layer: dict[str, int], checkpoint: Path, tokens: Path | None,
+                    *, beam: int, force: bool = False) -> list[str]:
     """The ``attention`` artifact: the PNGs (the chosen layer's heads, every layer's grid), ``index.html``,
     ``attention.npz`` (``{kind}_layer{l}`` = ``[h, Lq, Lk]``) and ``attention.json`` (pieces, translation,
     layers); returns the PNG names."""
@@ -263,8 +263,8 @@ def write_attention(out: Path, maps: AttentionMaps, layer: dict[str, int], check
     jobs = [(head_file(kind, layer[kind], h), kind, layer[kind], h) for kind in KINDS
             for h in range(1, len(maps.weights[kind][0]) + 1)]
     jobs += [(layer_file(kind, i), kind, i, 0) for kind in KINDS for i in range(1, len(maps.weights[kind]) + 1)]
-    with writing.ArtifactWriter(out, "attention", {}, upstream={"checkpoint": checkpoint, "tokens": tokens},
-                                force=force) as w:
+    upstream = {"checkpoint": checkpoint, **({"tokens": tokens} if tokens is not None else {})}
+    with writing.ArtifactWriter(out, "attention", {}, upstream=upstream, force=force) as w:
         with progress() as bar:
             task = bar.add_task("draw", total=len(jobs))
             for name, kind, i, h in jobs:
@@ -302,10 +302,11 @@ def chosen_layers(layer: int | None, encoder_layers: int, decoder_layers: int) -
     return {"encoder": layer, "decoder": layer, "cross": layer}
 
 
-def attention_command(checkpoint: Path, tokens: Path, text: str | None, out: Path | None, layer: int | None = None,
-                      beam: int = 1, alpha: float = 0.6, *, force: bool = False) -> None:
+def attention_command(checkpoint: Path, tokens: Path | None, text: str | None, out: Path | None,
+                      layer: int | None = None, beam: int = 1, alpha: float = 0.6, *, force: bool = False) -> None:
     """``mtpipe attention``: check the inputs, translate ``text`` while recording its attention, draw it into ``out``
-    (every check before any work; nothing is written on an error)."""
+    (every check before any work; nothing is written on an error). ``tokens`` None: the checkpoint's own
+    SentencePiece model (:func:`mtpipe.loading.vocab_source`)."""
     import torch
 
     from mtpipe.console import info, table
@@ -319,7 +320,7 @@ def attention_command(checkpoint: Path, tokens: Path, text: str | None, out: Pat
         raise MtpipeError(f"--beam {beam}: must be >= 1 (1 = greedy search)")
     if not Path(checkpoint).is_dir():
         raise MtpipeError(f"{checkpoint}: checkpoint not found (--checkpoint: a checkpoint directory)")
-    if not Path(tokens).is_dir():
+    if tokens is not None and not Path(tokens).is_dir():
         raise MtpipeError(f"{tokens}: bpe artifact not found (--tokens: the directory with spm.model)")
     loaded = load_model_and_vocab(checkpoint, tokens)
     model = loaded.model
@@ -327,7 +328,7 @@ def attention_command(checkpoint: Path, tokens: Path, text: str | None, out: Pat
     torch.manual_seed(0)  # nothing here is random (eval mode); set anyway, so that a run repeats exactly
     maps = attention_maps(model, loaded.sp, text, beam=beam, alpha=alpha)
     info(f"[bold]source[/bold]      {maps.text}\n[bold]translation[/bold] {maps.translation}")
-    pngs = write_attention(out, maps, layers, checkpoint, tokens, beam=beam, force=force)
+    pngs = write_attention(out, maps, layers, checkpoint, loaded.tokens, beam=beam, force=force)
     table(f"attention: {out}", ["", "value"], [
         ["checkpoint", f"{checkpoint} (step {loaded.ck.step:,})"],
         ["source pieces (with </s>)", len(maps.source)],

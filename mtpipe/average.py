@@ -22,7 +22,8 @@ back to the stored dtype. Non-floating tensors (counters, masks) are not average
 
 Output: a weights-only checkpoint (no ``trainer.pt``: it cannot be resumed, only decoded or fine-tuned) at the
 largest input step, whose manifest lists the inputs in ``extra["averaged"]`` (path, step, manifest hash) and their
-manifest hashes under ``upstream``.
+manifest hashes under ``upstream``. It carries the SentencePiece model and the recorded decode settings of the newest
+input that has them (:func:`carried`), so that it decodes on its own as its inputs do.
 
 ``average.prune`` (LayerDrop, Fan et al. 2019; :func:`mtpipe.pruning.prune_plan`) then removes layers from the average:
 the output's model config has the reduced layer counts (``layerdrop`` kept as a record), so ``mtpipe decode`` runs
@@ -224,6 +225,21 @@ def average_state_dicts(inputs: list[tuple[int, Path]]) -> tuple[artifacts.Check
     return ref, {name: out[name] for name in ref.state_dict}  # the inputs' tensor order
 
 
+def carried(inputs: list[tuple[int, Path]]) -> tuple[Path | None, Path | None, dict[str, Any] | None]:
+    """``(spm.model, spm.vocab, decode settings)`` the average carries: those of the newest input that has each
+    (every input has the same vocabulary, checked before)."""
+    spm = spm_vocab = decode = None
+    for _, d in reversed(inputs):
+        m = artifacts.read_manifest(d, "checkpoint")
+        if spm is None and (own := artifacts.checkpoint_spm(d, m)) is not None:
+            spm = own
+            name = m.extra.get("spm_vocab")
+            spm_vocab = artifacts.verify_file(d, name, m) if name is not None else None
+        if decode is None and isinstance(m.extra.get("decode"), dict):
+            decode = m.extra["decode"]
+    return spm, spm_vocab, decode
+
+
 def average_checkpoints(cfg: AverageConfig, run_dir: Path, checkpoints: list[Path] | None, out: Path, *,
                         force: bool = False) -> Path:
     """Average checkpoints of ``run_dir`` (or exactly ``checkpoints``) into the weights-only checkpoint ``out``."""
@@ -247,6 +263,12 @@ def average_checkpoints(cfg: AverageConfig, run_dir: Path, checkpoints: list[Pat
     params = {**ref.manifest.params, "average": to_dict(cfg)}
     upstream = {f"checkpoint_{i}": d for i, (_, d) in enumerate(inputs)}  # explicit inputs may share a step
     extra: dict[str, Any] = {"averaged": averaged}
+    spm, spm_vocab, decode = carried(inputs)
+    if decode is not None:
+        extra["decode"] = decode
+    if spm is None:
+        warn("no input carries its SentencePiece model (checkpoints written by an older mtpipe): decode the average "
+             "with --tokens")
     if plan is not None:
         from mtpipe.pruning import prune_state_dict
 
@@ -255,7 +277,8 @@ def average_checkpoints(cfg: AverageConfig, run_dir: Path, checkpoints: list[Pat
     else:
         model_config = ref.model_config
     writing.write_checkpoint(out, state_dict=state, model_config=model_config, vocab=ref.vocab, step=max_step,
-                               trainer_state=None, params=params, upstream=upstream, extra=extra, force=force)
+                               trainer_state=None, params=params, upstream=upstream, extra=extra, spm=spm,
+                               spm_vocab=spm_vocab, force=force)
     n_params = sum(t.numel() for t in state.values())
     info(f"averaged {len(inputs)} checkpoints (steps {inputs[0][0]:,}..{max_step:,}, {n_params:,} values) "
          f"-> {out} (weights only, step {max_step:,}"

@@ -8,6 +8,7 @@ keeps ``mtpipe --help`` instant.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import typing
 from dataclasses import dataclass, fields
@@ -21,6 +22,7 @@ from mtpipe import __version__
 from mtpipe.config import (
     PARAMS_FILE,
     PATHS,
+    RECORDED_DECODE,
     AverageConfig,
     BpeConfig,
     BucketConfig,
@@ -119,10 +121,62 @@ def check_output(opt: Opt, out: Path, inputs: list[Any], force: bool) -> None:
         writing.prepare_output(out, opt.kind, inputs=paths, force=force)
 
 
-def _param_option(section: type, name: str, tp: Any) -> tuple[Any, Any]:
+def _help_params(path: Path = Path(PARAMS_FILE)) -> dict[str, dict[str, Any]]:
+    """``./params.yaml`` as ``--help`` shows it beside each flag, read once at start-up (PyYAML, no torch); any
+    problem with it gives {} here: the command itself reports it."""
+    if not path.is_file():
+        return {}
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):  # UnicodeDecodeError is a ValueError
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(v, dict)}
+
+
+HELP_PARAMS = _help_params()
+
+
+def _shown(value: Any) -> str:
+    """A params value as help text shows it (YAML spelling; brackets escaped for rich markup)."""
+    import json
+
+    if isinstance(value, bool) or value is None:
+        text = json.dumps(value)
+    elif isinstance(value, (dict, list)):
+        text = json.dumps(value, ensure_ascii=False)
+    elif isinstance(value, str):
+        text = value if value else "''"
+    else:
+        text = str(value)
+    return text.replace("[", "\\[")
+
+
+def _default(section: type, name: str) -> Any:
+    f = next(f for f in fields(section) if f.name == name)
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _param_help(section: type, name: str, recorded: bool) -> str:
+    """Where a flag's value comes from when it is not given, with the value in effect: ``./params.yaml``'s, else (for
+    the decode settings a checkpoint records) the checkpoint's, else the built-in default."""
+    key = f"{section.SECTION}.{name}"
+    mine = HELP_PARAMS.get(section.SECTION, {})
+    if name in mine:
+        return f"(params.yaml {key} = {_shown(mine[name])})"
+    default = _shown(_default(section, name))
+    if recorded:
+        return f"(params.yaml {key}: not set; the checkpoint's recorded value, else {default})"
+    return f"(params.yaml {key}: not set; default {default})"
+
+
+def _param_option(section: type, name: str, tp: Any, recorded: bool = False) -> tuple[Any, Any]:
     """(annotation, typer.Option) for one params key; dict/list keys take a YAML string."""
     meta = next(f for f in fields(section) if f.name == name).metadata
-    help_text = meta.get("help", "") + f" (params.yaml: {section.SECTION}.{name})"
+    help_text = meta.get("help", "") + " " + _param_help(section, name, recorded)
     flag = "--" + name.replace("_", "-")
     bt = base_type(tp)
     if bt is bool:
@@ -134,13 +188,17 @@ def _param_option(section: type, name: str, tp: Any) -> tuple[Any, Any]:
 
 
 def stage_command(name: str, sections: list[type], opts: list[Opt] = (), help: str = "",
-                  config_inputs: Callable[[SimpleNamespace], list[Any]] | None = None) -> Callable:
+                  config_inputs: Callable[[SimpleNamespace, dict[str, Any]], list[Any]] | None = None,
+                  below: Callable[[dict[str, Any]], dict[str, tuple[dict[str, Any], str]]] | None = None) -> Callable:
     """Register ``impl(cfg, opts)`` as command ``name`` with one flag per key of ``sections``.
 
     ``cfg`` has one attribute per section (``cfg.train``), resolved defaults <- params.yaml <- flags; ``opts`` has
-    the extra options, the output resolved and checked (:func:`resolve_output`, :func:`check_output`) and
-    ``force`` when the command writes one. ``config_inputs(cfg)`` names input paths that come from params rather
-    than options (fetch's local source), so that the output is checked against them too.
+    the extra options, the output resolved and checked (:func:`resolve_output`, :func:`check_output`), ``force``
+    when the command writes one, ``params_file`` (``--params``) and ``params`` (the file as read).
+    ``config_inputs(cfg, options)`` names input paths that come from params or defaults rather than options
+    (fetch's local source, decode's bpe artifact when no --tokens names it), so that the output is checked against
+    them too. ``below(options)`` gives, per section, values that lie between the defaults and params.yaml and where
+    they come from (decode: the settings its checkpoint records).
     """
 
     def register(impl: Callable) -> Callable:
@@ -151,18 +209,24 @@ def stage_command(name: str, sections: list[type], opts: list[Opt] = (), help: s
                 params_file = kwargs.pop("params_file", None)
                 params = load_params(params_file or PARAMS_FILE, required=params_file is not None) if sections else {}
                 where = str(params_file or PARAMS_FILE)
-                cfg = SimpleNamespace(**{section.SECTION: resolve(section, params, _overrides(section, kwargs),
-                                                                  where=where) for section in sections})
+                lower = below(kwargs) if below is not None else {}
+                overrides = {section.SECTION: _overrides(section, kwargs) for section in sections}
+                cfg = SimpleNamespace(**{section.SECTION: resolve(section, params, overrides[section.SECTION],
+                                                                  where=where, below=lower.get(section.SECTION))
+                                         for section in sections})
+                kwargs.update(params_file=params_file, params=params)
                 inputs = [kwargs[o.name] for o in opts if o.role == "in"]
-                inputs += config_inputs(cfg) if config_inputs else []
+                inputs += config_inputs(cfg, kwargs) if config_inputs else []
                 for out_opt in out_opts:  # each output may overlap neither an input nor another output
                     kwargs[out_opt.name] = out = resolve_output(out_opt, kwargs[out_opt.name])
                     if out is not None:
                         others = [kwargs[o.name] for o in out_opts if o is not out_opt]
                         check_output(out_opt, out, inputs + others, kwargs["force"])
+                _note_below(lower, params, overrides)
                 impl(cfg, SimpleNamespace(**kwargs))
 
-        command.__signature__ = _signature(name, sections, opts)  # type: ignore[attr-defined]
+        recorded = {section.SECTION for section in sections} & ({"decode"} if below is not None else set())
+        command.__signature__ = _signature(name, sections, opts, recorded)  # type: ignore[attr-defined]
         command.__doc__ = help or impl.__doc__
         command.__name__ = name
         app.command(name)(command)
@@ -171,7 +235,20 @@ def stage_command(name: str, sections: list[type], opts: list[Opt] = (), help: s
     return register
 
 
-def _signature(name: str, sections: list[type], opts: list[Opt]) -> inspect.Signature:
+def _note_below(lower: dict[str, tuple[dict[str, Any], str]], params: dict[str, dict[str, Any]],
+                overrides: dict[str, dict[str, Any]]) -> None:
+    """Say which settings came from below params.yaml (a checkpoint's record): a value no file or flag shows."""
+    for section, (values, origin) in lower.items():
+        used = {k: v for k, v in values.items()
+                if k not in params.get(section, {}) and overrides.get(section, {}).get(k) is None}
+        if used:
+            from mtpipe.console import info
+
+            info(f"{section} settings recorded in {origin} (params.yaml and flags leave them unset): "
+                 + ", ".join(f"{k} {v}" for k, v in used.items()))
+
+
+def _signature(name: str, sections: list[type], opts: list[Opt], recorded: set[str] = frozenset()) -> inspect.Signature:
     """The command's parameters as Typer reads them: --params, the extra options (--force with an output), and one
     option per params key (named ``section__key``)."""
     kw = inspect.Parameter.KEYWORD_ONLY
@@ -193,7 +270,8 @@ def _signature(name: str, sections: list[type], opts: list[Opt]) -> inspect.Sign
             if key in taken:
                 raise RuntimeError(f"option {key} of '{name}' is defined twice")  # programming error
             taken.add(key)
-            ann, option = _param_option(section, key, tp)
+            from_record = section.SECTION in recorded and key in RECORDED_DECODE
+            ann, option = _param_option(section, key, tp, recorded=from_record)
             sig.append(inspect.Parameter(f"{section.SECTION}__{key}", kw, annotation=ann, default=option))
     return inspect.Signature(sig)
 
@@ -260,11 +338,38 @@ def _in(name: str, default: str | None, help: str, flag: str, tp: Any = Path) ->
     return Opt(name, tp, Path(default) if default else None, help, (flag,), role="in")
 
 
+def _checkpoint_decode(options: dict[str, Any]) -> dict[str, tuple[dict[str, Any], str]]:
+    """The decode settings that ``--checkpoint`` (a checkpoint or an export) records, to lie under params.yaml
+    (:func:`stage_command`'s ``below``); {} when it records none or cannot be read (loading it says why)."""
+    import json
+
+    # The manifest's name spelled out: mtpipe.artifacts imports pyarrow, which start-up must not pay for.
+    manifest = Path(options.get("checkpoint") or PATHS["average"]) / "manifest.json"
+    try:
+        record = (json.loads(manifest.read_text(encoding="utf-8")).get("extra") or {}).get("decode")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if not isinstance(record, dict):
+        return {}
+    return {"decode": ({k: record[k] for k in RECORDED_DECODE if k in record}, str(manifest))}
+
+
+def recorded_decode(params: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What a checkpoint records of the decode settings: the keys of :data:`RECORDED_DECODE` that params.yaml sets
+    (the defaults are not recorded, so that they stay the defaults of whatever mtpipe decodes it)."""
+    return {k: v for k, v in (params.get("decode") or {}).items() if k in RECORDED_DECODE}
+
+
+# --tokens of the commands that load a checkpoint: optional, a checkpoint carries its SentencePiece model.
+TOKENS_HELP = ("The bpe artifact whose SentencePiece model to use \\[default: the checkpoint's own copy; for a "
+               f"checkpoint without one, {PATHS['bpe']}].")
+
+
 @stage_command(
     "fetch",
     [FetchConfig],
     [_out("corpus", PATHS["fetch"], f"Output artifact directory \\[default: {PATHS['fetch']}].")],
-    config_inputs=lambda cfg: [_local_source(cfg.fetch.source)],
+    config_inputs=lambda cfg, options: [_local_source(cfg.fetch.source)],
 )
 def fetch(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Read a parallel corpus (Hugging Face or local files), clean train, write {train,valid,test}.parquet."""
@@ -322,18 +427,21 @@ def bucket(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     ],
 )
 def train(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
-    """Train the Transformer: in this process, or on train.nproc processes (torchrun) running this same command."""
+    """Train the Transformer: in this process, or on train.nproc processes (torchrun) running this same command.
+    Each checkpoint carries the SentencePiece model and the decode settings params.yaml sets."""
     from mtpipe.launch import launch_command
 
-    cmd = launch_command(cfg.model, cfg.train, {"tokens": opts.tokens, "batches": opts.batches, "out": opts.out},
-                         force=opts.force)
+    # --params goes to the workers too: rank 0 records that file's decode settings in the checkpoints.
+    cmd = launch_command(cfg.model, cfg.train, {"tokens": opts.tokens, "batches": opts.batches, "out": opts.out,
+                                                "params": opts.params_file}, force=opts.force)
     if cmd is not None:
         import subprocess
 
         raise typer.Exit(subprocess.call(cmd))
     from mtpipe.train import train_model
 
-    train_model(cfg.model, cfg.train, tokens=opts.tokens, batches=opts.batches, out=opts.out, force=opts.force)
+    train_model(cfg.model, cfg.train, tokens=opts.tokens, batches=opts.batches, out=opts.out, force=opts.force,
+                decode=recorded_decode(opts.params))
 
 
 @stage_command(
@@ -361,20 +469,29 @@ def average(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     [
         _in("checkpoint", PATHS["average"], "Checkpoint directory (trained or averaged); with --engine ctranslate2 "
             "also a CTranslate2 export (`mtpipe export`).", "--checkpoint"),
-        _in("tokens", PATHS["bpe"], "The bpe artifact (SentencePiece model and encoded splits).", "--tokens"),
-        _in("input", None, "Translate raw text from this file ('-' = stdin) instead of --split.", "--input",
+        _in("tokens", None, "The bpe artifact: its SentencePiece model \\[default: the checkpoint's own copy, else "
+            f"{PATHS['bpe']}'s] and, without --input, its encoded splits \\[default: {PATHS['bpe']}].", "--tokens",
             Optional[Path]),
+        _in("input", None, "Translate raw text from this file ('-' = stdin, translated line by line as it arrives) "
+            "instead of --split.", "--input", Optional[Path]),
         _out("hypotheses", None, "Also write the hypotheses (.txt and .parquet with scores and n-best) as an artifact "
              "in this directory. Translations always go to stdout."),
+        Opt("stats", Optional[bool], None, "Print the summary table (speed, tokens, mean score) to stderr \\[default: "
+            "yes, unless the input is stdin or stdout is a terminal].", ("--stats/--no-stats",)),
     ],
+    below=_checkpoint_decode,
+    # A split is read from the default bpe artifact when --tokens names none.
+    config_inputs=lambda cfg, options: [PATHS["bpe"]] if options["tokens"] is None and options["input"] is None
+    else [],
 )
 def decode(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Translate with batched beam search (a bpe split, or raw text from --input FILE or '-' = stdin); --engine
-    ctranslate2 decodes through CTranslate2 instead."""
+    ctranslate2 decodes through CTranslate2 instead. Settings params.yaml and flags leave unset come from the
+    checkpoint's record, else the defaults."""
     from mtpipe.decode import translate_inputs
 
     translate_inputs(cfg.decode, checkpoint=opts.checkpoint, tokens=opts.tokens, input=opts.input, out=opts.out,
-        force=opts.force)
+        force=opts.force, stats=opts.stats)
 
 
 @stage_command(
@@ -383,8 +500,9 @@ def decode(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     [
         _in("checkpoint", PATHS["average"], "Checkpoint directory (trained or averaged); with --engine ctranslate2 "
             "also a CTranslate2 export (`mtpipe export`).", "--checkpoint"),
-        _in("tokens", PATHS["bpe"], "The bpe artifact (its SentencePiece model).", "--tokens"),
+        _in("tokens", None, TOKENS_HELP, "--tokens", Optional[Path]),
     ],
+    below=_checkpoint_decode,
 )
 def serve(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Serve translations over HTTP (POST /translate, GET /health, GET /info), concurrent requests decoded together
@@ -416,7 +534,7 @@ def score(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     [ExportConfig],
     [
         _in("checkpoint", PATHS["average"], "Checkpoint directory (trained or averaged).", "--checkpoint"),
-        _in("tokens", PATHS["bpe"], "The bpe artifact whose SentencePiece model the checkpoint uses.", "--tokens"),
+        _in("tokens", None, TOKENS_HELP, "--tokens", Optional[Path]),
         _out("export", PATHS["export"], f"Output model directory \\[default: {PATHS['export']}], replaced atomically."),
     ],
 )
@@ -463,12 +581,13 @@ def import_(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     [],
     [
         _in("checkpoint", PATHS["average"], "Checkpoint directory (trained or averaged).", "--checkpoint"),
-        _in("tokens", PATHS["bpe"], "The bpe artifact (its SentencePiece model).", "--tokens"),
+        _in("tokens", None, TOKENS_HELP, "--tokens", Optional[Path]),
         Opt("text", Optional[str], None, "The sentence to translate and draw.", ("--text",)),
         Opt("layer", Optional[int], None, "Layer (1-based) drawn head by head \\[default: the last of each stack]; "
             "index.html shows every layer.", ("--layer",)),
         Opt("beam", int, 1, "Beam size of the translation whose attention is drawn (1 = greedy).", ("--beam",)),
-        Opt("alpha", float, 0.6, "Length penalty alpha (GNMT) when --beam > 1.", ("--alpha",)),
+        Opt("alpha", Optional[float], None, "Length penalty alpha (GNMT) when --beam > 1 \\[default: the "
+            "checkpoint's recorded decode.alpha, else 0.6].", ("--alpha",)),
         _out("attention", None, "Output directory: PNG heatmaps, index.html, attention.npz/.json."),
     ],
 )
@@ -477,7 +596,11 @@ def attention(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     heatmaps labelled with its pieces, and an offline index.html (the paper's Figures 3-5)."""
     from mtpipe.attention import attention_command
 
-    attention_command(opts.checkpoint, opts.tokens, opts.text, opts.out, opts.layer, opts.beam, opts.alpha,
+    alpha = opts.alpha
+    if alpha is None:
+        record = _checkpoint_decode({"checkpoint": opts.checkpoint}).get("decode")
+        alpha = record[0].get("alpha", 0.6) if record else 0.6
+    attention_command(opts.checkpoint, opts.tokens, opts.text, opts.out, opts.layer, opts.beam, alpha,
                       force=opts.force)
 
 

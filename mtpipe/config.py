@@ -1,8 +1,10 @@
 """params.yaml: one frozen dataclass per section, strict loading, CLI overrides.
 
-Precedence, lowest first: the dataclass defaults below, then ``params.yaml``, then command-line flags. Every field of a
-section a command reads is also an option of that command (``vocab_size`` -> ``--vocab-size``), so ``dvc.yaml`` can
-pass paths only and DVC tracks every knob through params.yaml. Unknown keys fail loudly with their name.
+Precedence, lowest first: the dataclass defaults below, then ``params.yaml``, then command-line flags (``decode`` and
+``serve`` put a checkpoint's recorded decode settings, :data:`RECORDED_DECODE`, between the defaults and
+params.yaml). Every field of a section a command reads is also an option of that command (``vocab_size`` ->
+``--vocab-size``), so ``dvc.yaml`` can pass paths only and DVC tracks every knob through params.yaml. Unknown keys
+fail loudly with their name.
 
 This module must stay light (no torch, no pyarrow): the CLI builds its options from these classes at start-up.
 """
@@ -62,7 +64,8 @@ class FetchConfig(Section):
     src_lang: str = _h("Source language code (column / file suffix).", default="en")
     tgt_lang: str = _h("Target language code (column / file suffix).", default="de")
     splits: dict = _h(
-        "Output split -> source split name, or a list of candidate names (the first that exists is used), e.g. "
+        "Output split -> source split name, or a list of candidate names (the first that exists is used; the "
+        "output split's own name is tried first unless the list names it), e.g. "
         # Brackets escaped: the CLI help is rich markup, where '[...]' would vanish as a style tag.
         "{train: train, valid: \\[validation, val], test: \\[test, test_2016_flickr]}.",
         default_factory=lambda: {
@@ -299,7 +302,7 @@ class DecodeConfig(Section):
     engine: str = _h(
         "mtpipe (this package's beam search) or ctranslate2 (CTranslate2, `pip install 'mtpipe\\[ctranslate2]'`). "
         "With ctranslate2, --checkpoint is a CTranslate2 export (`mtpipe export`; decoded as is, and with --input "
-        "its own spm.model is used when --tokens does not exist) or an mtpipe checkpoint (exported to float32 in a "
+        "its own spm.model is used unless --tokens is given) or an mtpipe checkpoint (exported to float32 in a "
         "temporary directory first). Beam, alpha, both length penalties, max_len_a/b, nbest and max_tokens are "
         "honoured, scores use mtpipe's formula, greedy output is mtpipe's. At beam > 1 the search differs: "
         "CTranslate2 stops a sentence once beam x patience hypotheses have finished (fairseq's rule, = stop "
@@ -396,6 +399,11 @@ class ServeConfig(Section):
     max_alpha: float = _h("Largest length-penalty alpha a request may ask for (decode.alpha is the default).",
                           default=4.0, ge=0)
 
+
+# The decode settings a checkpoint records (train: the params.yaml decode keys it ran with; average and export copy
+# them): ``decode`` and ``serve`` take them where neither params.yaml nor a flag sets them (README, "Decoding
+# defaults"). The search's rules only: the machine's settings (precision, threads, engine) stay the decoder's own.
+RECORDED_DECODE = ("beam", "alpha", "length_penalty", "max_len_a", "max_len_b")
 
 SECTIONS: dict[str, type] = {
     c.SECTION: c
@@ -508,10 +516,17 @@ def load_params(path: Path | str | None = PARAMS_FILE, *, required: bool = False
 
 
 def resolve(cls: type, params: dict[str, dict[str, Any]], overrides: dict[str, Any] | None = None,
-            where: str = PARAMS_FILE) -> Any:
-    """Section ``cls`` from defaults <- params.yaml <- ``overrides`` (CLI flags; ``None`` means not given)."""
-    values = dict(params.get(cls.SECTION, {}))
-    origins = {}
+            where: str = PARAMS_FILE, below: tuple[dict[str, Any], str] | None = None) -> Any:
+    """Section ``cls`` from defaults <- ``below`` <- params.yaml <- ``overrides`` (CLI flags; ``None`` means not
+    given). ``below``: ``(values, where they come from)`` under params.yaml (a checkpoint's recorded decode
+    settings); a bad value there is named by its origin."""
+    values, origins = {}, {}
+    if below is not None:
+        values.update(below[0])
+        origins.update({k: below[1] for k in below[0]})
+    for k, v in params.get(cls.SECTION, {}).items():
+        values[k] = v
+        origins.pop(k, None)
     for k, v in (overrides or {}).items():
         if v is not None:
             values[k] = v

@@ -2,6 +2,10 @@
 
 Everything human-facing goes to stderr so stdout stays clean for data (``mtpipe decode --input - > out.txt``).
 In a torchrun launch only rank 0 prints (``mtpipe.distributed.is_rank0``).
+
+When stderr is not a terminal (a pipe, a log file, CI) rich would wrap at 80 columns; a log is read with a pager or
+grep, where a table row or a sacreBLEU signature split over lines is worse than a long line, so the console is then
+as wide as :data:`PIPE_WIDTH` (``COLUMNS``, when set, still wins).
 """
 
 from __future__ import annotations
@@ -21,7 +25,17 @@ from rich.progress import (
 )
 from rich.table import Table
 
-console = Console(stderr=True, highlight=False)
+PIPE_WIDTH = 10_000  # columns of the console when stderr is not a terminal: in effect, no wrapping
+
+
+def _make_console() -> Console:
+    c = Console(stderr=True, highlight=False)
+    if not c.is_terminal and not os.environ.get("COLUMNS"):
+        c = Console(stderr=True, highlight=False, width=PIPE_WIDTH)
+    return c
+
+
+console = _make_console()
 
 
 def _quiet() -> bool:
@@ -84,9 +98,10 @@ def fmt(v: Any) -> str:
     return str(v)
 
 
-def info(msg: str) -> None:
+def info(msg: str, *, whole: bool = False) -> None:
+    """Print a line; ``whole``: never wrapped, not even on a terminal, so that it copies as one line (a signature)."""
     if not _quiet():
-        console.print(msg)
+        console.print(msg, soft_wrap=whole)
 
 
 def warn(msg: str) -> None:

@@ -12,6 +12,10 @@ sentence, its beams attending to them together; each step computes the new posit
 written in place, :meth:`Transformer.step`); sentences that are done leave the batch at once (``state.select``);
 ``torch.inference_mode`` and optional bf16 autocast (CPU and GPU).
 
+Text from stdin (``--input -``) is translated as it arrives (:func:`stream_batches`): a line, with whatever else is
+already waiting, is translated and its output flushed before more input is read, so typed input and a program that
+waits for each answer get it at once; a file or a split is translated in length-sorted batches.
+
 Blank input lines are not decoded: they give blank output lines (so paragraph breaks survive). Sources longer than
 the model's ``max_positions`` are truncated (with a warning naming how many and the first id):
 one output line per input line matters more for scoring than failing the whole run.
@@ -32,12 +36,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import sys
 import time
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -295,11 +300,22 @@ def validate(cfg: DecodeConfig) -> DecodeRules:
     return rules
 
 
-def read_lines(path: Path) -> list[str]:
-    """Raw text lines of a file or of stdin ('-'), NFC-normalised and stripped as ``fetch`` cleans text.
+def text_lines(data: bytes, name: str, first: int = 1) -> list[str]:
+    """Whole lines (``data`` without the newline that ends the last one) as text: UTF-8 (an error names the line,
+    counting from ``first``), NFC-normalised and stripped as ``fetch`` cleans text (a trailing ``\\r`` included).
 
-    Lines are split on ``\\n`` only (a trailing ``\\r`` is stripped), so the output has one line per input line.
+    Lines are split on ``\\n`` only, so the output has one line per input line.
     """
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = first + data[: e.start].count(b"\n")
+        raise MtpipeError(f"{name}: line {line} is not valid UTF-8") from None
+    return [unicodedata.normalize("NFC", line).strip() for line in text.split("\n")]
+
+
+def read_lines(path: Path) -> list[str]:
+    """Raw text lines of a file or of stdin ('-') read to its end (:func:`text_lines`)."""
     name = "stdin" if str(path) == "-" else str(path)
     if str(path) == "-":
         stream = getattr(sys.stdin, "buffer", None)
@@ -308,17 +324,52 @@ def read_lines(path: Path) -> list[str]:
         if not path.is_file():
             raise MtpipeError(f"{path}: input file not found")
         data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise MtpipeError(f"{name}: line {line} is not valid UTF-8") from None
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()  # the newline that ends the last line
-    if not lines:
+    if not data:
         raise MtpipeError(f"{name}: empty input (no lines to translate)")
-    return [unicodedata.normalize("NFC", line).strip() for line in lines]
+    return text_lines(data[:-1] if data.endswith(b"\n") else data, name)
+
+
+STREAM_GATHER = 1 << 20  # bytes of input already waiting that one streaming batch takes at most
+_READ = 1 << 16
+
+
+def stdin_fd() -> int | None:
+    """The file descriptor of stdin, or None when stdin is not a real file (a test runner's buffer)."""
+    try:
+        return sys.stdin.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def stream_batches(fd: int) -> Iterator[tuple[int, bytes]]:
+    """``(number of the first line, whole lines)`` of ``fd`` as they arrive, for translating stdin line by line.
+
+    Each batch blocks only for its first whole line (or the end of the input), then takes what else is already
+    there without waiting (up to :data:`STREAM_GATHER` bytes): a line typed at a terminal, or written by a process
+    that waits for its translation, is translated at once, while a pipe full of text is still translated in batches.
+    """
+    import select
+
+    buf, line, eof = bytearray(), 1, False
+    while not eof:
+        found = b"\n" in buf
+        while not eof and not found:
+            chunk = os.read(fd, _READ)
+            eof, found = not chunk, b"\n" in chunk
+            buf += chunk
+        while not eof and len(buf) < STREAM_GATHER and select.select([fd], [], [], 0)[0]:
+            chunk = os.read(fd, _READ)
+            eof = not chunk
+            buf += chunk
+        if eof:
+            whole = bytes(buf[:-1] if buf.endswith(b"\n") else buf) if buf else None
+            buf = bytearray()
+        else:
+            cut = buf.rindex(b"\n")
+            whole, buf = bytes(buf[:cut]), buf[cut + 1 :]
+        if whole is not None:
+            yield line, whole
+            line += whole.count(b"\n") + 1
 
 
 @dataclass
@@ -336,11 +387,12 @@ class Inputs:
     pruned: dict[str, list[int]] | None  # decode.prune's kept layers
 
 
-def read_sources(cfg: DecodeConfig, tokens: Path, input: Path | None,
+def read_sources(cfg: DecodeConfig, tokens: Path | None, input: Path | None,
                  sp: Any) -> tuple[list[int], list[list[int]], str | None, str]:
     """``(ids, sources, split, description)``: the split ``cfg.split`` of the bpe artifact, or the lines of
     ``input`` ('-' = stdin) encoded with ``sp``."""
     if input is None:
+        assert tokens is not None, "a split is read from a bpe artifact"
         available = artifacts.splits_of(tokens, "tokens")
         if cfg.split not in available:
             raise MtpipeError(f"{tokens}: has no split '{cfg.split}' (decode.split; available: "
@@ -351,43 +403,77 @@ def read_sources(cfg: DecodeConfig, tokens: Path, input: Path | None,
     return list(range(len(lines))), sp.encode(lines, out_type=int), None, "stdin" if str(input) == "-" else str(input)
 
 
-def resolve_inputs(cfg: DecodeConfig, checkpoint: Path, tokens: Path,
-                   input: Path | None) -> tuple[Inputs, Engine]:
-    """The model (a checkpoint, or with engine ctranslate2 also an export) and its vocabulary checked against the
-    bpe artifact, the sources read, the engine opened and the sources cut to its positions."""
-    from mtpipe.console import warn
+@dataclass
+class Model:
+    """A checkpoint (or, with engine ctranslate2, an export) with its vocabulary checked; :meth:`open` starts the
+    engine, the slow part, once the sources have been read and checked."""
 
-    upstream = {"checkpoint": checkpoint, "tokens": tokens}
+    sp: Any  # the SentencePiece model (sentencepiece.SentencePieceProcessor)
+    step: int  # the checkpoint's training step
+    upstream: dict[str, Path]  # the hypotheses manifest's lineage
+    open: Callable[[], tuple[Engine, dict[str, list[int]] | None]]  # -> (the engine, decode.prune's kept layers)
+
+
+def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None) -> Model:
+    """The model and its SentencePiece model: that of ``tokens``, else the checkpoint's (or export's) own
+    (:func:`mtpipe.loading.vocab_source`), checked against the vocabulary it was trained with."""
     if cfg.engine == "ctranslate2":
         from mtpipe import engine_ct2
 
         manifest = engine_ct2.decode_source(checkpoint)  # a CTranslate2 export or a checkpoint, else one error line
-        # An export carries its spm.model: raw text can be translated with the export alone (no bpe artifact).
-        own_spm = manifest.kind == "export" and input is not None and not Path(tokens).exists()
-        if own_spm:
-            upstream = {"checkpoint": checkpoint}
-        sp, step = engine_ct2.source_vocab(checkpoint, manifest, tokens, own_spm)
-        ids, sources, split, desc = read_sources(cfg, tokens, input, sp)
-        engine: Engine = engine_ct2.Ct2Engine.open(checkpoint, manifest, tokens, cfg)
-        pruned = None
+        sp, step, used = engine_ct2.source_vocab(checkpoint, manifest, tokens)
+
+        def open_ct2() -> tuple[Engine, dict[str, list[int]] | None]:
+            return engine_ct2.Ct2Engine.open(checkpoint, manifest, used, cfg), None
+
+        opener: Callable[[], tuple[Engine, dict[str, list[int]] | None]] = open_ct2
     else:
         loaded = _load_checkpoint(checkpoint, tokens)
-        sp, step = loaded.sp, loaded.ck.step
-        ids, sources, split, desc = read_sources(cfg, tokens, input, sp)
-        mtpipe_engine = MtpipeEngine.open(loaded.model, cfg)
-        plan, engine = mtpipe_engine.plan, mtpipe_engine
-        pruned = None if plan is None else {"encoder_kept": list(plan.encoder), "decoder_kept": list(plan.decoder)}
+        sp, step, used = loaded.sp, loaded.ck.step, loaded.tokens
 
-    limit = max_source_len(engine.max_positions)
+        def open_mtpipe() -> tuple[Engine, dict[str, list[int]] | None]:
+            engine = MtpipeEngine.open(loaded.model, cfg)
+            plan = engine.plan
+            return engine, None if plan is None else {"encoder_kept": list(plan.encoder),
+                                                      "decoder_kept": list(plan.decoder)}
+
+        opener = open_mtpipe
+    upstream = {"checkpoint": checkpoint, **({"tokens": used} if used is not None else {})}
+    return Model(sp, step, upstream, opener)
+
+
+def fit_sources(sources: list[list[int]], max_positions: int,
+                where: Callable[[int], str]) -> tuple[list[list[int]], int]:
+    """``(sources cut to what the model takes with its EOS, how many were cut)``, with a warning naming the first
+    (``where(row)``)."""
+    from mtpipe.console import warn
+
+    limit = max_source_len(max_positions)
     long_rows = [i for i, s in enumerate(sources) if len(s) > limit]
-    if long_rows:
-        warn(f"{len(long_rows)} source(s) longer than the model's {limit} tokens (max_positions "
-             f"{engine.max_positions} with EOS) truncated, the first with id {ids[long_rows[0]]}")
-        sources = [s[:limit] for s in sources]
-    return Inputs(ids, sources, split, desc, sp, step, upstream, len(long_rows), pruned), engine
+    if not long_rows:
+        return sources, 0
+    warn(f"{len(long_rows)} source(s) longer than the model's {limit} tokens (max_positions {max_positions} with "
+         f"EOS) truncated, the first {where(long_rows[0])}")
+    return [s[:limit] for s in sources], len(long_rows)
 
 
-def _load_checkpoint(checkpoint: Path, tokens: Path) -> Any:
+def resolve_inputs(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None,
+                   input: Path | None) -> tuple[Inputs, Engine]:
+    """The model (a checkpoint, or with engine ctranslate2 also an export) and its vocabulary checked, the sources
+    read (the split ``cfg.split`` of ``tokens``, by default the project's bpe artifact, or the lines of ``input``),
+    the engine opened and the sources cut to its positions."""
+    from mtpipe.config import PATHS
+
+    if input is None and tokens is None:
+        tokens = Path(PATHS["bpe"])
+    model = open_model(cfg, checkpoint, tokens)
+    ids, sources, split, desc = read_sources(cfg, tokens, input, model.sp)
+    engine, pruned = model.open()
+    sources, truncated = fit_sources(sources, engine.max_positions, lambda row: f"with id {ids[row]}")
+    return Inputs(ids, sources, split, desc, model.sp, model.step, model.upstream, truncated, pruned), engine
+
+
+def _load_checkpoint(checkpoint: Path, tokens: Path | None) -> Any:
     """:func:`mtpipe.loading.load_model_and_vocab`, refusing an export first (it is CTranslate2's, not mtpipe's)."""
     from mtpipe.loading import load_model_and_vocab
 
@@ -419,21 +505,21 @@ def translate_sources(engine: Engine, sources: list[list[int]],
     return results, time.perf_counter() - start
 
 
+def detokenise(sp: Any, hyp_tokens: list[list[int]]) -> list[str]:
+    """Hypotheses as text, one line each no matter what the model emits."""
+    return [s.replace("\r", " ").replace("\n", " ") for s in sp.decode(hyp_tokens)]
+
+
 def hypothesis_rows(results: list[list[Hypothesis]], inputs: Inputs, nbest: int) -> dict[str, list[Any]]:
     """The hypotheses table (:data:`mtpipe.artifacts.HYPOTHESES_SCHEMA`), detokenised; n-best columns only when
     ``nbest`` > 1."""
-
-    def detok(hyp_tokens: list[list[int]]) -> list[str]:
-        # One line per hypothesis no matter what the model emits.
-        return [s.replace("\r", " ").replace("\n", " ") for s in inputs.sp.decode(hyp_tokens)]
-
     best = [r[0] for r in results]
     return {
         "id": inputs.ids,
-        "hypothesis": detok([h.tokens for h in best]),
+        "hypothesis": detokenise(inputs.sp, [h.tokens for h in best]),
         "tokens": [h.tokens for h in best],
         "score": [h.score for h in best],
-        "nbest": [detok([h.tokens for h in r]) if nbest > 1 else [] for r in results],
+        "nbest": [detokenise(inputs.sp, [h.tokens for h in r]) if nbest > 1 else [] for r in results],
         "nbest_scores": [[h.score for h in r] if nbest > 1 else [] for r in results],
     }
 
@@ -460,46 +546,120 @@ def write_hypotheses(out: Path, rows: dict[str, list[Any]], inputs: Inputs, cfg:
         })
 
 
-def translate_inputs(cfg: DecodeConfig, checkpoint: Path, tokens: Path, input: Path | None = None,
-        out: Path | None = None, *, force: bool = False) -> None:
+def _log_start(what: str, checkpoint: Path, step: int, engine: Engine, cfg: DecodeConfig, rules: DecodeRules) -> None:
+    from mtpipe.console import info
+
+    info(f"{what} with {checkpoint} (step {step:,}) on {engine.describe()}, beam {cfg.beam}, {cfg.length_penalty} "
+         f"alpha {cfg.alpha}, {engine.settings(rules)}")
+    if (note := engine.note(rules)) is not None:
+        info(note)
+
+
+@dataclass
+class Totals:
+    """What the summary table reports."""
+
+    sentences: int = 0
+    out_tokens: int = 0  # best hypotheses' tokens, with their EOS
+    score: float = 0.0  # sum of the best hypotheses' scores
+    seconds: float = 0.0
+
+    def add(self, results: list[list[Hypothesis]], seconds: float) -> None:
+        self.sentences += len(results)
+        self.out_tokens += sum(len(r[0].tokens) + 1 for r in results)
+        self.score += sum(r[0].score for r in results)
+        self.seconds += seconds
+
+
+def translate_stream(cfg: DecodeConfig, rules: DecodeRules, checkpoint: Path, tokens: Path | None, fd: int,
+                     keep: bool) -> tuple[Inputs, list[list[Hypothesis]], Totals, str]:
+    """Translate the lines of ``fd`` (stdin) as they arrive (:func:`stream_batches`), each batch written to stdout
+    and flushed before the next is read. Returns ``(inputs, hypotheses, totals, device)``; the sources and
+    hypotheses only when ``keep`` (for ``--out``), else empty lists (a long session does not grow)."""
+    model = open_model(cfg, checkpoint, tokens)
+    engine, pruned = model.open()
+    _log_start("translating stdin as lines arrive", checkpoint, model.step, engine, cfg, rules)
+    sources: list[list[int]] = []
+    results: list[list[Hypothesis]] = []
+    totals, truncated = Totals(), 0
+    for first, data in stream_batches(fd):
+        batch, cut = fit_sources(model.sp.encode(text_lines(data, "stdin", first), out_type=int),
+                                 engine.max_positions, lambda row: f"on stdin line {first + row}")
+        start = time.perf_counter()
+        hyps = engine.translate(batch, rules)
+        totals.add(hyps, time.perf_counter() - start)
+        sys.stdout.write("".join(s + "\n" for s in detokenise(model.sp, [r[0].tokens for r in hyps])))
+        sys.stdout.flush()
+        truncated += cut
+        if keep:
+            sources += batch
+            results += hyps
+    if totals.sentences == 0:
+        raise MtpipeError("stdin: empty input (no lines to translate)")
+    inputs = Inputs(list(range(len(sources))), sources, None, "stdin", model.sp, model.step, model.upstream,
+                    truncated, pruned)
+    return inputs, results, totals, engine.describe()
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def translate_inputs(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None = None, input: Path | None = None,
+        out: Path | None = None, *, force: bool = False, stats: bool | None = None) -> None:
     """Translate a split of the bpe artifact (``cfg.split``) or raw text (``input``; '-' = stdin).
 
     The translations go to stdout, one line per sentence in id order; with ``out`` also a ``hypotheses`` artifact
     (``{split}.parquet`` / ``{split}.txt``, or ``input.*`` for raw text) is written there. All checks run before any
-    output is written.
+    output is written. Stdin is translated as its lines arrive (:func:`translate_stream`), a file or a split in
+    length-sorted batches. ``stats``: print the summary table (None: unless the input is stdin or stdout a
+    terminal, where it would interleave with the translations).
     """
-    from mtpipe.console import info, table
+    from mtpipe.console import table
 
     rules = validate(cfg)
     if out is not None:
         writing.prepare_output(out, "hypotheses", inputs=[checkpoint, tokens, input], force=force)
-    inputs, engine = resolve_inputs(cfg, checkpoint, tokens, input)
+    from_stdin = input is not None and str(input) == "-"
+    fd = stdin_fd() if from_stdin else None
+    if fd is not None:
+        inputs, results, totals, device = translate_stream(cfg, rules, checkpoint, tokens, fd, keep=out is not None)
+        if out is not None:
+            write_hypotheses(out, hypothesis_rows(results, inputs, cfg.nbest), inputs, cfg, checkpoint, device,
+                             force=force)
+    else:
+        inputs, engine = resolve_inputs(cfg, checkpoint, tokens, input)
+        _log_start(f"decoding {len(inputs.sources):,} sentences of {inputs.desc}", checkpoint, inputs.step, engine,
+                   cfg, rules)
+        results, seconds = translate_sources(engine, inputs.sources, rules)
+        rows = hypothesis_rows(results, inputs, cfg.nbest)
+        if out is not None:
+            write_hypotheses(out, rows, inputs, cfg, checkpoint, engine.describe(), force=force)
+        sys.stdout.write("".join(s + "\n" for s in rows["hypothesis"]))
+        sys.stdout.flush()
+        totals = Totals()
+        totals.add(results, seconds)
+    # The table would land between translations a user reads at a terminal, or after a stdin session ends.
+    show = stats if stats is not None else not from_stdin and not _isatty(sys.stdout)
+    if show:
+        n, seconds = totals.sentences, totals.seconds
+        table("decode", ["", "value"], [
+            ["engine", cfg.engine],
+            ["sentences", n],
+            ["output tokens (with EOS)", totals.out_tokens],
+            ["seconds", round(seconds, 2)],
+            ["sentences/s", n / max(seconds, 1e-9)],
+            ["tokens/s", totals.out_tokens / max(seconds, 1e-9)],
+            ["mean score", totals.score / max(n, 1)],
+            ["written to", str(out) if out is not None else "stdout"],
+        ])
 
-    info(f"decoding {len(inputs.sources):,} sentences of {inputs.desc} with {checkpoint} (step {inputs.step:,}) on "
-         f"{engine.describe()}, beam {cfg.beam}, {cfg.length_penalty} alpha {cfg.alpha}, {engine.settings(rules)}")
-    if (note := engine.note(rules)) is not None:
-        info(note)
-    results, seconds = translate_sources(engine, inputs.sources, rules)
 
-    rows = hypothesis_rows(results, inputs, cfg.nbest)
-    if out is not None:
-        write_hypotheses(out, rows, inputs, cfg, checkpoint, engine.describe(), force=force)
-    sys.stdout.write("".join(s + "\n" for s in rows["hypothesis"]))
-    sys.stdout.flush()
-    out_tokens = sum(len(t) + 1 for t in rows["tokens"])
-    n = len(inputs.sources)
-    table("decode", ["", "value"], [
-        ["engine", cfg.engine],
-        ["sentences", n],
-        ["output tokens (with EOS)", out_tokens],
-        ["seconds", round(seconds, 2)],
-        ["sentences/s", n / max(seconds, 1e-9)],
-        ["tokens/s", out_tokens / max(seconds, 1e-9)],
-        ["mean score", sum(rows["score"]) / max(n, 1)],
-        ["written to", str(out) if out is not None else "stdout"],
-    ])
-
-
-__all__ = ["INPUT_SPLIT", "Inputs", "MtpipeEngine", "PrefixState", "batches_by_tokens", "bf16_copy",
-           "precision_context", "read_lines", "read_sources", "resolve_inputs", "translate", "translate_batches",
-           "translate_inputs", "translate_sources", "uncached_step", "validate", "write_hypotheses"]
+__all__ = ["INPUT_SPLIT", "Inputs", "Model", "MtpipeEngine", "PrefixState", "batches_by_tokens", "bf16_copy",
+           "detokenise", "fit_sources", "open_model", "precision_context", "read_lines", "read_sources",
+           "resolve_inputs", "stdin_fd", "stream_batches", "text_lines", "Totals", "translate", "translate_batches",
+           "translate_inputs", "translate_sources", "translate_stream", "uncached_step", "validate",
+           "write_hypotheses"]

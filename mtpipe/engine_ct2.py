@@ -20,7 +20,7 @@ from mtpipe import artifacts
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mtpipe.config import DecodeConfig
 from mtpipe.errors import MtpipeError
-from mtpipe.loading import artifact_spm, load_vocab
+from mtpipe.loading import artifact_spm, load_vocab, vocab_source
 from mtpipe.search import DecodeRules, Hypothesis, LengthPenalty, max_source_len
 
 ENGINE_INPUTS = "a CTranslate2 export (`mtpipe export`) or an mtpipe checkpoint"
@@ -235,23 +235,22 @@ def decode_source(path: Path) -> artifacts.Manifest:
     return m
 
 
-def source_vocab(path: Path, manifest: artifacts.Manifest, tokens: Path, own_spm: bool) -> tuple[Any, int]:
-    """``(SentencePiece model, checkpoint step)`` of a :func:`decode_source`: the bpe artifact's SentencePiece model
-    (``own_spm``: the export's own copy), checked against the vocabulary the checkpoint was trained with."""
+def source_vocab(path: Path, manifest: artifacts.Manifest, tokens: Path | None) -> tuple[Any, int, Path | None]:
+    """``(SentencePiece model, checkpoint step, the bpe artifact used or None)`` of a :func:`decode_source`: the
+    SentencePiece model of ``tokens``, else the export's or the checkpoint's own copy
+    (:func:`mtpipe.loading.vocab_source`), checked against the vocabulary the checkpoint was trained with."""
     step = int(manifest.extra["checkpoint_step" if manifest.kind == "export" else "step"])
-    if own_spm:
-        spm_path, spm_sha = artifact_spm(path, manifest)
-    else:
-        spm_path, spm_sha = artifact_spm(tokens, artifacts.read_manifest(tokens, "tokens"))
-    return load_vocab(path, manifest.extra["vocab"], spm_path, spm_sha), step
+    own = artifact_spm(path, manifest)[0] if manifest.kind == "export" else artifacts.checkpoint_spm(path, manifest)
+    spm_path, spm_sha, tokens = vocab_source(path, own, tokens)
+    return load_vocab(path, manifest.extra["vocab"], spm_path, spm_sha), step, tokens
 
 
 def open_for_decode(path: Path, manifest: artifacts.Manifest, tokens: Path | None, *, compute_type: str = "default",
                     threads: int = 0, device: str = "auto") -> Ct2Model:
     """A loaded CTranslate2 model for ``mtpipe decode --engine ctranslate2``: an export is opened as it is; a
-    checkpoint (with the SentencePiece model of ``tokens``) is first exported with float32 weights to a temporary
-    directory, which is removed once CTranslate2 has read it (the translator keeps its weights in memory), so nothing
-    is left behind. ``compute_type`` may still quantise at load time (``int8``...; the choices are
+    checkpoint (with the SentencePiece model of ``tokens``, else its own) is first exported with float32 weights to a
+    temporary directory, which is removed once CTranslate2 has read it (the translator keeps its weights in memory),
+    so nothing is left behind. ``compute_type`` may still quantise at load time (``int8``...; the choices are
     ``decode.ct2_compute_type``'s). ``device`` "auto": the first GPU CTranslate2 sees, else the CPU."""
     import dataclasses
     import tempfile
@@ -263,8 +262,6 @@ def open_for_decode(path: Path, manifest: artifacts.Manifest, tokens: Path | Non
     path = Path(path)
     if manifest.kind == "export":
         return load_ct2(path, device=device, compute_type=compute_type, threads=threads)
-    if tokens is None:
-        raise MtpipeError(f"{path}: exporting a checkpoint to CTranslate2 needs --tokens (its bpe artifact)")
     with tempfile.TemporaryDirectory(prefix="mtpipe-ct2-") as tmp:
         export_ctranslate2(path, tokens, Path(tmp) / "model", summary=False)
         m = load_ct2(Path(tmp) / "model", device=device, compute_type=compute_type, threads=threads)
@@ -281,7 +278,7 @@ class Ct2Engine:
     max_tokens: int
 
     @classmethod
-    def open(cls, path: Path, manifest: artifacts.Manifest, tokens: Path, cfg: DecodeConfig) -> "Ct2Engine":
+    def open(cls, path: Path, manifest: artifacts.Manifest, tokens: Path | None, cfg: DecodeConfig) -> "Ct2Engine":
         import torch
 
         from mtpipe.console import info

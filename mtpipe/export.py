@@ -37,7 +37,9 @@ The mapping (paper section -> CTranslate2 variable):
 
 The output directory is an mtpipe artifact (kind ``export``): CTranslate2's ``model.bin``, ``config.json`` and
 ``shared_vocabulary.json``, the ``spm.model`` beside them, and a ``manifest.json`` whose ``upstream`` holds the
-hashes of the checkpoint and tokens manifests; it is written to a temporary directory and renamed into place.
+hashes of the checkpoint and tokens manifests (the checkpoint's alone when its own SentencePiece model was used, no
+``--tokens``) and whose ``extra["decode"]`` keeps the decode settings the checkpoint records; it is written to a
+temporary directory and renamed into place.
 
 Decoding an export (``mtpipe decode --engine ctranslate2``, :func:`mtpipe.engine_ct2.ct2_translate`) is
 :mod:`mtpipe.engine_ct2`; the checkpoint and its SentencePiece model are loaded and cross-checked by
@@ -91,14 +93,14 @@ class _Source:
     """A checkpoint rebuilt as a model, with the SentencePiece model it was trained with."""
 
     checkpoint: Path
-    tokens: Path
+    tokens: Path | None  # the bpe artifact whose SentencePiece model was used; None: the checkpoint's own
     ck: Any  # artifacts.Checkpoint
     model: Any  # mtpipe.model.Transformer (eval mode)
     spm_path: Path
     pieces: list[str]
 
 
-def _load_source(checkpoint: Path, tokens: Path) -> _Source:
+def _load_source(checkpoint: Path, tokens: Path | None) -> _Source:
     """The checkpoint and the tokens artifact, cross-checked (:func:`mtpipe.loading.load_model_and_vocab`), and the
     vocabulary's pieces, which become the export's token list: mtpipe's special ids must hold their pieces and every
     piece must have one id. Every failure is one MtpipeError line."""
@@ -112,7 +114,11 @@ def _load_source(checkpoint: Path, tokens: Path) -> _Source:
                               "(mtpipe's special ids: <pad>=0 <unk>=1 <s>=2 </s>=3)")
     if len(set(pieces)) != size:
         raise MtpipeError(f"{spm_path}: duplicate pieces; a token vocabulary needs one id per piece")
-    return _Source(Path(checkpoint), Path(tokens), loaded.ck, loaded.model, spm_path, pieces)
+    return _Source(Path(checkpoint), loaded.tokens, loaded.ck, loaded.model, spm_path, pieces)
+
+
+def _upstream(src: _Source) -> dict[str, Path]:
+    return {"checkpoint": src.checkpoint, **({"tokens": src.tokens} if src.tokens is not None else {})}
 
 
 class _Weights:
@@ -291,10 +297,11 @@ def _fill_ct2_weights(encoder: Any, decoder: Any, src: _Source, pre_norm: bool) 
     w.done()
 
 
-def export_ctranslate2(checkpoint: Path, tokens: Path, out: Path, quantization: str | None = None,
+def export_ctranslate2(checkpoint: Path, tokens: Path | None, out: Path, quantization: str | None = None,
                        params: dict[str, Any] | None = None, summary: bool = True, *,
                        force: bool = False) -> dict[str, Any]:
-    """Export ``checkpoint`` (trained or averaged) with the SentencePiece model of ``tokens`` to a CTranslate2 model
+    """Export ``checkpoint`` (trained or averaged) with the SentencePiece model of ``tokens`` (None: the
+    checkpoint's own) to a CTranslate2 model
     directory ``out`` (atomically). ``quantization``: None/"none" keeps float32 weights, else a CTranslate2 weight
     type (int8, int8_float32, int16, float16, ...). ``summary``: print the summary table. Returns the manifest's
     ``extra``."""
@@ -304,7 +311,7 @@ def export_ctranslate2(checkpoint: Path, tokens: Path, out: Path, quantization: 
     spec = build_ct2_spec(src)
     spec.optimize(quantization=q)  # aliases the three tied embedding copies, then quantizes
     cfg = src.model.cfg
-    with writing.ArtifactWriter(out, "export", params, upstream={"checkpoint": checkpoint, "tokens": tokens},
+    with writing.ArtifactWriter(out, "export", params, upstream=_upstream(src),
                                   force=force) as w:
         assert w.tmp is not None
         spec.save(str(w.tmp))
@@ -338,6 +345,7 @@ def _extra(src: _Source, fmt: str, quantization: str | None) -> dict[str, Any]:
         "vocab": src.ck.vocab,
         "spm_model": "spm.model",
         "max_positions": src.model.cfg.max_positions,
+        "decode": src.ck.manifest.extra.get("decode") or {},
         "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
     }
 
@@ -363,7 +371,7 @@ def marian_mismatch(cfg: Any) -> str | None:
     return None
 
 
-def export_marian(checkpoint: Path, tokens: Path, out: Path, params: dict[str, Any] | None = None, *,
+def export_marian(checkpoint: Path, tokens: Path | None, out: Path, params: dict[str, Any] | None = None, *,
                   force: bool = False) -> dict[str, Any]:
     """Export to a Hugging Face ``MarianMTModel`` directory (``save_pretrained`` files, the SentencePiece model as
     ``source.spm``/``target.spm`` and ``vocab.json`` for ``MarianTokenizer``), atomically."""
@@ -375,7 +383,7 @@ def export_marian(checkpoint: Path, tokens: Path, out: Path, params: dict[str, A
     transformers.utils.logging.disable_progress_bar()  # "Writing model shards" bars; mtpipe prints its own summary
     src = _load_source(checkpoint, tokens)
     hf = _marian_model(src)
-    with writing.ArtifactWriter(out, "export", params, upstream={"checkpoint": checkpoint, "tokens": tokens},
+    with writing.ArtifactWriter(out, "export", params, upstream=_upstream(src),
                                   force=force) as w:
         assert w.tmp is not None
         hf.save_pretrained(str(w.tmp), safe_serialization=True)
@@ -501,7 +509,8 @@ def _marian_state_dict(src: _Source, table: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def export_model(cfg: Any, checkpoint: Path, tokens: Path, out: Path, *, force: bool = False) -> dict[str, Any]:
+def export_model(cfg: Any, checkpoint: Path, tokens: Path | None, out: Path, *,
+                 force: bool = False) -> dict[str, Any]:
     """``mtpipe export``: ``cfg`` is an :class:`mtpipe.config.ExportConfig`."""
     from mtpipe.config import to_dict
 

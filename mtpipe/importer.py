@@ -503,7 +503,7 @@ def import_fairseq(checkpoint: Path, dictionary: Path, spm_model: Path, out: Pat
                                  extra={"imported_from": {"format": "fairseq", "checkpoint": str(checkpoint),
                                                           "fairseq_model": {k: opts[k] for k in sorted(opts)
                                                                             if _plain(opts[k])}}},
-                                 force=force)
+                                 spm=tokens_out / "spm.model", spm_vocab=tokens_out / "spm.vocab", force=force)
     except BaseException:
         if not existed:  # the pair is one result: do not leave half of it
             shutil.rmtree(tokens_out, ignore_errors=True)

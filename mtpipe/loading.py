@@ -1,8 +1,13 @@
-"""A checkpoint as a model, with the SentencePiece model of its bpe artifact: what ``decode`` and ``export`` load.
+"""A checkpoint as a model, with its SentencePiece model: what ``decode``, ``export``, ``serve`` and ``attention``
+load.
 
 A checkpoint records the vocabulary it was trained with (``vocab``: the sha256 of the SentencePiece model and its
 size); decoding or exporting it with another SentencePiece model would map ids to the wrong pieces without any error,
 so both are checked here, once, each failure one :class:`~mtpipe.errors.MtpipeError` line.
+
+Which SentencePiece model (:func:`vocab_source`): that of ``--tokens`` when it is given; else the copy the checkpoint
+carries (format 2, :func:`mtpipe.artifacts.checkpoint_spm`), so that a checkpoint decodes outside its project; else,
+for a checkpoint without one, the project's bpe artifact (``artifacts/bpe``) when there is one.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpipe import artifacts
+from mtpipe.artifacts import bare_sha
 from mtpipe.errors import MtpipeError
 
 SPM_MODEL = "spm.model"  # the SentencePiece model's name in a bpe artifact and in an export
@@ -26,12 +32,7 @@ class ModelAndVocab:
     model: Any  # mtpipe.model.Transformer
     sp: Any  # sentencepiece.SentencePieceProcessor
     spm_path: Path
-
-
-def bare_sha(value: Any) -> str:
-    """A sha256 as bare lowercase hex (manifests write ``sha256:<hex>``)."""
-    text = str(value).strip().lower()
-    return text.split(":", 1)[1] if text.startswith("sha256:") else text
+    tokens: Path | None = None  # the bpe artifact the SentencePiece model came from; None: the checkpoint's own
 
 
 def artifact_spm(directory: Path, manifest: artifacts.Manifest) -> tuple[Path, str]:
@@ -69,15 +70,34 @@ def build_checkpoint_model(ck: artifacts.Checkpoint) -> Any:
     return model.eval()
 
 
-def load_model_and_vocab(checkpoint: Path, tokens: Path) -> ModelAndVocab:
-    """Load ``checkpoint`` (an mtpipe checkpoint artifact, nothing else) and the SentencePiece model of the bpe
-    artifact ``tokens``, check that they belong together, and rebuild the model."""
-    checkpoint, tokens = Path(checkpoint), Path(tokens)
-    ck = artifacts.load_checkpoint(checkpoint)
+def vocab_source(checkpoint: Path, own_spm: Path | None, tokens: Path | None) -> tuple[Path, str, Path | None]:
+    """``(spm.model, its bare sha256, the bpe artifact it is from or None)`` for a checkpoint (or an export) whose
+    own SentencePiece model is ``own_spm`` (None: it carries none), as the module docstring orders them."""
+    from mtpipe.config import PATHS
+
+    if tokens is None:
+        if own_spm is not None:
+            return own_spm, bare_sha(artifacts.file_hash(own_spm)), None
+        if Path(PATHS["bpe"]).is_dir():
+            tokens = Path(PATHS["bpe"])
+        else:
+            raise MtpipeError(f"{checkpoint}: carries no SentencePiece model (written before checkpoints carried "
+                              "one) and no --tokens was given: pass --tokens, the bpe artifact it was trained with")
+    tokens = Path(tokens)
     spm_path, spm_sha = artifact_spm(tokens, artifacts.read_manifest(tokens, "tokens"))
+    return spm_path, spm_sha, tokens
+
+
+def load_model_and_vocab(checkpoint: Path, tokens: Path | None = None) -> ModelAndVocab:
+    """Load ``checkpoint`` (an mtpipe checkpoint artifact, nothing else) and its SentencePiece model (that of the bpe
+    artifact ``tokens``, else its own: :func:`vocab_source`), check that they belong together, and rebuild the
+    model."""
+    checkpoint = Path(checkpoint)
+    ck = artifacts.load_checkpoint(checkpoint)
+    spm_path, spm_sha, tokens = vocab_source(checkpoint, ck.spm, tokens)
     sp = load_vocab(checkpoint, ck.vocab, spm_path, spm_sha)
-    return ModelAndVocab(checkpoint, ck, build_checkpoint_model(ck), sp, spm_path)
+    return ModelAndVocab(checkpoint, ck, build_checkpoint_model(ck), sp, spm_path, tokens)
 
 
 __all__ = ["ModelAndVocab", "SPM_MODEL", "artifact_spm", "bare_sha", "build_checkpoint_model", "load_model_and_vocab",
-           "load_vocab"]
+           "load_vocab", "vocab_source"]

@@ -153,15 +153,17 @@ def restore(ck: artifacts.Checkpoint, optimizer: torch.optim.Optimizer, scaler: 
 
 @rank0_only
 def write(out: Path, model: torch.nn.Module, model_config: dict[str, Any], vocab: dict[str, Any],
-          trainer_state: dict[str, Any], cfg: TrainConfig, upstream: dict[str, Path], extra: dict[str, Any]) -> None:
+          trainer_state: dict[str, Any], cfg: TrainConfig, upstream: dict[str, Path], extra: dict[str, Any],
+          spm: tuple[Path | None, Path | None] = (None, None)) -> None:
     """Write checkpoint ``out/checkpoints/step_{step:08d}`` (:func:`mtpipe.writing.write_checkpoint`: atomic, so a
-    kill leaves the previous ones intact), record the best one in ``out/best.json``, and remove all but the last
-    ``train.keep_last`` and the best (:func:`prunable`)."""
+    kill leaves the previous ones intact; ``spm``: the SentencePiece model and its vocab listing it carries), record
+    the best one in ``out/best.json``, and remove all but the last ``train.keep_last`` and the best
+    (:func:`prunable`)."""
     step = int(trainer_state["step"])
     writing.write_checkpoint(
         artifacts.checkpoint_path(out, step), state_dict=model.state_dict(), model_config=model_config, vocab=vocab,
         step=step, trainer_state=trainer_state, params={"model": model_config, "train": to_dict(cfg)},
-        upstream=upstream, extra=extra,
+        upstream=upstream, extra=extra, spm=spm[0], spm_vocab=spm[1],
     )
     best = Best.from_dict(dict(trainer_state.get("best") or {}))
     if best.step >= 0:

@@ -316,7 +316,7 @@ def score_hypotheses(cfg: ScoreConfig, hyp: Path, ref: Path, baseline: Path | No
          f"ratio = {metrics['ratio']:.3f}, hyp_len = {metrics['hyp_len']:,}, ref_len = {metrics['ref_len']:,})")
     for name, key in (("BLEU", "bleu"), ("chrF2", "chrf"), ("TER", "ter"), (PAPER_BLEU_NAME, "paper_bleu")):
         if key in metrics["signatures"]:
-            info(f"{name} signature: {metrics['signatures'][key]}")
+            info(f"{name} signature: {metrics['signatures'][key]}", whole=True)
     if "paper_bleu" in metrics:
         info(f"{PAPER_BLEU_NAME}: {PAPER_BLEU_NOTE}")
     if out is not None:

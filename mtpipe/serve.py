@@ -183,21 +183,21 @@ class ServedModel:
         return [s.replace("\r", " ").replace("\n", " ") for s in self.sp.decode(tokens)]
 
 
-def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path) -> ServedModel:
-    """The checkpoint (or, with ``decode.engine=ctranslate2``, also a CTranslate2 export) and its vocabulary, checked
-    and opened as ``mtpipe decode`` opens them (:func:`mtpipe.decode.resolve_inputs`)."""
+def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None) -> ServedModel:
+    """The checkpoint (or, with ``decode.engine=ctranslate2``, also a CTranslate2 export) and its vocabulary (that of
+    ``tokens``, None: the model's own), checked and opened as ``mtpipe decode`` opens them
+    (:func:`mtpipe.decode.open_model`)."""
     from mtpipe import artifacts
 
-    checkpoint, tokens = Path(checkpoint), Path(tokens)
+    checkpoint = Path(checkpoint)
+    tokens = Path(tokens) if tokens is not None else None
     info: dict[str, Any] = {"checkpoint": str(checkpoint), "model": artifacts.manifest_hash(checkpoint)
                             if (checkpoint / artifacts.MANIFEST).is_file() else None}
     if cfg.engine == "ctranslate2":
         from mtpipe import engine_ct2
 
         manifest = engine_ct2.decode_source(checkpoint)
-        # An export carries its spm.model: it serves alone when the bpe artifact is not there (as decode --input).
-        own_spm = manifest.kind == "export" and not tokens.exists()
-        sp, step = engine_ct2.source_vocab(checkpoint, manifest, tokens, own_spm)
+        sp, step, tokens = engine_ct2.source_vocab(checkpoint, manifest, tokens)
         engine: Any = engine_ct2.Ct2Engine.open(checkpoint, manifest, tokens, cfg)
         translate = engine.translate
         model_config = manifest.extra.get("model_config")
@@ -543,7 +543,7 @@ def url_of(sock: socket.socket) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
-def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, tokens: Path) -> None:
+def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, tokens: Path | None) -> None:
     """Serve ``checkpoint`` until SIGTERM or Ctrl-C; the requests in flight are answered first, then exit 0."""
     _, uvicorn = require_serve()
     from mtpipe.console import info, table

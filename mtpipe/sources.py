@@ -19,7 +19,8 @@ Sources (``fetch.source``)
   column per language (Multi30k style: ``en``, ``de``).
 
 ``fetch.splits`` maps each output split to a source split name or a list of candidates (the first that exists wins),
-so ``valid: [validation, val]`` reads ``val.en.gz`` from the Multi30k release and ``validation`` from the Hub.
+so ``valid: [validation, val]`` reads ``val.en.gz`` from the Multi30k release and ``validation`` from the Hub. The
+output split's own name is tried before them (``valid.en.gz`` needs no entry), unless the entry lists it itself.
 """
 
 from __future__ import annotations
@@ -420,8 +421,9 @@ def open_source(cfg: FetchConfig) -> Source:
 
 
 def resolve_splits(cfg: FetchConfig, source: Source) -> dict[str, str]:
-    """Output split -> source split name: the first candidate of ``fetch.splits`` that the source has, and the
-    output split's own name (``valid``) after them: a corpus that already uses mtpipe's names needs no mapping."""
+    """Output split -> source split name: the output split's own name (``valid``) first, so that a corpus that
+    already uses mtpipe's names needs no mapping, then the candidates of ``fetch.splits``; an entry that names the
+    output split itself keeps its place in the list (``test: [newstest2014, test]`` prefers newstest2014)."""
     if not isinstance(cfg.splits, dict) or "train" not in cfg.splits:
         raise MtpipeError(f"fetch.splits: must map at least 'train' to a source split, got {cfg.splits!r}")
     out = {}
@@ -429,7 +431,7 @@ def resolve_splits(cfg: FetchConfig, source: Source) -> dict[str, str]:
         cands = [cands] if isinstance(cands, str) else cands
         if not isinstance(cands, list) or not cands or not all(isinstance(c, str) for c in cands):
             raise MtpipeError(f"fetch.splits.{split}: must be a split name or a list of names, got {cands!r}")
-        cands = cands + [split] if split not in cands else cands
+        cands = [split, *cands] if split not in cands else cands
         found = next((c for c in cands if source.has(c)), None)
         if found is None:
             raise MtpipeError(f"{source.description}: no split for '{split}' (tried: {', '.join(cands)}; found: "

@@ -293,8 +293,10 @@ class Trainer:
     """The training run of one process (rank) of a launch: each update reads update -> log -> maybe validate ->
     maybe save (:meth:`train_loop`)."""
 
-    def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig, tokens: Path, batches: Path, out: Path):
+    def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig, tokens: Path, batches: Path, out: Path,
+                 decode: dict[str, Any] | None = None):
         self.cfg, self.tokens, self.batches, self.out = cfg, Path(tokens), Path(batches), Path(out)
+        self.decode = dict(decode or {})  # the decode settings each checkpoint records (RECORDED_DECODE)
         self.ctx = distributed.context()
         self.rank, self.world = self.ctx.rank, self.ctx.world_size
         self.device = self.ctx.device
@@ -306,6 +308,7 @@ class Trainer:
             torch.backends.cudnn.allow_tf32 = True
         self.precision = runtime.resolve_precision(cfg.precision, self.device)
         self.data = load_train_data(self.tokens, self.batches, cfg.tokens_per_update, self.world)
+        self.spm_files = self._spm_files() if self.rank == 0 else (None, None)
         self.model = self._build_model(model_cfg)
         self.model_config = to_dict(self.model.cfg)
         # The update count DropHead's schedule ends at (and the progress bar's total): max_steps, else what
@@ -365,6 +368,21 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
 
+    def _spm_files(self) -> tuple[Path | None, Path | None]:
+        """(spm.model, spm.vocab) of the bpe artifact, which every checkpoint carries so that it decodes without
+        the artifact; (None, None) when its spm.model is not the model its manifest's spm_sha256 names (the bpe
+        stage never writes such an artifact)."""
+        from mtpipe.loading import SPM_MODEL
+
+        m = artifacts.read_manifest(self.tokens, "tokens")
+        spm = artifacts.verify_file(self.tokens, SPM_MODEL, m)
+        if artifacts.bare_sha(m.files[SPM_MODEL]) != artifacts.bare_sha(self.data.vocab["spm_sha256"]):
+            warn(f"{spm}: is not the SentencePiece model its manifest's spm_sha256 names; the checkpoints will not "
+                 "carry it (decode them with --tokens)")
+            return None, None
+        vocab_file = artifacts.CHECKPOINT_SPM_VOCAB
+        return spm, artifacts.verify_file(self.tokens, vocab_file, m) if vocab_file in m.files else None
+
     def save(self) -> None:
         """Checkpoint at the current step (a collective: every rank contributes its RNG state; rank 0 writes)."""
         rngs = distributed.all_gather_object(resume.rng_state(self.device))
@@ -374,7 +392,8 @@ class Trainer:
             resume.write(self.out, self.model, self.model_config, self.data.vocab, ts, self.cfg,
                          upstream={"tokens": self.tokens, "batches": self.batches},
                          extra={"epoch": st.epoch, "world_size": self.world, "precision": self.precision,
-                                "valid": self._valid_at_step()})
+                                "valid": self._valid_at_step(), "decode": self.decode},
+                         spm=self.spm_files)
         self.last_saved_step = self.state.step
         self.best_due = False
 
@@ -788,9 +807,10 @@ class Trainer:
 
 
 def train_model(model_cfg: ModelConfig, cfg: TrainConfig, tokens: Path, batches: Path, out: Path, *,
-        force: bool = False) -> dict[str, Any]:
+        force: bool = False, decode: dict[str, Any] | None = None) -> dict[str, Any]:
     """``mtpipe train``: train (or resume training) into ``out``; returns the summary written to ``out/train.json``.
-    ``out`` must be absent, empty or a run directory of `mtpipe train` (``force`` lifts the last rule)."""
+    ``out`` must be absent, empty or a run directory of `mtpipe train` (``force`` lifts the last rule). ``decode``:
+    the decode settings every checkpoint records (:data:`mtpipe.config.RECORDED_DECODE`)."""
     check_stopping(cfg)
     writing.check_output_place(out, [tokens, batches])
     writing.check_run_dir(out, force=force)
@@ -798,6 +818,6 @@ def train_model(model_cfg: ModelConfig, cfg: TrainConfig, tokens: Path, batches:
     if ctx.device.type == "cpu":
         runtime.tune_cpu_allocator()
     try:
-        return Trainer(model_cfg, cfg, Path(tokens), Path(batches), Path(out)).run()
+        return Trainer(model_cfg, cfg, Path(tokens), Path(batches), Path(out), decode).run()
     finally:
         distributed.cleanup()

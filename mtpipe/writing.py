@@ -26,6 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mtpipe.artifacts import (
+    CHECKPOINT_SPM,
+    CHECKPOINT_SPM_VOCAB,
     FORMAT_VERSIONS,
     MANIFEST,
     RUN_ENTRIES,
@@ -33,6 +35,7 @@ from mtpipe.artifacts import (
     TRAINER_STATE,
     WEIGHTS,
     Manifest,
+    bare_sha,
     file_hash,
     manifest_hash,
 )
@@ -284,13 +287,25 @@ def check_run_dir(out: Path | str, *, force: bool = False) -> None:
 def write_checkpoint(out: Path | str, *, state_dict: dict[str, Any], model_config: dict[str, Any],
                      vocab: dict[str, Any], step: int, trainer_state: dict[str, Any] | None = None,
                      params: dict[str, Any] | None = None, upstream: dict[str, Path | str] | None = None,
-                     extra: dict[str, Any] | None = None, force: bool = False) -> None:
-    """Write a checkpoint directory atomically: ``model.safetensors`` (weights, no pickle) and, for resumable
-    training checkpoints, ``trainer.pt`` (optimizer, schedule, RNG, data position; loads with weights_only=True)."""
+                     extra: dict[str, Any] | None = None, spm: Path | None = None, spm_vocab: Path | None = None,
+                     force: bool = False) -> None:
+    """Write a checkpoint directory atomically: ``model.safetensors`` (weights, no pickle), for resumable training
+    checkpoints ``trainer.pt`` (optimizer, schedule, RNG, data position; loads with weights_only=True) and, given
+    ``spm``, a copy of the SentencePiece model (it must be the one ``vocab`` names) and of its ``spm_vocab`` listing,
+    so that the checkpoint decodes on its own."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
+    if spm is not None and bare_sha(file_hash(spm)) != bare_sha(vocab.get("spm_sha256")):
+        raise MtpipeError(f"{spm}: is not the SentencePiece model of the checkpoint's vocabulary (vocab.spm_sha256 "
+                          f"{vocab.get('spm_sha256')})")
     with ArtifactWriter(out, "checkpoint", params, upstream, force=force) as w:
+        if spm is not None:
+            shutil.copyfile(spm, w.path(CHECKPOINT_SPM))
+            w.extra["spm_model"] = CHECKPOINT_SPM
+            if spm_vocab is not None:
+                shutil.copyfile(spm_vocab, w.path(CHECKPOINT_SPM_VOCAB))
+                w.extra["spm_vocab"] = CHECKPOINT_SPM_VOCAB
         tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
         meta = {"model_config": json.dumps(model_config, sort_keys=True), "vocab": json.dumps(vocab),
                 "step": str(step), "format_version": str(FORMAT_VERSIONS["checkpoint"])}

@@ -87,3 +87,21 @@ def test_atomic_write_text(tmp_path: Path):
     p = tmp_path / "m" / "x.json"
     writing.atomic_write_text(p, "{}")
     assert p.read_text() == "{}" and [q.name for q in p.parent.iterdir()] == ["x.json"]
+
+
+def test_checkpoint_format_1_is_still_read_and_a_newer_one_refused(tmp_path: Path):
+    import torch
+
+    writing.write_checkpoint(tmp_path / "ck", state_dict={"w": torch.ones(2)}, model_config={}, vocab={"size": 2},
+                             step=3)
+    path = tmp_path / "ck" / "manifest.json"
+    m = json.loads(path.read_text())
+    assert m["format_version"] == 2 and "spm_model" not in m["extra"]
+    m["format_version"] = 1
+    path.write_text(json.dumps(m))
+    ck = artifacts.load_checkpoint(tmp_path / "ck")
+    assert ck.step == 3 and ck.spm is None
+    m["format_version"] = 3
+    path.write_text(json.dumps(m))
+    with pytest.raises(MtpipeError, match="format version 3, .* reads versions 1, 2"):
+        artifacts.read_manifest(tmp_path / "ck")

@@ -112,6 +112,31 @@ def test_help_and_version_do_not_import_torch():
     assert out.stdout.startswith("mtpipe ")
 
 
+def test_help_shows_the_value_params_yaml_gives(tmp_path: Path):
+    """`mtpipe decode --help` names each key's params.yaml value in effect, read from the current directory's
+    params.yaml at help time; where it sets none, the default (for decode's search settings: the checkpoint's
+    recorded value first); a broken params.yaml does not break --help."""
+    import os
+
+    env = {**os.environ, "COLUMNS": "400"}
+
+    def help_text(cmd: str) -> str:
+        res = subprocess.run([sys.executable, "-m", "mtpipe", cmd, "--help"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        return " ".join(res.stdout.split())  # rich's table borders and wrapping aside
+
+    (tmp_path / "params.yaml").write_text("decode:\n  alpha: 0.25\n  split: valid\nbpe:\n  vocab_size: 123\n",
+                                          encoding="utf-8")
+    text = help_text("decode")
+    assert "(params.yaml decode.alpha = 0.25)" in text and "(params.yaml decode.split = valid)" in text
+    assert "(params.yaml decode.beam: not set; the checkpoint's recorded value, else 4)" in text
+    assert "(params.yaml decode.nbest: not set; default 1)" in text
+    assert "(params.yaml bpe.vocab_size = 123)" in help_text("bpe")
+    (tmp_path / "params.yaml").write_text("decode: [unclosed\n", encoding="utf-8")
+    assert "(params.yaml decode.alpha: not set; the checkpoint's recorded value, else 0.6)" in help_text("decode")
+
+
 def test_bad_params_file_is_a_one_line_error(tmp_path: Path):
     p = tmp_path / "params.yaml"
     p.write_text("bucket:\n  max_tokenz: 3\n")

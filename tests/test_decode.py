@@ -4,8 +4,14 @@ incremental path against full re-decoding, batching and order, and the CLI end t
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import os
+import select
 import shutil
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -591,3 +597,238 @@ def test_cli_bad_input_fails_cleanly(trained, case):
     assert expected in errors[0]
     assert not out.exists()
     assert not [p for p in root.iterdir() if p.name.startswith(f".{out.name}")]  # no temporary leftovers
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Stdin translated as it arrives
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_stream_batches_yields_each_line_when_it_arrives():
+    """Stdin is read a line at a time, never waiting for more than one whole line: what else is already there joins
+    the batch; the last line needs no newline."""
+    from mtpipe.decode import stream_batches
+
+    r, w = os.pipe()
+    try:
+        batches = stream_batches(r)
+        os.write(w, b"one\ntw")
+        assert next(batches) == (1, b"one")  # would block here if it waited for more input
+        os.write(w, b"o\nthree\nfour")
+        assert next(batches) == (2, b"two\nthree")
+        os.write(w, b"\n\n")
+        assert next(batches) == (4, b"four\n")  # "four" and a blank line
+        os.write(w, b"five")
+        os.close(w)
+        w = -1
+        assert next(batches) == (6, b"five")
+        assert next(batches, None) is None
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
+def read_line(stream, timeout: float) -> str:
+    """One line from a subprocess pipe, or fail after ``timeout`` seconds (never hang)."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    while not data.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([stream], [], [], left)[0]:
+            pytest.fail(f"no line within {timeout} s (got {data!r})")
+        chunk = os.read(stream.fileno(), 1)
+        if not chunk:
+            pytest.fail(f"output ended before a whole line (got {data!r})")
+        data += chunk
+    return data.decode("utf-8").rstrip("\n")
+
+
+def test_cli_stdin_translates_each_line_before_the_input_ends(trained, tmp_path):
+    """`mtpipe decode --input -` through a pipe, as an interactive user or a process waiting for each answer: the
+    translation of a line comes back while stdin is still open; no summary table on stderr (stdin input)."""
+    params = tmp_path / "params.yaml"
+    params.write_text("", encoding="utf-8")
+    proc = subprocess.Popen([sys.executable, "-m", "mtpipe", "decode", "--params", str(params), "--checkpoint",
+                             str(trained["checkpoint"]), "--tokens", str(trained["tokens"]), "--input", "-",
+                             "--threads", "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=tmp_path)
+    try:
+        for src, ref in trained["pairs"][:2]:
+            proc.stdin.write(f"{src}\n".encode("utf-8"))
+            proc.stdin.flush()
+            assert read_line(proc.stdout, timeout=90) == ref
+        proc.stdin.write(b"\n")  # a blank line, then the end of the input: a blank line back, exit 0
+        proc.stdin.close()
+        assert read_line(proc.stdout, timeout=30) == ""
+        assert proc.wait(timeout=30) == 0
+        stderr = proc.stderr.read().decode("utf-8")
+        assert "translating stdin as lines arrive" in stderr and "sentences/s" not in stderr
+        assert list(tmp_path.iterdir()) == [params]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_stats_flag(trained, tmp_path):
+    """The summary table: shown for a file piped to a file (a batch job), not for stdin unless --stats asks."""
+    infile = tmp_path / "in.en"
+    infile.write_text(trained["pairs"][0][0] + "\n", encoding="utf-8")
+    args = ["--checkpoint", str(trained["checkpoint"]), "--tokens", str(trained["tokens"]), "--threads", "1"]
+    assert "sentences/s" in cli(trained, *args, "--input", str(infile)).stderr
+    assert "sentences/s" not in cli(trained, *args, "--input", str(infile), "--no-stats").stderr
+    assert "sentences/s" not in cli(trained, *args, "--input", "-", input="the dog sees a ball .\n").stderr
+    r = cli(trained, *args, "--input", "-", "--stats", input="the dog sees a ball .\n")
+    assert r.exit_code == 0 and "sentences/s" in r.stderr
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A checkpoint decodes on its own: it carries its SentencePiece model and the decode settings it was trained with
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def in_dir(path: Path, *args: str, input: str | None = None):
+    """``mtpipe ARGS`` run from the directory ``path`` (the user's current directory)."""
+    before = Path.cwd()
+    os.chdir(path)
+    try:
+        return CliRunner().invoke(app, list(args), input=input)
+    finally:
+        os.chdir(before)
+
+
+@pytest.fixture(scope="module")
+def project(trained, tmp_path_factory) -> dict:
+    """A project as the quickstart leaves it, in miniature: a bpe artifact (train/valid/test, spm.model and
+    spm.vocab), then `mtpipe bucket`, `mtpipe train` (two updates of a tiny model) and `mtpipe average`, all under a
+    params.yaml whose decode section sets beam and alpha."""
+    import sentencepiece as spm
+    import yaml
+
+    from mtpipe.bpe import write_vocab
+
+    root = tmp_path_factory.mktemp("project")
+    spm_file = trained["root"] / "spm.model"
+    sp = spm.SentencePieceProcessor(model_file=str(spm_file))
+    pairs = corpus()
+    tokens = root / "artifacts" / "bpe"
+    with writing.ArtifactWriter(tokens, "tokens") as w:
+        for split, part in (("train", pairs), ("valid", pairs[::5]), ("test", pairs[::4][:20])):
+            w.write_table(f"{split}.parquet", pa.table({"id": list(range(len(part))),
+                                                        "src": [sp.encode(s) for s, _ in part],
+                                                        "tgt": [sp.encode(t) for _, t in part]}))
+        shutil.copy(spm_file, w.path("spm.model"))
+        write_vocab(sp, w.path("spm.vocab"))
+        w.extra.update(spm_sha256=artifacts.file_hash(spm_file), vocab_size=sp.get_piece_size())
+    params = root / "params.yaml"
+    params.write_text(yaml.safe_dump({
+        "bucket": {"max_tokens": 256, "max_len": 64},
+        "model": {"preset": "tiny", "max_positions": 64},
+        "train": {"nproc": "1", "max_steps": 2, "max_epochs": 0, "max_time": 0, "tokens_per_update": 256,
+                  "save_every_steps": 1, "save_every_minutes": 0, "valid_every_steps": 0, "threads": 1,
+                  "precision": "fp32"},
+        "average": {"last": 2},
+        "decode": {"beam": 2, "alpha": 1.5, "threads": 1},
+    }), encoding="utf-8")
+    for args in (["bucket"], ["train"], ["average"]):
+        r = in_dir(root, *args)
+        assert r.exit_code == 0, r.output
+    return {"root": root, "tokens": tokens, "average": root / "artifacts" / "average",
+            "run": root / "artifacts" / "train", "vocab_sha": artifacts.file_hash(spm_file)}
+
+
+def test_train_and_average_write_checkpoints_that_carry_their_spm_and_decode_settings(project):
+    from mtpipe.resume import list_checkpoints
+
+    found = [d for _, d in list_checkpoints(project["run"])]
+    assert len(found) == 2
+    for d in [*found, project["average"]]:
+        m = artifacts.read_manifest(d, "checkpoint")
+        assert m.format_version == 2 and {"spm.model", "spm.vocab"} <= set(m.files)
+        assert artifacts.checkpoint_spm(d, m) == d / "spm.model"
+        assert m.files["spm.model"] == project["vocab_sha"] == m.extra["vocab"]["spm_sha256"]
+        assert (d / "spm.vocab").read_bytes() == (project["tokens"] / "spm.vocab").read_bytes()
+        assert m.extra["decode"] == {"beam": 2, "alpha": 1.5}  # what params.yaml set; threads is not a rule
+    # A checkpoint whose spm.model is not its vocabulary's is refused, naming the file.
+    bad = project["root"] / "bad_ck"
+    shutil.copytree(project["average"], bad)
+    m = json.loads((bad / "manifest.json").read_text())
+    m["extra"]["vocab"]["spm_sha256"] = "sha256:" + "0" * 64
+    (bad / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(MtpipeError, match="spm.model: is not the SentencePiece model"):
+        artifacts.load_checkpoint(bad)
+
+
+def test_a_copied_checkpoint_decodes_outside_the_project(project, tmp_path):
+    """`mtpipe decode --checkpoint COPY --input FILE` from an empty directory (no params.yaml, no artifacts/bpe):
+    the checkpoint's own SentencePiece model and recorded settings; the same translations as in the project."""
+    copy_dir = tmp_path / "elsewhere" / "model"
+    shutil.copytree(project["average"], copy_dir)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    infile = tmp_path / "in.en"
+    infile.write_text("".join(f"{s}\n" for s, _ in corpus()[:6]), encoding="utf-8")
+    out = tmp_path / "hyps"
+    r = in_dir(empty, "decode", "--checkpoint", str(copy_dir), "--input", str(infile), "--out", str(out))
+    assert r.exit_code == 0, r.output
+    assert len(r.stdout.splitlines()) == 6
+    assert "decode settings recorded in" in r.stderr and "beam 2, alpha 1.5" in r.stderr
+    m = artifacts.read_manifest(out, "hypotheses")
+    assert set(m.upstream) == {"checkpoint"}  # no bpe artifact was used
+    assert (m.extra["decode"]["beam"], m.extra["decode"]["alpha"]) == (2, 1.5)
+    home = in_dir(project["root"], "decode", "--checkpoint", str(project["average"]), "--tokens",
+                  str(project["tokens"]), "--input", str(infile))
+    assert home.exit_code == 0, home.output
+    assert home.stdout == r.stdout
+    assert list(empty.iterdir()) == []
+
+
+def test_decode_settings_precedence_flag_params_yaml_checkpoint_default(project, tmp_path):
+    """Flag > params.yaml of the current directory > the checkpoint's record > the built-in default."""
+    infile = tmp_path / "in.en"
+    infile.write_text("the dog sees a ball .\n", encoding="utf-8")
+
+    def settings(where: Path, *extra: str) -> tuple:
+        out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
+        r = in_dir(where, "decode", "--checkpoint", str(project["average"]), "--input", str(infile), "--out",
+                   str(out), *extra)
+        assert r.exit_code == 0, r.output
+        d = artifacts.read_manifest(out, "hypotheses").extra["decode"]
+        return d["beam"], d["alpha"], d["max_len_b"]
+
+    here = tmp_path / "here"
+    here.mkdir()
+    assert settings(here) == (2, 1.5, 50)  # the record; max_len_b was not recorded: the default
+    (here / "params.yaml").write_text("decode:\n  alpha: 0.7\n", encoding="utf-8")
+    assert settings(here) == (2, 0.7, 50)  # params.yaml over the record, which still gives beam
+    assert settings(here, "--alpha", "0.2", "--beam", "3") == (3, 0.2, 50)
+    # A bad recorded value is one error line naming the checkpoint's manifest.
+    bad = tmp_path / "bad_record"
+    shutil.copytree(project["average"], bad)
+    m = json.loads((bad / "manifest.json").read_text())
+    m["extra"]["decode"]["beam"] = 0
+    (bad / "manifest.json").write_text(json.dumps(m))
+    r = in_dir(here, "decode", "--checkpoint", str(bad), "--input", str(infile))
+    assert r.exit_code == 1 and f"{bad}/manifest.json: decode.beam = 0 must be >= 1" in r.stderr
+
+
+def test_checkpoint_without_spm_needs_tokens_outside_a_project(trained, tmp_path):
+    """A checkpoint that carries no SentencePiece model (format 1, or written without one) still decodes with
+    --tokens; without it, away from a project, one clear error line."""
+    old = tmp_path / "format1"
+    shutil.copytree(trained["checkpoint"], old)
+    m = json.loads((old / "manifest.json").read_text())
+    m["format_version"] = 1
+    (old / "manifest.json").write_text(json.dumps(m))
+    infile = tmp_path / "in.en"
+    infile.write_text(trained["pairs"][0][0] + "\n", encoding="utf-8")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = in_dir(empty, "decode", "--checkpoint", str(old), "--input", str(infile))
+    assert r.exit_code == 1
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "carries no SentencePiece model" in errors[0] and "--tokens" in errors[0]
+    r = in_dir(empty, "decode", "--checkpoint", str(old), "--tokens", str(trained["tokens"]), "--input", str(infile))
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines() == [trained["pairs"][0][1]]

@@ -133,10 +133,10 @@ def test_beam_4_nbest_raw_text_and_stdin(world, tmp_path, monkeypatch):
     same = sum(a == b for a, b in zip(lines, (tmp_path / "mtpipe" / "input.txt").read_text().split("\n")))
     assert same >= 5  # the memorised pairs: both searches agree (int8 weights, a different stopping rule)
 
-    # stdin, and only the export directory at hand: its own spm.model is used, nothing is written
+    # stdin, and only the export directory at hand (no --tokens): its own spm.model is used, nothing is written
     monkeypatch.chdir(tmp_path)
-    r = cli(world, "--engine", "ctranslate2", "--checkpoint", str(world["export"]), "--tokens",
-            str(tmp_path / "no-bpe-here"), "--input", "-", input="".join(f"{s}\n" for s in src[:3]))
+    r = cli(world, "--engine", "ctranslate2", "--checkpoint", str(world["export"]), "--input", "-",
+            input="".join(f"{s}\n" for s in src[:3]))
     assert r.exit_code == 0, r.output
     assert r.stdout.splitlines() == lines[:3]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ct2", "in.en", "mtpipe"]

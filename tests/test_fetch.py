@@ -305,7 +305,7 @@ def test_missing_split(tmp_path: Path):
     en, de = small_pairs(10)
     src = parallel_dir(tmp_path / "src", {"train": (en, de), "dev": (en, de), "test": (en, de)})
     msg = cli_error(tmp_path, "--source", str(src), *SPLIT_ARGS)
-    assert f"{src}: no split for 'valid' (tried: validation, val, valid; found: dev, test, train)" in msg
+    assert f"{src}: no split for 'valid' (tried: valid, validation, val; found: dev, test, train)" in msg
 
 
 def test_missing_language(tmp_path: Path):
@@ -358,10 +358,18 @@ def test_no_such_source(tmp_path: Path):
     assert "nope: no such directory" in msg
 
 
-def test_the_output_split_name_itself_is_always_tried(tmp_path: Path):
-    """A corpus whose files already use mtpipe's split names (valid.{en,de}) needs no fetch.splits entry for them."""
+def test_the_output_split_name_itself_is_tried_first(tmp_path: Path):
+    """A corpus whose files already use mtpipe's split names (valid.{en,de}) needs no fetch.splits entry: the output
+    split's own name wins over the aliases (here both valid.* and val.* exist), through the CLI as a user runs it;
+    an entry that names it keeps its own order."""
     en, de = small_pairs(30)
-    src = parallel_dir(tmp_path / "src", {"train": (en, de), "valid": (en[:5], de[:5]), "test": (en[:3], de[:3])})
-    fetch.fetch_corpus(cfg(src, splits={"train": "train", "valid": ["validation", "val"], "test": "test"}),
-                       tmp_path / "out")
-    assert read_manifest(tmp_path / "out").extra["source_splits"]["valid"] == "valid"
+    src = parallel_dir(tmp_path / "src", {"train": (en, de), "valid": (en[:5], de[:5]), "val": (en[:7], de[:7]),
+                                          "test": (en[:3], de[:3])})
+    (tmp_path / "none.yaml").write_text("", encoding="utf-8")
+    for splits, want, rows in ((SPLITS, "valid", 5), ({**SPLITS, "valid": ["val", "valid"]}, "val", 7)):
+        out = tmp_path / f"out_{want}"
+        res = CliRunner().invoke(app, ["fetch", "--params", str(tmp_path / "none.yaml"), "--source", str(src),
+                                       "--splits", json.dumps(splits), "--out", str(out)])
+        assert res.exit_code == 0, res.output
+        assert read_manifest(out).extra["source_splits"] == {"train": "train", "valid": want, "test": "test"}
+        assert read_manifest(out).rows["valid.parquet"] == rows

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from conftest import synthetic_pairs
 from typer.testing import CliRunner
 
+from mtpipe import artifacts
 from mtpipe.cli import app
 from mtpipe.config import DecodeConfig
 from mtpipe.decode import translate
@@ -290,6 +291,17 @@ def test_rewritten_spm_has_mtpipes_special_ids_and_the_padding_symbols(imported)
                                for s in pad_symbols)
     text = " ".join(sources(imported["sp"]))
     assert msp.encode(text, out_type=str) == imported["sp"].encode(text, out_type=str)
+
+
+def test_imported_checkpoint_carries_the_rewritten_spm(imported):
+    """The checkpoint carries the bpe artifact's (rewritten) SentencePiece model, so it loads without --tokens."""
+    root = imported["root"]
+    m = artifacts.read_manifest(root / "ck", "checkpoint")
+    assert artifacts.checkpoint_spm(root / "ck", m) == root / "ck" / "spm.model"
+    assert (root / "ck" / "spm.model").read_bytes() == (root / "bpe" / "spm.model").read_bytes()
+    assert (root / "ck" / "spm.vocab").read_bytes() == (root / "bpe" / "spm.vocab").read_bytes()
+    mv = load_model_and_vocab(root / "ck")
+    assert mv.tokens is None and mv.spm_path == root / "ck" / "spm.model"
 
 
 def test_imported_checkpoint_averages_and_exports(imported, tmp_path):

@@ -251,6 +251,28 @@ def test_paper_bleu_splits_compounds_and_is_labelled(tmp_path: Path) -> None:
     assert "paper_bleu" not in score_hypotheses(ScoreConfig(), hyp=h, ref=r, baseline=None, out=tmp_path / "n.json")
 
 
+def test_piped_output_keeps_signatures_and_table_rows_whole(tmp_path: Path, files) -> None:
+    """As in `mtpipe score ... 2>&1 | tee log`: stderr is a pipe, where rich used to wrap at 80 columns and split the
+    longer signatures (TER's, the paper BLEU's) over two lines; each must be one line, equal to the JSON's."""
+    import os
+
+    hyp, ref, _, _ = files
+    out = tmp_path / "m.json"
+    (tmp_path / "none.yaml").write_text("", encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "MTPIPE_QUIET")}
+    res = subprocess.run([sys.executable, "-m", "mtpipe", "score", "--params", str(tmp_path / "none.yaml"),
+                          "--hyp", str(hyp), "--ref", str(ref), "--paper-bleu", "--out", str(out)],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    sigs = json.loads(out.read_text())["signatures"]
+    lines = res.stderr.splitlines()
+    for name, key in (("BLEU", "bleu"), ("chrF2", "chrf"), ("TER", "ter")):
+        assert f"{name} signature: {sigs[key]}" in lines, res.stderr
+    paper = [line for line in lines if line.endswith(sigs["paper_bleu"])]
+    assert len(paper) == 1 and len(paper[0]) > 80, res.stderr  # longer than the old wrap width, yet one line
+    assert any(line.startswith("BLEU ") and "ref_len = " in line for line in lines), res.stderr  # not wrapped
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Bad input: one-line error, exit 1, no metrics file
 # --------------------------------------------------------------------------------------------------------------------
