@@ -17,7 +17,19 @@ install: $(VENV)/.installed
 pipeline: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc repro
 
+# `dvc exp show` compares experiments with the commit they start from: commit the pipeline's result (dvc.lock,
+# params.yaml and the two metrics files, all small text) once, so that the table has a baseline row.
+baseline:
+	git add dvc.lock params.yaml metrics/score.json artifacts/train/live/metrics.json
+	git commit -m "mtpipe baseline: dvc.lock, params and metrics"
+
+# `dvc exp show` in ~90 columns: step, valid ppl, BLEU and chrF, and only the params that differ between rows
+# (every loss detail, sacreBLEU's internals, the signatures and the dependency hashes dropped).
+EXP_DROP = Created|.*/|train\.(loss|nll|ppl|lr|grad_norm|tgt_tokens_per_s|tokens_per_s)$$|valid\.(loss|nll)$$|epoch$$|ter$$|n$$|bp$$|ratio$$|.*_len$$|p[1-4]$$|signatures|inputs|gate
+exps: install
+	$(VENV)/bin/dvc exp show --only-changed --precision 3 --drop '$(EXP_DROP)'
+
 test: install
 	MTPIPE_NO_SKIPS=1 $(VENV)/bin/python -m pytest -q -rs tests
 
-.PHONY: install pipeline test
+.PHONY: install pipeline test baseline exps

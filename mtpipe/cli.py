@@ -558,19 +558,20 @@ def export(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
         _in("spm_model", None, "The SentencePiece model that produced the fairseq data.", "--spm-model",
             Optional[Path]),
         _out("checkpoint", None, "Output: the mtpipe checkpoint directory."),
-        Opt("tokens_out", Optional[Path], None, "Output: the bpe artifact directory (its SentencePiece model), for "
-            "decode's --tokens.", ("--tokens-out",), role="out", kind="tokens"),
+        Opt("tokens_out", Optional[Path], None, "Output (optional): also a bpe artifact directory with the remapped "
+            "SentencePiece model, e.g. for `mtpipe bpe --spm-model`; the checkpoint carries it either way.",
+            ("--tokens-out",), role="out", kind="tokens"),
     ],
 )
 def import_(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
-    """Convert a fairseq transformer checkpoint into an mtpipe checkpoint and bpe artifact (vocabulary remapped by
-    piece string), for decode, average and export."""
+    """Convert a fairseq transformer checkpoint into an mtpipe checkpoint (vocabulary remapped by piece string; the
+    checkpoint carries its SentencePiece model), for decode, average and export."""
     from mtpipe.importer import import_fairseq
 
     if opts.format != "fairseq":
         raise MtpipeError(f"--format {opts.format}: unknown; the one format is fairseq")
     for name, value in (("--checkpoint", opts.checkpoint), ("--dict", opts.dictionary),
-                        ("--spm-model", opts.spm_model), ("--out", opts.out), ("--tokens-out", opts.tokens_out)):
+                        ("--spm-model", opts.spm_model), ("--out", opts.out)):
         if value is None:
             raise MtpipeError(f"{name}: required")
     import_fairseq(opts.checkpoint, opts.dictionary, opts.spm_model, opts.out, opts.tokens_out, force=opts.force)

@@ -41,6 +41,7 @@ import argparse
 import math
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -453,16 +454,18 @@ def convert_weights(state: dict[str, Any], cfg: dict[str, Any], facts: dict[str,
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def import_fairseq(checkpoint: Path, dictionary: Path, spm_model: Path, out: Path, tokens_out: Path, *,
+def import_fairseq(checkpoint: Path, dictionary: Path, spm_model: Path, out: Path, tokens_out: Path | None, *,
                    force: bool = False) -> dict[str, Any]:
     """Convert a fairseq transformer checkpoint (``checkpoint.pt``, its ``dict.*.txt`` in ``dictionary``, the
-    SentencePiece model that made its data) into the mtpipe checkpoint ``out`` and the bpe artifact
-    ``tokens_out``. Returns a summary."""
+    SentencePiece model that made its data) into the mtpipe checkpoint ``out`` (which carries the SentencePiece
+    model, remapped to mtpipe's ids) and, when ``tokens_out`` is given, also a bpe artifact there. Returns a
+    summary."""
     from mtpipe.bpe import SPECIALS, write_vocab
     from mtpipe.model import build_model
 
     checkpoint, dictionary, spm_model = Path(checkpoint), Path(dictionary), Path(spm_model)
-    out, tokens_out = Path(out), Path(tokens_out)
+    out = Path(out)
+    tokens_out = Path(tokens_out) if tokens_out is not None else None
     state, opts, task = load_fairseq_checkpoint(checkpoint)
     src_path, tgt_path = find_dictionaries(dictionary, task.get("source_lang"), task.get("target_lang"))
     src_dict, tgt_dict = read_dictionary(src_path), read_dictionary(tgt_path)
@@ -485,29 +488,28 @@ def import_fairseq(checkpoint: Path, dictionary: Path, spm_model: Path, out: Pat
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_proto=vocab.spm_bytes)
-    existed = tokens_out.exists()
-    with writing.ArtifactWriter(tokens_out, "tokens", {"import": {"format": "fairseq"}}, force=force) as w:
-        w.path("spm.model").write_bytes(vocab.spm_bytes)
-        write_vocab(sp, w.path("spm.vocab"))
-        w.extra.update({
-            "vocab_size": len(vocab.pieces), "spm_sha256": file_hash(w.path("spm.model")),
-            "special_ids": SPECIALS, "eos_stored": False, "spm_model_source": str(spm_model),
-            "imported_from": {"format": "fairseq", "checkpoint": str(checkpoint), "dictionary": str(tgt_path)},
-            "pairs": {}, "tokens": {},
-        })
-    spm_sha = file_hash(tokens_out / "spm.model")
-    try:
-        writing.write_checkpoint(out, state_dict=model.state_dict(), model_config=model_cfg,
-                                 vocab={"spm_sha256": spm_sha, "size": len(vocab.pieces)}, step=0,
-                                 params={"import": {"format": "fairseq"}},
-                                 extra={"imported_from": {"format": "fairseq", "checkpoint": str(checkpoint),
-                                                          "fairseq_model": {k: opts[k] for k in sorted(opts)
-                                                                            if _plain(opts[k])}}},
-                                 spm=tokens_out / "spm.model", spm_vocab=tokens_out / "spm.vocab", force=force)
-    except BaseException:
-        if not existed:  # the pair is one result: do not leave half of it
-            shutil.rmtree(tokens_out, ignore_errors=True)
-        raise
+    if tokens_out is None:  # the checkpoint alone: its SentencePiece files are staged in a temporary directory
+        with tempfile.TemporaryDirectory(prefix="mtpipe-import-") as tmp:
+            Path(tmp, "spm.model").write_bytes(vocab.spm_bytes)
+            write_vocab(sp, Path(tmp, "spm.vocab"))
+            _write_imported(out, model, model_cfg, vocab, checkpoint, opts, Path(tmp), force=force)
+    else:
+        existed = tokens_out.exists()
+        with writing.ArtifactWriter(tokens_out, "tokens", {"import": {"format": "fairseq"}}, force=force) as w:
+            w.path("spm.model").write_bytes(vocab.spm_bytes)
+            write_vocab(sp, w.path("spm.vocab"))
+            w.extra.update({
+                "vocab_size": len(vocab.pieces), "spm_sha256": file_hash(w.path("spm.model")),
+                "special_ids": SPECIALS, "eos_stored": False, "spm_model_source": str(spm_model),
+                "imported_from": {"format": "fairseq", "checkpoint": str(checkpoint), "dictionary": str(tgt_path)},
+                "pairs": {}, "tokens": {},
+            })
+        try:
+            _write_imported(out, model, model_cfg, vocab, checkpoint, opts, tokens_out, force=force)
+        except BaseException:
+            if not existed:  # the pair is one result: do not leave half of it
+                shutil.rmtree(tokens_out, ignore_errors=True)
+            raise
     summary = {
         "layers": f"{cfg['encoder_layers']} + {cfg['decoder_layers']}",
         "d_model / heads / d_ff": f"{cfg['d_model']} / {cfg['heads']} / {cfg['d_ff']}",
@@ -520,9 +522,21 @@ def import_fairseq(checkpoint: Path, dictionary: Path, spm_model: Path, out: Pat
         "fairseq padding symbols appended": len(vocab.appended),
         "SentencePiece model": "rewritten (ids reordered or symbols appended)" if vocab.rewritten else "unchanged",
     }
-    console.table(f"import: {checkpoint} -> {out} (+ {tokens_out})", ["", "value"],
+    console.table(f"import: {checkpoint} -> {out}" + (f" (+ {tokens_out})" if tokens_out else ""), ["", "value"],
                   [[k, v] for k, v in summary.items()])
     return summary
+
+
+def _write_imported(out: Path, model: Any, model_cfg: dict[str, Any], vocab: Any, checkpoint: Path,
+                    opts: dict[str, Any], spm_dir: Path, *, force: bool) -> None:
+    """Write the converted model as an mtpipe checkpoint carrying ``spm_dir``'s spm.model and spm.vocab."""
+    writing.write_checkpoint(out, state_dict=model.state_dict(), model_config=model_cfg,
+                             vocab={"spm_sha256": file_hash(spm_dir / "spm.model"), "size": len(vocab.pieces)},
+                             step=0, params={"import": {"format": "fairseq"}},
+                             extra={"imported_from": {"format": "fairseq", "checkpoint": str(checkpoint),
+                                                      "fairseq_model": {k: opts[k] for k in sorted(opts)
+                                                                        if _plain(opts[k])}}},
+                             spm=spm_dir / "spm.model", spm_vocab=spm_dir / "spm.vocab", force=force)
 
 
 def _plain(v: Any) -> bool:

@@ -304,6 +304,22 @@ def test_imported_checkpoint_carries_the_rewritten_spm(imported):
     assert mv.tokens is None and mv.spm_path == root / "ck" / "spm.model"
 
 
+def test_import_without_tokens_out_writes_the_checkpoint_alone(imported, tmp_path):
+    """--tokens-out is optional: the checkpoint alone carries the same SentencePiece files and weights, and nothing
+    else is written next to it."""
+    root = imported["root"]
+    r = CliRunner().invoke(app, ["import", "--format", "fairseq", "--checkpoint", str(root / "checkpoint.pt"),
+                                 "--dict", str(root / "fs-bin"), "--spm-model", str(imported["spm_model"]),
+                                 "--out", str(tmp_path / "ck")])
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    for name in ("spm.model", "spm.vocab"):
+        assert (tmp_path / "ck" / name).read_bytes() == (root / "ck" / name).read_bytes()
+    a, b = load_model_and_vocab(root / "ck"), load_model_and_vocab(tmp_path / "ck")
+    for (k, x), (_, y) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
+        torch.testing.assert_close(x, y, rtol=0, atol=0, msg=k)
+
+
 def test_imported_checkpoint_averages_and_exports(imported, tmp_path):
     root = imported["root"]
     shutil.copytree(root / "ck", tmp_path / "ck2")  # a second import of the same weights
