@@ -6,6 +6,7 @@ Shared by training and decoding; nothing here knows about the model or the data.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -64,11 +65,22 @@ def trim_cpu_memory() -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+# ONEDNN_MAX_CPU_ISA values below the first with bf16 instructions (AVX512_CORE_BF16): oneDNN then runs bf16
+# matmuls through slow conversions, as on a CPU without native bf16.
+_ONEDNN_ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
 def cpu_supports_bf16() -> bool:
-    """Whether this CPU has native bf16 matmuls (AMX-BF16 or AVX512-BF16); without them bf16 autocast is slower
-    than fp32 on CPU."""
-    if "AMX" in torch.backends.cpu.get_cpu_capability().upper():
+    """Whether this CPU has native bf16 matmuls (AMX-BF16 or AVX512-BF16) that torch may use; without them bf16
+    autocast is slower than fp32 on CPU. A restriction of the instruction set (``ATEN_CPU_CAPABILITY=avx2``,
+    ``ONEDNN_MAX_CPU_ISA=AVX2``: how an AVX2-only CPU is emulated, or a user's choice) counts as their absence."""
+    capability = torch.backends.cpu.get_cpu_capability().upper()  # honours ATEN_CPU_CAPABILITY
+    if "AMX" in capability:
         return True
+    if "AVX512" not in capability:
+        return False
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").strip().upper() in _ONEDNN_ISAS_WITHOUT_BF16:
+        return False
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:

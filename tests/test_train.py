@@ -458,6 +458,21 @@ def test_precision_auto() -> None:
     assert resolve_precision("fp32", torch.device("cpu")) == "fp32"
 
 
+def test_precision_auto_honours_an_isa_restriction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AVX2 emulation of a CPU without native bf16 (and a user's own restriction) trains in fp32."""
+    from mtpipe.runtime import cpu_supports_bf16, resolve_precision
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not cpu_supports_bf16() and resolve_precision("auto", torch.device("cpu")) == "fp32"
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    # ATEN_CPU_CAPABILITY is read when torch starts: a fresh interpreter.
+    code = ("import torch; from mtpipe.runtime import cpu_supports_bf16 as f; "
+            "print(torch.backends.cpu.get_cpu_capability(), f())")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["AVX2", "False"]
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The launcher
 # --------------------------------------------------------------------------------------------------------------------
