@@ -223,7 +223,8 @@ class TrainConfig(Section):
     precision: str = _h("fp32, bf16 (autocast, GPU and CPU), fp16 (GPU, grad scaler) or auto.", default="auto",
                         choices=("auto", "fp32", "bf16", "fp16"))
     compile: bool = _h("torch.compile the model.", default=False)
-    threads: int = _h("CPU threads per process (0 = torch's default).", default=0, ge=0)
+    threads: int = _h("CPU threads per process (0 = torch's default in one process; with train.nproc > 1 the CPUs "
+                      "shared among the processes, unless OMP_NUM_THREADS is set).", default=0, ge=0)
     save_every_minutes: float = _h("Checkpoint every this many minutes (paper: 10). 0 = off.", default=10.0, ge=0)
     save_every_steps: int = _h("Checkpoint every this many updates. 0 = off.", default=0, ge=0)
     save_every_progress: float = _h("Checkpoint each time this fraction of the budget (the first of max_steps, "

@@ -498,6 +498,15 @@ def test_launcher_builds_the_torchrun_command() -> None:
     # The workers get every resolved value as a flag, and not the launcher's own flags.
     assert worker[worker.index("--preset") + 1] == "tiny" and worker[worker.index("--dropout") + 1] == "0.2"
     assert "--no-compile" in worker and "--nproc" not in worker and "--max-restarts" not in worker
+    # train.threads 0: the machine's cores are shared among the workers (torchrun alone would give each one thread);
+    # an explicit train.threads or OMP_NUM_THREADS is left as it is.
+    from mtpipe.launch import available_cpus
+
+    assert worker[worker.index("--threads") + 1] == str(max(1, available_cpus() // 2))
+    explicit = launch_command(model, TrainConfig(nproc="2", threads=3), paths, env={})
+    assert explicit is not None and explicit[explicit.index("--threads") + 1] == "3"
+    omp = launch_command(model, train, paths, env={"OMP_NUM_THREADS": "5"})
+    assert omp is not None and omp[omp.index("--threads") + 1] == "0"
     # One process, or a worker torchrun started: train here.
     assert launch_command(model, TrainConfig(nproc="1"), paths, env={}) is None
     assert launch_command(model, train, paths, env={"LOCAL_RANK": "0"}) is None
