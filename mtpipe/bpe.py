@@ -15,6 +15,10 @@ sides of train is what makes that sharing possible.
   vocabulary size, ``spm_sha256`` (the ``sha256:<hex>`` of ``spm.model``; the train stage stores it in checkpoints to
   detect a vocabulary mismatch), token counts, the unknown-token rate and the share of the vocabulary train uses.
 * Encoding is multi-threaded (SentencePiece's batch ``encode`` with ``num_threads``), batch by batch.
+* BPE-dropout (``bpe.dropout``, ``bpe.dropout_copies``; Provilkov et al. 2020): train's rows are followed by
+  ``dropout_copies`` more encodings of the same pairs, each merge skipped with probability ``dropout``, with ids
+  offset by a multiple of (largest id + 1) so every row's id stays distinct (:func:`id_stride`). A regulariser for
+  small corpora: the model sees each word split in several ways, and decoding still reads the usual segmentation.
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ def nproc() -> int:
 def _check_cfg(cfg: BpeConfig) -> None:
     if cfg.vocab_size <= len(SPECIALS):
         raise MtpipeError(f"bpe.vocab_size={cfg.vocab_size}: must be larger than the {len(SPECIALS)} special tokens")
+    if (cfg.dropout > 0) != (cfg.dropout_copies > 0):
+        raise MtpipeError(f"bpe.dropout={cfg.dropout} with bpe.dropout_copies={cfg.dropout_copies}: BPE-dropout needs "
+                          "both (a probability > 0 and at least one extra copy of train), or neither")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -226,16 +233,19 @@ class SplitTokens:
         return sum(self.unk.values()) / total if total else 0.0
 
 
-def encode_split(sp: Any, corpus: Path, split: str, w: ArtifactWriter, threads: int, bar: Any) -> SplitTokens:
-    """Encode one split, batch by batch, into ``{split}.parquet``.
+def encode_split(sp: Any, corpus: Path, split: str, w: ArtifactWriter, threads: int, bar: Any,
+                 cfg: BpeConfig | None = None) -> SplitTokens:
+    """Encode one split, batch by batch, into ``{split}.parquet``; for train, then ``cfg.dropout_copies`` more
+    encodings with BPE-dropout (:func:`dropout_encodings`).
 
     SentencePiece's batch ``encode`` runs both sides of a batch on ``threads`` threads and releases the GIL while it
     does; meanwhile one writer thread turns the previous batch into Arrow, counts it and writes it (Parquet writes
     release the GIL too), so that serial work overlaps the encoding instead of adding to it.
     """
     pf = open_parquet(corpus, f"{split}.parquet", "corpus")
+    copies = cfg.dropout_copies if cfg is not None and split == "train" else 0
     stats = SplitTokens(sp.get_piece_size())
-    task = bar.add_task(f"encode {split} (pairs)", total=pf.metadata.num_rows)
+    task = bar.add_task(f"encode {split} (pairs)", total=pf.metadata.num_rows * (1 + copies))
     writer = w.parquet_writer(f"{split}.parquet")
 
     def finish(row_ids: pa.Array, ids: list[list[int]], n: int) -> None:
@@ -246,21 +256,58 @@ def encode_split(sp: Any, corpus: Path, split: str, w: ArtifactWriter, threads: 
         stats.pairs += n
         bar.update(task, advance=n)
 
+    encodings = [lambda texts: sp.encode(texts, out_type=int, num_threads=threads)]
+    if copies:
+        assert cfg is not None
+        encodings += dropout_encodings(sp, cfg)
+        stride = id_stride(pf)
     try:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="bpe-writer") as pool:
             pending = None
-            for b in pf.iter_batches(batch_size=ENCODE_ROWS, columns=["id", "src", "tgt"]):
-                src = b.column(1).to_pylist()
-                ids = sp.encode(src + b.column(2).to_pylist(), out_type=int, num_threads=threads)
-                if pending is not None:
-                    pending.result()  # at most one batch in flight; re-raises the writer's errors here
-                pending = pool.submit(finish, b.column(0), ids, len(src))
+            for copy, encode in enumerate(encodings):
+                for b in pf.iter_batches(batch_size=ENCODE_ROWS, columns=["id", "src", "tgt"]):
+                    src = b.column(1).to_pylist()
+                    ids = encode(src + b.column(2).to_pylist())
+                    row_ids = b.column(0) if copy == 0 else pa.array(b.column(0).to_numpy() + copy * stride)
+                    if pending is not None:
+                        pending.result()  # at most one batch in flight; re-raises the writer's errors here
+                    pending = pool.submit(finish, row_ids, ids, len(src))
             if pending is not None:
                 pending.result()
     finally:
         writer.close()
     w.rows[f"{split}.parquet"] = stats.pairs
     return stats
+
+
+def dropout_encodings(sp: Any, cfg: BpeConfig) -> list["DropoutEncoder"]:
+    """BPE-dropout (Provilkov et al., ACL 2020): ``cfg.dropout_copies`` encoders, each of which splits a sentence by
+    the BPE merges with every merge skipped with probability ``cfg.dropout`` (SentencePiece's sampling mode)."""
+    return [DropoutEncoder(sp, cfg.dropout, seed=int(cfg.seed) * 1_000_003 + copy * 10_007)
+            for copy in range(1, cfg.dropout_copies + 1)]
+
+
+class DropoutEncoder:
+    """One BPE-dropout copy of train. SentencePiece's generator is reseeded before each call (``seed`` + the call's
+    number) and the call runs on one thread, so the samples depend on the seed and the sentences alone (with several
+    threads they would depend on the scheduling)."""
+
+    def __init__(self, sp: Any, p: float, seed: int):
+        self.sp, self.p, self.seed, self.calls = sp, p, seed, 0
+
+    def __call__(self, texts: list[str]) -> list[list[int]]:
+        import sentencepiece as spm
+
+        self.calls += 1
+        spm.set_random_generator_seed(self.seed + self.calls)
+        return self.sp.encode(texts, out_type=int, enable_sampling=True, alpha=self.p, num_threads=1)
+
+
+def id_stride(pf: Any) -> int:
+    """The ``id`` offset between BPE-dropout copies of train: copy ``k`` of the row with id ``i`` has id
+    ``i + k * stride``, so every row of the split keeps a distinct id (the bucket artifact references rows by id)."""
+    ids = pf.read(columns=["id"]).column("id").to_numpy()
+    return int(ids.max()) + 1 if len(ids) else 1
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -300,7 +347,7 @@ def tokenize_corpus(cfg: BpeConfig, corpus: Path, out: Path, spm_model: Optional
         stats: dict[str, SplitTokens] = {}
         with console.progress() as bar:
             for split in order:
-                stats[split] = encode_split(sp, corpus, split, w, threads, bar)
+                stats[split] = encode_split(sp, corpus, split, w, threads, bar, cfg)
         vocab = sp.get_piece_size()
         used = stats["train"].counts if "train" in stats else sum(s.counts for s in stats.values())
         coverage = float(np.count_nonzero(used[len(SPECIALS):])) / max(1, vocab - len(SPECIALS))
@@ -309,6 +356,7 @@ def tokenize_corpus(cfg: BpeConfig, corpus: Path, out: Path, spm_model: Optional
             "spm_sha256": file_hash(w.path("spm.model")),
             "special_ids": SPECIALS,
             "eos_stored": False,
+            "train_encodings": 1 + cfg.dropout_copies,  # the usual one, then the BPE-dropout samples
             **facts,
             "pairs": {s: t.pairs for s, t in stats.items()},
             "tokens": {s: t.tokens for s, t in stats.items()},

@@ -94,7 +94,13 @@ class BpeConfig(Section):
         "Cap on sentences (both sides together) sampled for BPE training on big corpora.", default=10_000_000
     , ge=1)
     threads: int = _h("Threads for training and encoding (0 = all cores).", default=0, ge=0)
-    seed: int = _h("Seed for the training-sentence sample.", default=1)
+    seed: int = _h("Seed for the training-sentence sample and the BPE-dropout samples.", default=1)
+    dropout: float = _h("BPE-dropout (Provilkov et al. 2020): each merge is skipped with this probability when the "
+                        "dropout_copies extra encodings of train are made, so the model sees each sentence split into "
+                        "pieces in several ways (a regulariser for small corpora). 0 = off.", default=0.0, ge=0, lt=1)
+    dropout_copies: int = _h("Extra encodings of train with bpe.dropout, each a different sample, stored after the "
+                             "usual one (an epoch then covers 1 + dropout_copies encodings); valid and test are "
+                             "never sampled.", default=0, ge=0)
 
 
 @dataclass(frozen=True)

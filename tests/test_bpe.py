@@ -72,6 +72,54 @@ def test_train_and_encode(corpus: Path, tmp_path: Path):
     assert m.extra["unk_rate"]["train"] == 0.0  # character_coverage 1.0: every train character is in the vocab
 
 
+def test_bpe_dropout_copies_follow_train_with_distinct_ids_and_the_same_text(corpus: Path, tmp_path: Path):
+    plain, drop = tmp_path / "plain", tmp_path / "drop"
+    bpe.tokenize_corpus(BpeConfig(vocab_size=VOCAB, threads=2), corpus, plain)
+    cfg = BpeConfig(vocab_size=VOCAB, threads=2, dropout=0.1, dropout_copies=3)
+    bpe.tokenize_corpus(cfg, corpus, drop)
+    assert file_hash(plain / "spm.model") == file_hash(drop / "spm.model")  # the vocabulary does not change
+    base, copies = tokens_of(plain, "train").to_pydict(), tokens_of(drop, "train").to_pydict()
+    n, stride = len(base["id"]), max(base["id"]) + 1
+    assert len(copies["id"]) == 4 * n and read_manifest(drop).extra["train_encodings"] == 4
+    # The usual encoding first, unchanged; then each copy with ids offset by a multiple of (largest id + 1).
+    assert {k: v[:n] for k, v in copies.items()} == base
+    for k in range(1, 4):
+        assert copies["id"][k * n:(k + 1) * n] == [i + k * stride for i in base["id"]]
+    assert len(set(copies["id"])) == 4 * n
+    sp = spm.SentencePieceProcessor(model_file=str(drop / "spm.model"))
+    for side in ("src", "tgt"):
+        rows = copies[side]
+        # Every sample spells the same sentence in (on average) more, smaller pieces; samples differ from each other.
+        assert all(sp.decode(rows[k * n + i]) == sp.decode(rows[i]) for k in range(1, 4) for i in range(n))
+        assert sum(map(len, rows[n:2 * n])) > 1.05 * sum(map(len, rows[:n]))
+        assert rows[n:2 * n] != rows[2 * n:3 * n]
+    for split in ("valid", "test"):  # never sampled
+        assert tokens_of(drop, split).to_pydict() == tokens_of(plain, split).to_pydict()
+    # Reproducible: the same seed gives the same samples, byte for byte (another seed does not).
+    again = tmp_path / "again"
+    bpe.tokenize_corpus(cfg, corpus, again)
+    assert tokens_of(again, "train").to_pydict() == copies
+    other = tmp_path / "other"
+    bpe.tokenize_corpus(BpeConfig(vocab_size=VOCAB, threads=2, dropout=0.1, dropout_copies=3, seed=2), corpus, other)
+    assert tokens_of(other, "train").to_pydict()["src"][n:] != copies["src"][n:]
+    # The bucket stage batches every copy's rows, each once, and training reads them by id.
+    from mtpipe import bucket
+    from mtpipe.batches import load_train_data
+    from mtpipe.config import BucketConfig
+
+    bucket.bucket_tokens(BucketConfig(max_tokens=512, multiple_of=1), drop, tmp_path / "batches")
+    batched = read_table(tmp_path / "batches", "train.parquet", "batches").column("ids").to_pylist()
+    assert sorted(i for b in batched for i in b) == sorted(copies["id"])
+    assert load_train_data(drop, tmp_path / "batches", 512, 1).usable == len(batched)
+
+
+@pytest.mark.parametrize("kw", [dict(dropout=0.1), dict(dropout_copies=2)])
+def test_bpe_dropout_needs_a_probability_and_copies(corpus: Path, tmp_path: Path, kw: dict):
+    with pytest.raises(MtpipeError, match="bpe.dropout"):
+        bpe.tokenize_corpus(BpeConfig(vocab_size=VOCAB, **kw), corpus, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
 def test_spm_model_reuse_and_threads_give_identical_tokens(corpus: Path, tmp_path: Path):
     a = tmp_path / "a"
     bpe.tokenize_corpus(BpeConfig(vocab_size=VOCAB, threads=2), corpus, a)
