@@ -55,10 +55,13 @@ from mtpipe.console import console  # noqa: E402
 
 DATA = Path(os.environ.get("MTPIPE_MULTI30K", REPO / "data" / "multi30k"))  # {split}.{en,de}.gz
 
-# Two shapes: the paper's base model and the anchors' small one.
+# The paper's base model, the anchors' small one, and the quickstart's.
 DIMS = {
     "base": dict(layers=6, d_model=512, heads=8, d_ff=2048),
     "small": dict(layers=3, d_model=256, heads=4, d_ff=1024),
+    # The quickstart's model (params.yaml): its norm position and dropouts change what a step computes.
+    "quickstart": dict(layers=4, d_model=128, heads=4, d_ff=256,
+                       model=dict(norm_position="pre", dropout=0.3, attention_dropout=0.1, relu_dropout=0.1)),
 }
 
 
@@ -230,7 +233,7 @@ class Reference(nn.Module):
 
 def reference_step(vocab: int, dims: dict, precision: str, args: argparse.Namespace) -> Callable[[Batch], float]:
     torch.manual_seed(args.seed)
-    model = Reference(vocab, **dims).train()
+    model = Reference(vocab, **{k: v for k, v in dims.items() if k != "model"}).train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.98), eps=1e-9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / 400, math.sqrt(400 / (s + 1))))
     bf16 = precision == "bf16"
@@ -301,7 +304,7 @@ def mtpipe_step(vocab: int, dims: dict, precision: str, compiled: bool, fused_lo
     from mtpipe.model import Transformer
 
     cfg = ModelConfig(preset="base", encoder_layers=dims["layers"], decoder_layers=dims["layers"],
-                      d_model=dims["d_model"], heads=dims["heads"], d_ff=dims["d_ff"])
+                      d_model=dims["d_model"], heads=dims["heads"], d_ff=dims["d_ff"], **dims.get("model", {}))
     tcfg = TrainConfig(precision=precision, compile=compiled, threads=args.threads, warmup=4000,
                        label_smoothing=0.1)
     torch.manual_seed(args.seed)
