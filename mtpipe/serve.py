@@ -15,8 +15,10 @@ same engines as ``mtpipe decode`` (:class:`mtpipe.decode.MtpipeEngine`, or :clas
 detokenised the same way, so a sentence translates exactly as ``mtpipe decode`` translates it: beam search is per
 sentence, and the padding of a mixed batch is masked (the tests compare with ``mtpipe decode``).
 
-Dynamic batching (:class:`Batcher`): the event loop only parses, encodes and queues a request; ONE worker thread runs
-the model. The worker takes the oldest waiting request, waits until it has waited ``serve.batch_wait_ms`` (or until
+Dynamic batching (:class:`Batcher`): the event loop only parses, encodes and queues a request; ONE worker runs the
+model, in the process's main thread while uvicorn's event loop runs in a second one: torch's CPU thread pool
+(OpenMP) parallelises the small operations of a decoding step well only from the main thread (from any other thread
+a 2-thread decode of 8 sentences ran 3x slower on a 2-core CPU). The worker takes the oldest waiting request, waits until it has waited ``serve.batch_wait_ms`` (or until
 the waiting requests fill ``serve.batch_tokens`` source tokens), and takes every waiting request that fits the
 budget, oldest first. Requests that asked for the same settings are decoded as one group (one call of the engine,
 itself split into ``decode.max_tokens`` batches sorted by length); each group's answers go back to the event loop as
@@ -24,8 +26,8 @@ soon as that group is done. At most ``serve.max_queue`` requests wait (being gat
 gets 503 with Retry-After. Bad input gets a 4xx and one line of JSON ``{"error": "..."}``: 400 for a body that is
 not UTF-8 JSON, 413 for too many sentences or characters, 422 for valid JSON with wrong fields or values.
 
-SIGTERM (or Ctrl-C): uvicorn stops accepting connections and waits for the requests in flight; the worker then
-decodes whatever is still queued and stops; the process exits 0.
+SIGTERM (or Ctrl-C): uvicorn stops accepting connections and waits for the requests in flight (the worker goes on
+decoding them); the worker then decodes whatever is still queued and stops; the process exits 0.
 """
 
 from __future__ import annotations
@@ -292,14 +294,23 @@ class Batcher:
         self._jobs: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
-        self._thread = threading.Thread(target=self._run, name="mtpipe-decode", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="mtpipe-decode", daemon=True)
+        self._own_thread = True  # False: the caller runs :meth:`run` in a thread of its own (the main thread)
+        self._done = threading.Event()
+        self._last_end = 0.0  # time.monotonic() at the end of the last batch
         self.counters = {"requests": 0, "sentences": 0, "batches": 0, "max_requests_per_batch": 0,
                          "rejected_queue_full": 0, "failed": 0}
 
     # ---- the event loop's side
 
     def start(self) -> None:
-        self._thread.start()
+        """Start the worker thread, unless :meth:`run_in_caller` said the caller runs the worker itself."""
+        if self._own_thread:
+            self._thread.start()
+
+    def run_in_caller(self) -> None:
+        """Say (before :meth:`start`) that the caller will run :meth:`run` itself, e.g. in the main thread."""
+        self._own_thread = False
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; :class:`QueueFull` when ``max_queue`` requests wait already or the server is stopping."""
@@ -317,8 +328,10 @@ class Batcher:
             self._cond.notify_all()
 
     def join(self, timeout: float | None = None) -> None:
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        """Wait until the worker has stopped (after :meth:`close` and the queue drained), in whatever thread."""
+        if self._own_thread and not self._thread.is_alive() and not self._done.is_set():
+            return  # never started
+        self._done.wait(timeout)
 
     def snapshot(self) -> dict[str, int]:
         with self._cond:
@@ -333,8 +346,12 @@ class Batcher:
             while not self._jobs:
                 if self._closing:
                     return None
-                self._cond.wait()
-            deadline = self._jobs[0].queued_at + self.wait_s
+                self._cond.wait(0.5)  # in slices: in the main thread, signal handlers run between them
+            # Wait from the later of the oldest request's arrival and the last batch's end: under closed-loop load
+            # the clients just answered send their next requests within a millisecond or two, and without this the
+            # requests that queued during a batch would leave at once, alone, and the load split into two
+            # alternating half-size batches.
+            deadline = max(self._jobs[0].queued_at, self._last_end) + self.wait_s
             while not self._closing and sum(j.tokens for j in self._jobs) < self.batch_tokens:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -347,9 +364,14 @@ class Batcher:
                 tokens += job.tokens
             return batch
 
-    def _run(self) -> None:
-        while (batch := self._take()) is not None:
-            self._decode(batch)
+    def run(self) -> None:
+        """The worker: decode batch after batch until closed and drained."""
+        try:
+            while (batch := self._take()) is not None:
+                self._decode(batch)
+                self._last_end = time.monotonic()
+        finally:
+            self._done.set()
 
     def _decode(self, jobs: list[Job]) -> None:
         """Decode one batch, a group per distinct rules, and send every job its answer (or the error)."""
@@ -574,16 +596,31 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
         # One plain line (never wrapped) that scripts and the tests read the address from.
         sys.stderr.write(f"mtpipe serve: listening on {url} (POST /translate, GET /health, GET /info)\n")
         sys.stderr.flush()
-        # uvicorn handles SIGTERM and SIGINT itself (stop accepting, finish the requests in flight) and afterwards
-        # raises the signal again for the handler it found: a no-op one here, so that a graceful stop exits 0.
-        previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+        # The model runs here, in the main thread (see the module docstring), uvicorn in a second thread. Signals
+        # reach the main thread only: SIGTERM / SIGINT ask uvicorn to stop (stop accepting, finish the requests in
+        # flight, then the lifespan shutdown closes the batcher); a second one makes it stop at once.
+        def stop(*_: Any) -> None:
+            if server.should_exit:
+                server.force_exit = True
+            server.should_exit = True
+
+        def run_server() -> None:
+            try:
+                server.run(sockets=[sock])
+            finally:
+                batcher.close()  # when the lifespan shutdown did not run (a failed start-up)
+
+        batcher.run_in_caller()
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        thread = threading.Thread(target=run_server, name="mtpipe-http", daemon=True)
         try:
-            server.run(sockets=[sock])
+            thread.start()
+            batcher.run()
+            while thread.is_alive():
+                thread.join(0.5)  # in slices, so that a second signal still reaches stop()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            batcher.close()  # when the lifespan shutdown did not run (a failed start-up)
-            batcher.join()
     finally:
         sock.close()
     if not server.started:
