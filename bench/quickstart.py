@@ -18,6 +18,11 @@ cache: a real AVX2-only CPU may also be slower per core.
     python bench/quickstart.py --seeds 1,2                     # this CPU as it is
     python bench/quickstart.py --seeds 1,2 --isa avx2          # restricted to AVX2
     python bench/quickstart.py --seeds 1 --keep                # keep the clone (its artifacts, logs, dvc.lock)
+    python bench/quickstart.py --seeds 1 --isa avx2 --cpus 1   # AVX2 on one CPU: a proxy for a slower AVX2 machine
+
+``--cpus N`` pins every process of the run (install, pipeline, the probe) to the first N CPUs (``taskset``) with
+``OMP_NUM_THREADS=N``: a newer CPU restricted to AVX2 is still faster per core than the AVX2-only CPUs users have
+(e.g. Zen 2/3), so one of its CPUs stands in for a slower 2-core machine's throughput.
 
 Writes ``results.json`` and ``results.md`` to ``--out`` (default ``bench/out/quickstart/<isa>-<UTC time>``).
 """
@@ -43,7 +48,8 @@ AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 PROBE = r"""
 import json, time, torch
-torch.set_num_threads(2)
+import os
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 def rate(dtype, n=1024, reps=5):
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     a @ b
@@ -111,9 +117,9 @@ def one_run(seed: int, args: argparse.Namespace, env: dict, work: Path) -> dict:
     logs = work / f"seed{seed}-logs"
     logs.mkdir(exist_ok=True)
     print(f"seed {seed}: make install ...", flush=True)
-    install = timed(["make", "install"], clone, env, logs / "install.log")
+    install = timed([*args.pin, "make", "install"], clone, env, logs / "install.log")
     print(f"seed {seed}: make pipeline (install {install / 60:.1f} min) ...", flush=True)
-    pipeline = timed(["make", "pipeline"], clone, env, logs / "pipeline.log")
+    pipeline = timed([*args.pin, "make", "pipeline"], clone, env, logs / "pipeline.log")
     venv = clone / ".venv" / "bin"
     score = json.loads((clone / "metrics" / "score.json").read_text(encoding="utf-8"))
     train = json.loads((clone / "artifacts" / "train" / "train.json").read_text(encoding="utf-8"))
@@ -124,7 +130,7 @@ def one_run(seed: int, args: argparse.Namespace, env: dict, work: Path) -> dict:
     # Valid BLEU of the pipeline's own model and decode settings (a hand-run decode prints to stdout only).
     valid_hyp = logs / "valid.hyp.txt"
     with valid_hyp.open("w", encoding="utf-8") as f:
-        subprocess.run([str(venv / "mtpipe"), "decode", "--split", "valid"], cwd=clone, env=env, stdout=f,
+        subprocess.run([*args.pin, str(venv / "mtpipe"), "decode", "--split", "valid"], cwd=clone, env=env, stdout=f,
                        stderr=subprocess.DEVNULL, check=True)
     test_hyp = clone / "artifacts" / "decode" / "test.txt"
     row = {
@@ -154,6 +160,7 @@ def main() -> int:
     ap.add_argument("--data", type=Path, default=DATA, help="local Multi30k ({split}.{en,de}.gz)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--keep", action="store_true", help="keep each clone")
+    ap.add_argument("--cpus", type=int, default=0, help="pin the runs to the first N CPUs (taskset; OMP_NUM_THREADS=N)")
     args = ap.parse_args()
     if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
                       text=True).stdout.strip():
@@ -161,16 +168,27 @@ def main() -> int:
     if not (args.data / "train.en.gz").exists():
         raise SystemExit(f"{args.data}: no train.en.gz (set --data or $MTPIPE_MULTI30K to a Multi30k copy)")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
-    out = args.out or REPO / "bench" / "out" / "quickstart" / f"{args.isa}-{stamp}"
+    name = f"{args.isa}-{args.cpus}cpu" if args.cpus else args.isa
+    out = args.out or REPO / "bench" / "out" / "quickstart" / f"{name}-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **(AVX2 if args.isa == "avx2" else {})}
+    if args.cpus:
+        if not shutil.which("taskset") or args.cpus > (os.cpu_count() or 1):
+            raise SystemExit(f"--cpus {args.cpus}: needs taskset and at most {os.cpu_count()} CPUs")
+        env["OMP_NUM_THREADS"] = str(args.cpus)
+        pin = ["taskset", "-c", f"0-{args.cpus - 1}"]
+    else:
+        pin = []
+    args.pin = pin
     for k in ("VIRTUAL_ENV", "PYTHONPATH"):  # each clone uses its own venv
         env.pop(k, None)
-    probe = subprocess.run([sys.executable, "-c", PROBE], env={**env, "PYTHONPATH": str(REPO)}, capture_output=True,
-                           text=True, check=True)
+    probe = subprocess.run([*pin, sys.executable, "-c", PROBE], env={**env, "PYTHONPATH": str(REPO)},
+                           capture_output=True, text=True, check=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     facts = {"date": stamp, "isa": args.isa, "cpu": cpu_facts(), "probe": json.loads(probe.stdout),
-             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                      text=True).stdout.strip(), "env": AVX2 if args.isa == "avx2" else {}}
+             "cpus_used": args.cpus or os.cpu_count(), "commit": commit.stdout.strip(),
+             "env": {**(AVX2 if args.isa == "avx2" else {}), **({"OMP_NUM_THREADS": str(args.cpus)} if args.cpus
+                                                               else {})}}
     print(json.dumps(facts), flush=True)
     rows = []
     for seed in [int(s) for s in args.seeds.split(",")]:
@@ -181,7 +199,8 @@ def main() -> int:
             "test_bleu_lc", "test_ratio", "test_chrf", "valid_bleu"]
     spread = {k: (min(r[k] for r in rows), statistics.median(r[k] for r in rows), max(r[k] for r in rows))
               for k in ("test_bleu", "valid_bleu", "pipeline_min", "updates")}
-    md = [f"# Quickstart, {len(rows)} seed(s), {args.isa} ({stamp} UTC, commit {facts['commit']})", "",
+    md = [f"# Quickstart, {len(rows)} seed(s), {args.isa}, {facts['cpus_used']} CPU(s) used ({stamp} UTC, commit "
+          f"{facts['commit']})", "",
           f"CPU: {facts['cpu']['model']} (family {facts['cpu']['family']}), {facts['cpu']['cpus']} CPUs, flags: "
           f"{', '.join(facts['cpu']['flags'])}", "",
           f"Probe under this run's environment {facts['env'] or '(none)'}: torch dispatch "

@@ -18,13 +18,15 @@ sentence, and the padding of a mixed batch is masked (the tests compare with ``m
 Dynamic batching (:class:`Batcher`): the event loop only parses, encodes and queues a request; ONE worker runs the
 model, in the process's main thread while uvicorn's event loop runs in a second one: torch's CPU thread pool
 (OpenMP) parallelises the small operations of a decoding step well only from the main thread (from any other thread
-a 2-thread decode of 8 sentences ran 3x slower on a 2-core CPU). The worker takes the oldest waiting request, waits until it has waited ``serve.batch_wait_ms`` (or until
-the waiting requests fill ``serve.batch_tokens`` source tokens), and takes every waiting request that fits the
-budget, oldest first. Requests that asked for the same settings are decoded as one group (one call of the engine,
-itself split into ``decode.max_tokens`` batches sorted by length); each group's answers go back to the event loop as
-soon as that group is done. At most ``serve.max_queue`` requests wait (being gathered counts as waiting); one more
-gets 503 with Retry-After. Bad input gets a 4xx and one line of JSON ``{"error": "..."}``: 400 for a body that is
-not UTF-8 JSON, 413 for too many sentences or characters, 422 for valid JSON with wrong fields or values.
+a 2-thread decode of 8 sentences ran 3x slower on a 2-core CPU). The worker takes the oldest waiting request,
+waits until it has waited ``serve.batch_wait_ms`` (counted from the later of its arrival and the end of the last
+batch), or until the waiting requests fill ``serve.batch_tokens`` source tokens, and takes every waiting request
+that fits the budget, oldest first. Requests that asked for the same settings are decoded as one group (one call of
+the engine, itself split into ``decode.max_tokens`` batches sorted by length); each group's answers go back to the
+event loop as soon as that group is done. At most ``serve.max_queue`` requests wait (being gathered counts as
+waiting); one more gets 503 with Retry-After. Bad input gets a 4xx and one line of JSON ``{"error": "..."}``: 400 for
+a body that is not UTF-8 JSON, 413 for too many sentences or characters, 422 for valid JSON with wrong fields or
+values.
 
 SIGTERM (or Ctrl-C): uvicorn stops accepting connections and waits for the requests in flight (the worker goes on
 decoding them); the worker then decodes whatever is still queued and stops; the process exits 0.

@@ -335,3 +335,45 @@ def test_startup_errors_are_one_line(model, tmp_path):
             f"app({[*base, '--checkpoint', str(model['checkpoint'])]!r})")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and "install mtpipe[serve]" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_a_batch_waits_from_the_end_of_the_last_one():
+    """Closed-loop clients: a request that queued while a batch decoded has waited long already when that batch
+    ends; it still waits ``wait_s`` from the batch's end, so that the requests its clients send next join it (without
+    this, the load splits into alternating half-size batches)."""
+    import asyncio
+
+    from mtpipe.search import Hypothesis
+    from mtpipe.serve import Batcher, Job
+
+    loop = asyncio.new_event_loop()
+    first_started, release, sizes = threading.Event(), threading.Event(), []
+
+    def translate(sources, rules):
+        sizes.append(len(sources))
+        if len(sizes) == 1:
+            first_started.set()
+            release.wait(10)
+        return [[Hypothesis(list(s), 0.0, 0.0)] for s in sources]
+
+    batcher = Batcher(translate, lambda tokens: ["x"] * len(tokens), max_queue=8, wait_s=0.4, batch_tokens=10_000)
+    batcher.start()
+
+    def submit() -> None:
+        batcher.submit(Job([[5, 6]], "rules", loop.create_future(), loop, time.monotonic()))
+
+    try:
+        submit()
+        assert first_started.wait(10)
+        submit()  # queued while the first batch decodes ...
+        time.sleep(0.6)  # ... and has waited longer than wait_s when it ends
+        release.set()
+        time.sleep(0.05)
+        submit()  # a client just answered sends its next request
+        time.sleep(0.8)
+    finally:
+        release.set()
+        batcher.close()
+        batcher.join(10)
+        loop.close()
+    assert sizes == [1, 2]
