@@ -777,7 +777,10 @@ class Trainer:
     def _summary(self, reason: str, updates_now: int, tgt_per_s: float) -> dict[str, Any]:
         st, d = self.state, self.data
         found = list_checkpoints(self.out) if distributed.is_rank0() else []
-        planned = self.planned_updates()
+        # Under the linear schedule max_time is part of the plan (the budget the rate decays over), not a guard:
+        # a run it ends has done what was planned, whatever max_epochs would have allowed.
+        budgeted = self.cfg.schedule == "linear" and self.cfg.max_time > 0
+        planned = 0 if budgeted else self.planned_updates()
         summary = {
             "steps": st.step, "updates_this_run": updates_now, "stopped_by": reason,
             "epochs": round(st.epoch + st.position / d.usable, 4),
@@ -796,7 +799,7 @@ class Trainer:
             "valid_bleu": st.last_bleu,
             # How far the plan got: a run the time guard (or early stopping) ended before max_steps/max_epochs.
             "planned_updates": planned, "plan_done": round(st.step / planned, 4) if planned else None,
-            "max_time": self.cfg.max_time, "patience": self.cfg.patience,
+            "max_time": self.cfg.max_time, "schedule": self.cfg.schedule, "patience": self.cfg.patience,
             "stopped_early": reason == "patience" or (reason == "max_time" and st.step < planned),
             "best": {**st.best.to_dict(),
                      "checkpoint": str(artifacts.checkpoint_path(self.out, st.best.step)) if st.best.step >= 0

@@ -451,6 +451,18 @@ def test_time_limits_stop_and_checkpoint(data: tuple[Path, Path], tmp_path: Path
     assert len(steps) >= 2 and steps[-1] == s["steps"]
 
 
+def test_max_time_is_the_plan_under_the_linear_schedule(data: tuple[Path, Path], tmp_path: Path) -> None:
+    """With train.schedule=linear, max_time is the budget the rate decays over: a run it ends did what was planned
+    (no loud guard note), while under the paper's schedule it is a guard that cut max_epochs' plan short."""
+    from mtpipe.train import train_model
+
+    for schedule, cut_short in (("linear", False), ("inverse_sqrt", True)):
+        s = train_model(mcfg(), tcfg(max_steps=0, max_epochs=10_000, max_time=0.01, schedule=schedule,
+                                     save_every_steps=0, valid_every_steps=0), *data, tmp_path / schedule)
+        assert s["stopped_by"] == "max_time" and s["schedule"] == schedule
+        assert s["stopped_early"] is cut_short and (s["stop_note"] is not None) is cut_short
+
+
 def test_precision_auto() -> None:
     from mtpipe.runtime import cpu_supports_bf16, resolve_precision
 
