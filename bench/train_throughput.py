@@ -29,6 +29,7 @@ label smoothing over every position, torch.optim.Adam with its defaults.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import math
@@ -40,7 +41,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -294,10 +295,35 @@ def fused_label_smoothed_nll(logits: Tensor, target: Tensor, eps: float) -> tupl
     return FusedSmoothedNLL.apply(logits, target, eps)
 
 
+# CPU tricks of mtpipe.kernels that --plain can switch off for one row: what each is replaced with.
+PLAIN = {
+    "dropout": "F.dropout (torch's bernoulli masks) instead of mtpipe.kernels.keep_mask",
+    "attention": "F.scaled_dot_product_attention instead of two matmuls",
+}
+
+
+@contextlib.contextmanager
+def plain_kernels(tricks: frozenset[str]) -> Iterator[None]:
+    """mtpipe's model with the named tricks of :mod:`mtpipe.kernels` switched off (their plain torch formulation),
+    for the length of one step."""
+    from mtpipe import kernels, model
+
+    saved = (kernels._fused_dropout_available, model.prefer_explicit_attention)
+    if "dropout" in tricks:
+        kernels._fused_dropout_available = lambda x: True
+    if "attention" in tricks:
+        model.prefer_explicit_attention = lambda q: False
+    try:
+        yield
+    finally:
+        kernels._fused_dropout_available, model.prefer_explicit_attention = saved
+
+
 def mtpipe_step(vocab: int, dims: dict, precision: str, compiled: bool, fused_loss: bool,
-                args: argparse.Namespace) -> tuple[Callable[[Batch], float], str]:
+                args: argparse.Namespace, plain: frozenset[str] = frozenset()) -> tuple[Callable[[Batch], float], str]:
     """mtpipe's update as ``mtpipe train`` runs it: ``mtpipe.train.make_train_step`` (forward, loss over the
-    non-pad positions, backward, Adam, the paper's schedule, precision and compile settings from TrainConfig)."""
+    non-pad positions, backward, Adam, the paper's schedule, precision and compile settings from TrainConfig);
+    ``plain``: with those CPU tricks switched off (:data:`PLAIN`)."""
     from mtpipe import train as mtrain
     from mtpipe.config import TrainConfig
     from mtpipe.loss import label_smoothed_nll
@@ -314,9 +340,11 @@ def mtpipe_step(vocab: int, dims: dict, precision: str, compiled: bool, fused_lo
 
     def step(b: Batch) -> float:
         mtrain.label_smoothed_nll = loss_fn  # the module global LossModule calls (only --loss fused changes it)
-        return float(run(b.src, b.tgt_in, b.tgt_out))
+        with plain_kernels(plain):
+            return float(run(b.src, b.tgt_in, b.tgt_out))
 
     how = "mtpipe.train.make_train_step" + (" with the bench's fused loss" if fused_loss else "")
+    how += "".join(f"; {PLAIN[t]}" for t in sorted(plain))
     return step, how
 
 
@@ -458,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="mtpipe with train.compile off, on, or both as separate rows")
     ap.add_argument("--loss", choices=["train", "fused", "both"], default="train",
                     help="mtpipe's loss: train.py's own, the bench's fused what-if (FusedSmoothedNLL), or both rows")
+    ap.add_argument("--plain", default="", help="comma list of mtpipe CPU tricks to time switched off, one row "
+                    "each: " + ", ".join(PLAIN))
     ap.add_argument("--reference-bf16", action="store_true", help="also time the reference under bf16 autocast")
     ap.add_argument("--allocator", choices=["tuned", "default"], default="tuned",
                     help="glibc allocator: 'tuned' keeps freed memory (as mtpipe train should), process-wide")
@@ -469,6 +499,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default=None, metavar="CONFIG:PRECISION",
                     help="instead of the comparison, print a torch.profiler table of mtpipe's step")
     args = ap.parse_args(argv)
+    plain_rows = [t for t in args.plain.split(",") if t]
+    for t in plain_rows:
+        if t not in PLAIN:
+            ap.error(f"--plain: unknown {t!r} (choose from {', '.join(PLAIN)})")
 
     torch.set_num_threads(args.threads)
     configs = [c for c in args.configs.split(",") if c]
@@ -525,6 +559,9 @@ def main(argv: list[str] | None = None) -> int:
                     step, step_how = mtpipe_step(vocab, DIMS[c], p, comp, fused, args)
                     name = f"mtpipe {p}" + (" compiled" if comp else "") + (" +fused loss" if fused else "")
                     systems.append(System(c, name, p, True, step, step_how))
+                    for trick in plain_rows if not comp and not fused else []:
+                        step, step_how = mtpipe_step(vocab, DIMS[c], p, False, False, args, frozenset([trick]))
+                        systems.append(System(c, f"mtpipe {p} plain {trick}", p, True, step, step_how))
         timed = batches[next_batch : next_batch + steps[c]]
         next_batch += steps[c]
         if len(timed) < steps[c]:
