@@ -10,7 +10,8 @@ experiment: the last validation perplexity (``artifacts/train/live/metrics.json`
 
 Variants (``--variants``, comma list; default all):
 
-* ``paper``: post-norm, LayerNorm, sinusoidal positions (the committed params);
+* ``paper``: post-norm, LayerNorm, sinusoidal positions: the committed params with ``model.norm_position=post``
+  (the quickstart itself is pre-norm); every variant below is this plus its own overrides;
 * ``prenorm``: ``model.norm_position=pre`` (Nguyen & Salazar 2019);
 * ``scalenorm_fixnorm``: pre-norm + ScaleNorm + FixNorm ("Transformers without Tears"' combination);
 * ``learned_positions``: ``model.positions=learned`` (Table 3 row E);
@@ -40,6 +41,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+# The paper's model on top of the committed params (the quickstart is pre-norm): every variant starts from it.
+PAPER = {"model.norm_position": "post"}
 
 VARIANTS: dict[str, list[str]] = {
     "paper": [],
@@ -136,6 +140,8 @@ def main() -> int:
                 aside.parent.mkdir(exist_ok=True)
                 previous.rename(aside)
             forget_model_stages(repo / "dvc.lock")
+        if name != "layerdrop_pruned":  # the paper's model, then the variant's own overrides (which win)
+            sets = [f"{k}={v}" for k, v in {**PAPER, **dict(kv.split("=", 1) for kv in sets)}.items()]
         sets = [hydra_key(repo, kv) for kv in sets]
         cmd = ["dvc", "exp", "run", "-n", f"abl-{name}-{args.steps}-{stamp}",
                *[a for s in budget + sets for a in ("-S", s)]]
