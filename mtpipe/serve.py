@@ -296,9 +296,7 @@ class Batcher:
         self._jobs: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
-        self._thread = threading.Thread(target=self.run, name="mtpipe-decode", daemon=True)
-        self._own_thread = True  # False: the caller runs :meth:`run` in a thread of its own (the main thread)
-        self._done = threading.Event()
+        self._done = threading.Event()  # set when :meth:`run` returns
         self._last_end = 0.0  # time.monotonic() at the end of the last batch
         self.counters = {"requests": 0, "sentences": 0, "batches": 0, "max_requests_per_batch": 0,
                          "rejected_queue_full": 0, "failed": 0}
@@ -306,13 +304,9 @@ class Batcher:
     # ---- the event loop's side
 
     def start(self) -> None:
-        """Start the worker thread, unless :meth:`run_in_caller` said the caller runs the worker itself."""
-        if self._own_thread:
-            self._thread.start()
-
-    def run_in_caller(self) -> None:
-        """Say (before :meth:`start`) that the caller will run :meth:`run` itself, e.g. in the main thread."""
-        self._own_thread = False
+        """:meth:`run` in a thread of its own (the server runs it in the main thread instead: see
+        :func:`serve_model`)."""
+        threading.Thread(target=self.run, name="mtpipe-decode", daemon=True).start()
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; :class:`QueueFull` when ``max_queue`` requests wait already or the server is stopping."""
@@ -330,9 +324,7 @@ class Batcher:
             self._cond.notify_all()
 
     def join(self, timeout: float | None = None) -> None:
-        """Wait until the worker has stopped (after :meth:`close` and the queue drained), in whatever thread."""
-        if self._own_thread and not self._thread.is_alive() and not self._done.is_set():
-            return  # never started
+        """Wait until :meth:`run` has returned (after :meth:`close` and the queue drained), in whatever thread."""
         self._done.wait(timeout)
 
     def snapshot(self) -> dict[str, int]:
@@ -463,8 +455,7 @@ def build_app(model: ServedModel, batcher: Batcher, cfg: ServeConfig, defaults: 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> Any:
-        batcher.start()
-        yield
+        yield  # the batcher runs already (serve_model: in the main thread)
         # uvicorn has let the requests in flight finish; the worker drains what is left, off the event loop.
         batcher.close()
         await asyncio.to_thread(batcher.join)
@@ -612,7 +603,6 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
             finally:
                 batcher.close()  # when the lifespan shutdown did not run (a failed start-up)
 
-        batcher.run_in_caller()
         previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         thread = threading.Thread(target=run_server, name="mtpipe-http", daemon=True)
         try:
