@@ -771,25 +771,7 @@ def data_round(e: Env, pairs: int, r: int) -> dict[str, dict[str, Any]]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-ISA_PROBE = r"""
-import json, os, time, torch
-from mtpipe.runtime import cpu_supports_bf16
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-def rate(dtype, n=512, reps=5):
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    return round(2 * n**3 * reps / (time.perf_counter() - t0) / 1e9, 1)
-flags = open("/proc/cpuinfo").read().split("flags")[1].splitlines()[0].split()
-out = {"cpu_flags": sorted(f for f in set(flags) if f.startswith(("avx", "amx", "fma"))),
-       "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "bf16": cpu_supports_bf16(),
-       "fp32_matmul_512_gflops": rate(torch.float32)}
-if out["bf16"]:
-    out["bf16_matmul_512_gflops"] = rate(torch.bfloat16)
-print(json.dumps(out))
-"""
+ISA_PROBE = REPO / "bench" / "isa_probe.py"  # one line of JSON: what torch uses under the run's environment
 
 
 def isa_probe(e: Env) -> dict[str, Any]:
@@ -797,7 +779,7 @@ def isa_probe(e: Env) -> dict[str, Any]:
     capability, whether mtpipe sees native bf16 (a bf16 matmul then runs at bf16 speed), fp32/bf16 matmul rates,
     and CTranslate2's ISA as it logs it."""
     log = e.logs / "isa_probe.log"
-    sh([PY, "-c", ISA_PROBE], log, e.env)
+    sh([PY, ISA_PROBE, "--size", 512], log, e.env)
     probe = json.loads(log.read_text().splitlines()[-1])
     ct2 = e.logs / "isa_probe_ct2.log"
     sh([e.ct2_py, "-c", "import ctranslate2; print(ctranslate2.get_supported_compute_types('cpu'))"], ct2, e.env)

@@ -46,21 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("MTPIPE_MULTI30K", REPO / "data" / "multi30k"))  # {train,val,test_2016_flickr}.{en,de}.gz
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
-PROBE = r"""
-import json, time, torch
-import os
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-def rate(dtype, n=1024, reps=5):
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b
-    t = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e9
-from mtpipe.runtime import cpu_supports_bf16
-print(json.dumps({"torch_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": cpu_supports_bf16(),
-                  "fp32_gflops": round(rate(torch.float32), 1), "bf16_gflops": round(rate(torch.bfloat16), 1)}))
-"""
+PROBE = REPO / "bench" / "isa_probe.py"  # one line of JSON: what torch uses under the run's environment
 
 
 def cpu_facts() -> dict:
@@ -182,7 +168,7 @@ def main() -> int:
     args.pin = pin
     for k in ("VIRTUAL_ENV", "PYTHONPATH"):  # each clone uses its own venv
         env.pop(k, None)
-    probe = subprocess.run([*pin, sys.executable, "-c", PROBE], env={**env, "PYTHONPATH": str(REPO)},
+    probe = subprocess.run([*pin, sys.executable, str(PROBE)], env={**env, "PYTHONPATH": str(REPO)},
                            capture_output=True, text=True, check=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     facts = {"date": stamp, "isa": args.isa, "cpu": cpu_facts(), "probe": json.loads(probe.stdout),

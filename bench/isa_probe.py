@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""What torch will use on this CPU under the current environment: one line of JSON.
+
+The benchmarks run it as a subprocess under each run's environment (``--isa avx2`` sets ``ATEN_CPU_CAPABILITY=avx2``
+and ``ONEDNN_MAX_CPU_ISA=AVX2``) to show that a restriction takes effect: torch's dispatch level drops to AVX2, and a
+bf16 matmul drops from bf16 speed to far below fp32's (no native bf16 left to use).
+
+    python bench/isa_probe.py [--size 1024]      # threads: OMP_NUM_THREADS, else 2
+
+Fields: ``cpu_flags`` (the AVX / AMX / FMA flags of /proc/cpuinfo), ``torch_capability`` (torch's CPU dispatch level),
+``native_bf16`` (what ``precision: auto`` sees), ``fp32_gflops`` and ``bf16_gflops`` (an n x n x n matmul, best of 5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mtpipe.runtime import cpu_supports_bf16  # noqa: E402
+
+
+def matmul_gflops(dtype: torch.dtype, n: int, reps: int = 5) -> float:
+    """The best of ``reps`` n x n x n matmuls, in GFLOP/s (best, not mean: other processes may share the CPU)."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b  # warm-up: first-call allocation and kernel selection
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return round(2 * n**3 / best / 1e9, 1)
+
+
+def cpu_flags() -> list[str]:
+    path = Path("/proc/cpuinfo")
+    if not path.exists():
+        return []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if line.startswith("flags"):
+            return sorted({f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma"))})
+    return []
+
+
+def probe(n: int = 1024) -> dict:
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    return {"cpu_flags": cpu_flags(), "torch_capability": torch.backends.cpu.get_cpu_capability(),
+            "native_bf16": cpu_supports_bf16(), "fp32_gflops": matmul_gflops(torch.float32, n),
+            "bf16_gflops": matmul_gflops(torch.bfloat16, n)}
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", type=int, default=1024, help="matmul size n")
+    print(json.dumps(probe(ap.parse_args().size)))
