@@ -401,6 +401,10 @@ class ServeConfig(Section):
     batch_tokens: int = _h("Source tokens (EOS included) of the requests gathered into one decoding batch (a larger "
                            "request gets a batch of its own); decode.max_tokens still splits each batch.",
                            default=8000, ge=1)
+    workers: int = _h("Decoding processes, each with its own copy of the model and 1/N of the CPU threads (unless "
+                      "decode.threads is set), each taking its own batches: the small batches of a server use "
+                      "several cores better side by side than split. 1 = the model in the server's own process.",
+                      default=1, ge=1)
     max_beam: int = _h("Largest beam a request may ask for (decode.beam is the default).", default=8, ge=1)
     max_nbest: int = _h("Largest nbest a request may ask for (decode.nbest is the default).", default=4, ge=1)
     max_alpha: float = _h("Largest length-penalty alpha a request may ask for (decode.alpha is the default).",

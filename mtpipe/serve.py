@@ -15,10 +15,13 @@ same engines as ``mtpipe decode`` (:class:`mtpipe.decode.MtpipeEngine`, or :clas
 detokenised the same way, so a sentence translates exactly as ``mtpipe decode`` translates it: beam search is per
 sentence, and the padding of a mixed batch is masked (the tests compare with ``mtpipe decode``).
 
-Dynamic batching (:class:`Batcher`): the event loop only parses, encodes and queues a request; ONE worker runs the
+Dynamic batching (:class:`Batcher`): the event loop only parses, encodes and queues a request; a worker runs the
 model, in the process's main thread while uvicorn's event loop runs in a second one: torch's CPU thread pool
 (OpenMP) parallelises the small operations of a decoding step well only from the main thread (from any other thread
-a 2-thread decode of 8 sentences ran 3x slower on a 2-core CPU). The worker takes the oldest waiting request,
+a 2-thread decode of 8 sentences ran 3x slower on a 2-core CPU). With ``serve.workers`` N > 1, N worker processes
+(:class:`WorkerProcess`) each run a copy of the model in their own main thread with 1/N of the CPU threads, and each
+takes its own batches: a server's batches are small, and the small matrix products of a few sentences use several
+cores poorly, where separate batches use them fully. A worker takes the oldest waiting request,
 waits until it has waited ``serve.batch_wait_ms`` (counted from the later of its arrival and the end of the last
 batch), or until the waiting requests fill ``serve.batch_tokens`` source tokens, and takes every waiting request
 that fits the budget, oldest first. Requests that asked for the same settings are decoded as one group (one call of
@@ -37,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import math
 import signal
@@ -253,6 +257,103 @@ def _mtpipe_translate(engine: Any) -> Callable[[Sequence[Sequence[int]], Any], l
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# Worker processes (serve.workers > 1)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _worker_main(conn: Any, cfg: DecodeConfig, checkpoint: str, tokens: str | None) -> None:
+    """A worker process: open the model as the server does, warm it up, then answer ``(sources, rules)`` messages
+    with ``("ok", hypotheses)`` or ``("error", reason)`` until the server closes the pipe."""
+    # The server drains and stops on SIGTERM / Ctrl-C (which a terminal sends to the whole process group): a worker
+    # must go on decoding what the server still hands it, and ends when the server closes its pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        model = open_model(cfg, Path(checkpoint), Path(tokens) if tokens is not None else None)
+        model.translate([model.sp.encode("Warm up.", out_type=int)[: model.max_positions - 1]],
+                        _default_rules(cfg))
+    except Exception as e:  # noqa: BLE001 - reported to the server, which stops with it
+        conn.send(("error", _first_line(e)))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            sources, rules = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            result: tuple[str, Any] = ("ok", model.translate(sources, rules))
+        except Exception as e:  # noqa: BLE001 - answered (500) by the server, which goes on
+            result = ("error", _first_line(e))
+        conn.send(result)
+
+
+def _default_rules(cfg: DecodeConfig) -> Any:
+    from mtpipe.decode import validate
+
+    return validate(cfg)
+
+
+class WorkerProcess:
+    """One decoding process of ``serve.workers`` (spawned: a fresh interpreter, its model in its own main thread,
+    ``cfg.threads`` CPU threads). :meth:`translate` is called by one server thread at a time."""
+
+    def __init__(self, index: int, cfg: DecodeConfig, checkpoint: Path, tokens: Path | None) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process with torch's threads and uvicorn's loop
+        self.index = index
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_worker_main, name=f"mtpipe-decode-{index}", daemon=True,
+                                 args=(child, cfg, str(checkpoint), str(tokens) if tokens is not None else None))
+        self._proc.start()
+        child.close()
+
+    def ready(self) -> None:
+        """Wait until the model is loaded and warm; its start-up error as a :class:`MtpipeError`."""
+        status, payload = self._receive()
+        if status != "ready":
+            raise MtpipeError(f"serve.workers: worker {self.index} could not open the model ({payload})")
+
+    def translate(self, sources: Sequence[Sequence[int]], rules: Any) -> list[list[Any]]:
+        self._conn.send((list(map(list, sources)), rules))
+        status, payload = self._receive()
+        if status != "ok":
+            raise RuntimeError(payload)
+        return payload
+
+    def _receive(self) -> tuple[str, Any]:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            self._proc.join(5)
+            raise RuntimeError(f"worker process {self.index} exited (code {self._proc.exitcode})") from None
+
+    def close(self) -> None:
+        """Close the pipe (the worker then exits) and wait for the process."""
+        self._conn.close()
+        self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(5)
+
+
+def worker_threads(cfg: DecodeConfig, workers: int) -> int:
+    """CPU threads per worker process: ``decode.threads`` when set, else this process's CPUs split evenly."""
+    import os
+
+    if cfg.threads > 0:
+        return cfg.threads
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // workers)
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # Dynamic batching: one worker thread runs the model
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -296,17 +397,21 @@ class Batcher:
         self._jobs: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
-        self._done = threading.Event()  # set when :meth:`run` returns
+        self._done = threading.Event()  # set when the last :meth:`run` returns
+        self._running = 0  # :meth:`run` loops not yet returned (one per worker)
         self._last_end = 0.0  # time.monotonic() at the end of the last batch
         self.counters = {"requests": 0, "sentences": 0, "batches": 0, "max_requests_per_batch": 0,
                          "rejected_queue_full": 0, "failed": 0}
 
     # ---- the event loop's side
 
-    def start(self) -> None:
-        """:meth:`run` in a thread of its own (the server runs it in the main thread instead: see
+    def start(self, translate: Callable[[list[list[int]], Any], list[list[Any]]] | None = None,
+              worker: int = 0) -> None:
+        """:meth:`run` in a thread of its own (the server runs worker 0 in the main thread instead: see
         :func:`serve_model`)."""
-        threading.Thread(target=self.run, name="mtpipe-decode", daemon=True).start()
+        self._enter()
+        threading.Thread(target=self._loop, args=(translate, worker), name=f"mtpipe-decode-{worker}",
+                         daemon=True).start()
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; :class:`QueueFull` when ``max_queue`` requests wait already or the server is stopping."""
@@ -324,7 +429,8 @@ class Batcher:
             self._cond.notify_all()
 
     def join(self, timeout: float | None = None) -> None:
-        """Wait until :meth:`run` has returned (after :meth:`close` and the queue drained), in whatever thread."""
+        """Wait until every :meth:`run` has returned (after :meth:`close` and the queue drained), in whatever
+        thread."""
         self._done.wait(timeout)
 
     def snapshot(self) -> dict[str, int]:
@@ -358,16 +464,31 @@ class Batcher:
                 tokens += job.tokens
             return batch
 
-    def run(self) -> None:
-        """The worker: decode batch after batch until closed and drained."""
+    def run(self, translate: Callable[[list[list[int]], Any], list[list[Any]]] | None = None,
+            worker: int = 0) -> None:
+        """A worker: decode batch after batch with ``translate`` (default: the batcher's own) until closed and
+        drained. Several workers may run at once, each in its own thread, each taking its own batches."""
+        self._enter()
+        self._loop(translate, worker)
+
+    def _enter(self) -> None:
+        with self._cond:
+            self._running += 1
+            self._done.clear()
+
+    def _loop(self, translate: Callable[[list[list[int]], Any], list[list[Any]]] | None, worker: int) -> None:
         try:
             while (batch := self._take()) is not None:
-                self._decode(batch)
+                self._decode(batch, translate or self._translate, worker)
                 self._last_end = time.monotonic()
         finally:
-            self._done.set()
+            with self._cond:
+                self._running -= 1
+                if self._running == 0:
+                    self._done.set()
 
-    def _decode(self, jobs: list[Job]) -> None:
+    def _decode(self, jobs: list[Job], translate: Callable[[list[list[int]], Any], list[list[Any]]],
+                worker: int) -> None:
         """Decode one batch, a group per distinct rules, and send every job its answer (or the error)."""
         start = time.monotonic()
         with self._cond:
@@ -377,13 +498,13 @@ class Batcher:
         groups: dict[Any, list[Job]] = {}
         for job in jobs:
             groups.setdefault(job.rules, []).append(job)
-        info = {"id": batch_id, "requests": len(jobs), "sentences": sum(len(j.sources) for j in jobs),
-                "groups": len(groups)}
+        info = {"id": batch_id, "worker": worker, "requests": len(jobs),
+                "sentences": sum(len(j.sources) for j in jobs), "groups": len(groups)}
         for rules, group in groups.items():
             group_start = time.monotonic()
             try:
                 sources = [s for job in group for s in job.sources]
-                results = self._translate(sources, rules)
+                results = translate(sources, rules)
                 texts = self._detok([h.tokens for hyps in results for h in hyps])
             except Exception as e:  # noqa: BLE001 - any failure is answered (500) and the server goes on
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -567,10 +688,22 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
     check_defaults(cfg, defaults)
     default_rules = validate(defaults)  # decode's own cross-key rules (nbest <= beam, ctranslate2's limits)
     sock = listen(cfg.host, cfg.port)
+    workers: list[WorkerProcess] = []
     try:
         model = open_model(defaults, checkpoint, tokens)
-        # Warm-up: the first batch of a process pays for kernel selection; no request should.
-        model.translate([model.sp.encode("Warm up.", out_type=int)[: model.max_positions - 1]], default_rules)
+        if cfg.workers == 1:
+            # Warm-up: the first batch of a process pays for kernel selection; no request should.
+            model.translate([model.sp.encode("Warm up.", out_type=int)[: model.max_positions - 1]], default_rules)
+        else:
+            threads = worker_threads(defaults, cfg.workers)
+            info(f"starting {cfg.workers} decoding processes, {threads} CPU thread(s) each")
+            worker_cfg = dataclasses.replace(defaults, threads=threads)
+            for i in range(cfg.workers):
+                workers.append(WorkerProcess(i, worker_cfg, checkpoint, tokens))
+            for w in workers:
+                w.ready()
+            model.info["workers"] = cfg.workers
+            model.info["threads_per_worker"] = threads
         batcher = Batcher(model.translate, model.detok, max_queue=cfg.max_queue, wait_s=cfg.batch_wait_ms / 1000,
                           batch_tokens=cfg.batch_tokens)
         app = build_app(model, batcher, cfg, defaults)
@@ -584,7 +717,8 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
                        f"{defaults.nbest}, stop {defaults.stop}"],
             ["limits", f"{cfg.max_sentences} sentences x {cfg.max_chars} chars, beam <= {cfg.max_beam}, nbest <= "
                        f"{cfg.max_nbest}, alpha <= {cfg.max_alpha:g}"],
-            ["batching", f"wait {cfg.batch_wait_ms:g} ms, {cfg.batch_tokens:,} tokens, queue {cfg.max_queue}"],
+            ["batching", f"wait {cfg.batch_wait_ms:g} ms, {cfg.batch_tokens:,} tokens, queue {cfg.max_queue}, "
+                         f"{cfg.workers} worker(s)"],
         ])
         # One plain line (never wrapped) that scripts and the tests read the address from.
         sys.stderr.write(f"mtpipe serve: listening on {url} (POST /translate, GET /health, GET /info)\n")
@@ -607,7 +741,9 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
         thread = threading.Thread(target=run_server, name="mtpipe-http", daemon=True)
         try:
             thread.start()
-            batcher.run()
+            for w in workers[1:]:
+                batcher.start(w.translate, w.index)
+            batcher.run(workers[0].translate if workers else None)
             while thread.is_alive():
                 thread.join(0.5)  # in slices, so that a second signal still reaches stop()
         finally:
@@ -615,6 +751,8 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
                 signal.signal(sig, handler)
     finally:
         sock.close()
+        for w in workers:
+            w.close()
     if not server.started:
         raise MtpipeError(f"{url}: the server did not start (see uvicorn's log above)")
     counters = batcher.snapshot()
@@ -622,6 +760,6 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
     table("served", ["", "value"], [[k.replace("_", " "), v] for k, v in counters.items() if k != "queued"])
 
 
-__all__ = ["Answer", "Batcher", "Job", "QueueFull", "RequestError", "ServedModel", "TranslateRequest", "build_app",
-           "check_defaults", "listen", "max_body_bytes", "open_model", "parse_request", "require_serve",
-           "serve_model"]
+__all__ = ["Answer", "Batcher", "Job", "QueueFull", "RequestError", "ServedModel", "TranslateRequest", "WorkerProcess",
+           "build_app", "check_defaults", "listen", "max_body_bytes", "open_model", "parse_request", "require_serve",
+           "serve_model", "worker_threads"]

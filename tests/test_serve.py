@@ -318,6 +318,31 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(model):
     s.stop()
 
 
+def test_worker_processes_share_the_load_and_answer_as_mtpipe_decode(model):
+    """``--workers 2``: two decoding processes, each taking its own batches (a batch per request here: the token
+    budget is below one sentence), every answer still `mtpipe decode`'s; SIGTERM drains both and exits 0."""
+    sentences = [s for s, _ in PAIRS]
+    want = decode(model, sentences)
+    s = Server(model, "--workers", "2", "--batch-wait-ms", "0", "--batch-tokens", "1")
+    try:
+        assert s.client.get("/info").json()["workers"] == 2
+        workers_seen: set[int] = set()
+        for _ in range(3):  # concurrent requests: while one worker decodes, the other takes the next request
+            answers = concurrently([lambda t=t: s.post({"text": [t]}) for t in sentences])
+            for r, row in zip(answers, want):
+                assert r.status_code == 200, r.text
+                assert r.json()["translations"] == [row["hypothesis"]]
+                assert r.json()["scores"] == pytest.approx([row["score"]], abs=1e-4)
+            workers_seen |= {r.json()["batch"]["worker"] for r in answers}
+            if workers_seen == {0, 1}:
+                break
+        assert workers_seen == {0, 1}
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(60) == 0, "".join(s.log)
+    finally:
+        s.stop()
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Start-up errors: one line, exit 1
 # --------------------------------------------------------------------------------------------------------------------
