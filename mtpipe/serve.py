@@ -48,6 +48,7 @@ import socket
 import sys
 import threading
 import time
+import typing
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
@@ -301,18 +302,24 @@ def _default_rules(cfg: DecodeConfig) -> Any:
 
 class WorkerProcess:
     """One decoding process of ``serve.workers`` (spawned: a fresh interpreter, its model in its own main thread,
-    ``cfg.threads`` CPU threads). :meth:`translate` is called by one server thread at a time."""
+    ``cfg.threads`` CPU threads). :meth:`translate` is called by one server thread at a time. A worker that dies
+    (e.g. killed for memory) fails the batch it held; the next batch starts a new one."""
 
     def __init__(self, index: int, cfg: DecodeConfig, checkpoint: Path, tokens: Path | None) -> None:
+        self.index = index
+        self._args = (cfg, str(checkpoint), str(tokens) if tokens is not None else None)
+        self._start()
+
+    def _start(self) -> None:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")  # no fork of a process with torch's threads and uvicorn's loop
-        self.index = index
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker_main, name=f"mtpipe-decode-{index}", daemon=True,
-                                 args=(child, cfg, str(checkpoint), str(tokens) if tokens is not None else None))
+        self._proc = ctx.Process(target=_worker_main, name=f"mtpipe-decode-{self.index}", daemon=True,
+                                 args=(child, *self._args))
         self._proc.start()
         child.close()
+        self._dead = False
 
     def ready(self) -> None:
         """Wait until the model is loaded and warm; its start-up error as a :class:`MtpipeError`."""
@@ -321,7 +328,14 @@ class WorkerProcess:
             raise MtpipeError(f"serve.workers: worker {self.index} could not open the model ({payload})")
 
     def translate(self, sources: Sequence[Sequence[int]], rules: Any) -> list[list[Any]]:
-        self._conn.send((list(map(list, sources)), rules))
+        if self._dead:
+            self._conn.close()
+            self._start()
+            self.ready()
+        try:
+            self._conn.send((list(map(list, sources)), rules))
+        except OSError:
+            self._died()
         status, payload = self._receive()
         if status != "ok":
             raise RuntimeError(payload)
@@ -331,8 +345,13 @@ class WorkerProcess:
         try:
             return self._conn.recv()
         except (EOFError, OSError):
-            self._proc.join(5)
-            raise RuntimeError(f"worker process {self.index} exited (code {self._proc.exitcode})") from None
+            self._died()
+
+    def _died(self) -> typing.NoReturn:
+        self._dead = True
+        self._proc.join(5)
+        raise RuntimeError(f"worker process {self.index} exited (code {self._proc.exitcode}); it is restarted for "
+                           "the next batch")
 
     def close(self) -> None:
         """Close the pipe (the worker then exits) and wait for the process."""
@@ -354,7 +373,7 @@ def worker_threads(cfg: DecodeConfig, workers: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Dynamic batching: one worker thread runs the model
+# Dynamic batching: a worker runs the model (in this process, or one WorkerProcess each)
 # --------------------------------------------------------------------------------------------------------------------
 
 

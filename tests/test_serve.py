@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 import shutil
 import signal
 import subprocess
@@ -318,6 +319,20 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(model):
     s.stop()
 
 
+def _parent_pid(proc_dir: Path) -> int | None:
+    try:
+        return int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _cmdline(proc_dir: Path) -> bytes:
+    try:
+        return (proc_dir / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def test_worker_processes_share_the_load_and_answer_as_mtpipe_decode(model):
     """``--workers 2``: two decoding processes, each taking its own batches (a batch per request here: the token
     budget is below one sentence), every answer still `mtpipe decode`'s; SIGTERM drains both and exits 0."""
@@ -337,6 +352,17 @@ def test_worker_processes_share_the_load_and_answer_as_mtpipe_decode(model):
             if workers_seen == {0, 1}:
                 break
         assert workers_seen == {0, 1}
+
+        # A worker that dies fails at most the batch it held and is started again for the next one.
+        children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and
+                    _parent_pid(p) == s.proc.pid and b"resource_tracker" not in _cmdline(p)]
+        assert len(children) == 2, children
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+        codes = [s.post({"text": [sentences[0]]}).status_code for _ in range(6)]
+        assert codes.count(500) <= 2 and codes[-2:] == [200, 200], codes
+        answers = concurrently([lambda t=t: s.post({"text": [t]}) for t in sentences])
+        assert [r.json()["translations"] for r in answers] == [[row["hypothesis"]] for row in want]
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(60) == 0, "".join(s.log)
     finally:
