@@ -122,8 +122,12 @@ def test_dvc_repro_after_an_interruption_resumes_training_bitwise(tmp_path: Path
     run(whole, *DVC, "repro")
 
     ck_dir = cut / "artifacts" / "train" / "checkpoints"
+    # Ctrl-C as a terminal delivers it: SIGINT at its default disposition in DVC and so in the training process. A
+    # test run started in the background (`make test &`) inherits SIGINT ignored, and an ignored SIGINT stays ignored
+    # across exec, so without this the interruption would not interrupt.
     p = subprocess.Popen([*DVC, "repro"], cwd=cut, env=environment(), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, start_new_session=True)
+                         stderr=subprocess.DEVNULL, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 300
         while not (ck_dir / "step_00000020").exists():
