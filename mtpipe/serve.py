@@ -274,10 +274,11 @@ def _worker_main(conn: Any, cfg: DecodeConfig, checkpoint: str, tokens: str | No
     # must go on decoding what the server still hands it, and ends when the server closes its pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from mtpipe.decode import validate
+
     try:
         model = open_model(cfg, Path(checkpoint), Path(tokens) if tokens is not None else None)
-        model.translate([model.sp.encode("Warm up.", out_type=int)[: model.max_positions - 1]],
-                        _default_rules(cfg))
+        model.translate([model.sp.encode("Warm up.", out_type=int)[: model.max_positions - 1]], validate(cfg))
     except Exception as e:  # noqa: BLE001 - reported to the server, which stops with it
         conn.send(("error", _first_line(e)))
         return
@@ -292,12 +293,6 @@ def _worker_main(conn: Any, cfg: DecodeConfig, checkpoint: str, tokens: str | No
         except Exception as e:  # noqa: BLE001 - answered (500) by the server, which goes on
             result = ("error", _first_line(e))
         conn.send(result)
-
-
-def _default_rules(cfg: DecodeConfig) -> Any:
-    from mtpipe.decode import validate
-
-    return validate(cfg)
 
 
 class WorkerProcess:
