@@ -521,7 +521,7 @@ class Batcher:
                 results = translate(sources, rules)
                 texts = self._detok([h.tokens for hyps in results for h in hyps])
             except Exception as e:  # noqa: BLE001 - any failure is answered (500) and the server goes on
-                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                reason = _first_line(e)
                 with self._cond:
                     self.counters["failed"] += len(group)
                 for job in group:
