@@ -396,13 +396,18 @@ class ServeConfig(Section):
     max_sentences: int = _h("Most sentences in one request (more: 413).", default=64, ge=1)
     max_chars: int = _h("Most characters in one sentence (more: 413).", default=1000, ge=1)
     max_queue: int = _h("Most requests waiting for a decoding batch (more: 503 with Retry-After).", default=64, ge=1)
-    batch_wait_ms: float = _h("How long the first waiting request waits for concurrent ones to share its decoding "
-                              "batch (milliseconds).", default=5.0, ge=0)
-    batch_tokens: int = _h("Source tokens (EOS included) of the requests gathered into one decoding batch (a larger "
-                           "request gets a batch of its own); decode.max_tokens still splits each batch.",
-                           default=8000, ge=1)
+    batch_wait_ms: float = _h("How long a request that finds its worker idle waits for concurrent ones to start "
+                              "decoding with it (milliseconds). A busy worker takes new requests into its running "
+                              "batch at the next decoder step (continuous batching, mtpipe engine).",
+                              default=5.0, ge=0)
+    batch_tokens: int = _h("Source tokens (EOS included) a worker decodes at once: waiting requests join while the "
+                           "ones in flight hold fewer (a larger request is decoded alone); decode.max_tokens still "
+                           "bounds each batch.", default=8000, ge=1)
+    batching: str = _h("How a worker decodes the requests it takes: 'batch' (each batch to its end, sorted by "
+                       "length) or 'continuous' (mtpipe engine: requests join the running batch at the next decoder "
+                       "step and are answered the step they end).", default="batch", choices=("batch", "continuous"))
     workers: int = _h("Decoding processes, each with its own copy of the model and 1/N of the CPU threads (unless "
-                      "decode.threads is set), each taking its own batches: the small batches of a server use "
+                      "decode.threads is set), each decoding its own requests: the small batches of a server use "
                       "several cores better side by side than split. 1 = the model in the server's own process.",
                       default=1, ge=1)
     max_beam: int = _h("Largest beam a request may ask for (decode.beam is the default).", default=8, ge=1)

@@ -16,7 +16,8 @@ Padding is on the right and uses :data:`mtpipe.artifacts.PAD_ID`.
 Decoding: :meth:`Transformer.encode` runs the encoder once, :meth:`Transformer.start` projects each decoder layer's
 cross-attention keys/values once per sentence, and :meth:`Transformer.step` runs the decoder layers (the same
 :meth:`DecoderLayer.forward` as training) on the newest position only, its self-attention keys/values cached
-(:class:`DecoderState`, whose ``select`` reorders or shrinks the batch in beam search).
+(:class:`DecoderState`, whose ``select`` reorders or shrinks the batch in beam search, and whose ``admit`` lets new
+sentences join a running batch: continuous batching, :mod:`mtpipe.streaming`).
 
 Variants (``model`` params, saved in the checkpoint's model config, so decoding rebuilds them; each off by default,
 and the default model runs exactly the code above -- every choice is made when the model is built):
@@ -105,8 +106,9 @@ def unit_rows(w: Tensor) -> Tensor:
 # 3.2 Attention
 # --------------------------------------------------------------------------------------------------------------------
 
-# One layer's self-attention cache (DecoderState.append): new keys/values [R, h, 1, d] -> all so far [R, h, t+1, d].
-KVCache = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+# One layer's self-attention cache (DecoderState.append): new keys/values [R, h, 1, d] -> all so far [R, h, t+1, d],
+# and the keys' mask [R, 1, 1, t+1] (True = may attend) where rows started at different steps, else None.
+KVCache = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, "Tensor | None"]]
 
 
 def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
@@ -208,8 +210,9 @@ class MultiHeadAttention(nn.Module):
         source padding) or the decoder's (``causal``).
 
         With ``cache`` (incremental decoding), ``x`` is the newest position ``[R, 1, D]``: its key/value is appended
-        to the cache and its query attends to every position so far (no mask: later positions do not exist yet), or,
-        restricted (``window`` r), to the last r + 1 of them.
+        to the cache and its query attends to every position so far (no causal mask: later positions do not exist
+        yet; a row that joined the batch later masks the cache slots from before its start), or, restricted
+        (``window`` r), to the last r + 1 of them.
 
         Restricted self-attention (section 4) over a whole sequence: a band mask ``|i - j| <= r`` (causal:
         ``0 <= i - j <= r``) joins the padding mask, or, from :func:`mtpipe.kernels.banded_min_length` on, only the
@@ -217,10 +220,11 @@ class MultiHeadAttention(nn.Module):
         """
         q, k, v = self.project_qkv(x)  # each [B, h, L, d]
         if cache is not None:
-            k, v = cache(k, v)  # [R, h, 1, d] -> [R, h, t+1, d]
+            k, v, key_mask = cache(k, v)  # [R, h, 1, d] -> [R, h, t+1, d]; mask [R, 1, 1, t+1] or None
             if self.window:
                 k, v = k[:, :, -(self.window + 1):], v[:, :, -(self.window + 1):]  # [R, h, <= r+1, d]
-            return self.attend(q, k, v, None)
+                key_mask = key_mask[..., -(self.window + 1):] if key_mask is not None else None
+            return self.attend(q, k, v, key_mask)
         length = x.size(1)
         if self.window and length > self.window + 1:  # shorter: every pair is within r anyway
             if length >= banded_min_length(self.window):
@@ -427,18 +431,23 @@ class Transformer(nn.Module):
 
     # -- 3.4 / 3.5 embeddings --------------------------------------------------------------------------------------
 
-    def embed_tokens(self, tokens: Tensor, offset: int = 0, target: bool = False) -> Tensor:
+    def embed_tokens(self, tokens: Tensor, offset: int | Tensor = 0, target: bool = False) -> Tensor:
         """``Dropout(E[tokens] * sqrt(d_model) + PE[offset : offset+L])`` (sections 3.4, 3.5, 5.4),
         ``[B, L] -> [B, L, D]``; FixNorm: :func:`scale_embeddings`. ``target``: the decoder's side (its own
-        matrix and position table where the model has them)."""
+        matrix and position table where the model has them). ``offset``: the first position, one for all rows, or
+        ``[B, 1]`` one per row (rows of a continuous batch are at different positions)."""
         length = tokens.size(1)
-        if offset + length > self.cfg.max_positions:
-            raise MtpipeError(f"sequence of {offset + length} positions exceeds "
-                              f"model.max_positions={self.cfg.max_positions}")
+        last = (int(offset.max()) if isinstance(offset, Tensor) else offset) + length
+        if last > self.cfg.max_positions:
+            raise MtpipeError(f"sequence of {last} positions exceeds model.max_positions={self.cfg.max_positions}")
         table = self.embed_tgt if target and self.embed_tgt is not None else self.embed
         positions = self.tgt_positions if target and self.tgt_positions is not None else self.positions
         e = scale_embeddings(table(tokens), self.scale, self.embed_g if self.cfg.fixnorm else None)
-        x = autocast_activations(e + positions[offset : offset + length])  # [B, L, D]
+        if isinstance(offset, Tensor):
+            pe = positions[offset + torch.arange(length, device=offset.device)]  # [B, 1] + [L] -> [B, L] -> [B, L, D]
+        else:
+            pe = positions[offset : offset + length]  # [L, D]
+        x = autocast_activations(e + pe)  # [B, L, D]
         return dropout(x, self.dropout, self.training)
 
     def output_embedding(self) -> Tensor:
@@ -552,7 +561,9 @@ class Transformer(nn.Module):
         giving rows ``lo:hi`` only, so that beam search can project, normalise and rank a few hundred rows at a time
         while they are in the CPU's cache, rather than stream a ``[R, V]`` float32 matrix through memory four times.
         """
-        x = self.embed_tokens(tokens[:, None], offset=state.length, target=True)  # [R] -> [R, 1] -> [R, 1, D]
+        # Each row's own position: the step count, less the cache slot it started at when it joined later.
+        offset = state.length if state.start is None else state.length - state.start[:, None]  # int or [R, 1]
+        x = self.embed_tokens(tokens[:, None], offset=offset, target=True)  # [R] -> [R, 1] -> [R, 1, D]
         for i, layer in enumerate(self.decoder):
             x = layer(x, state.cross[i], state.src_mask, cache=functools.partial(state.append, i))
         if self.decoder_norm is not None:
@@ -636,10 +647,15 @@ class DecoderState:
     spare: tuple[Tensor, Tensor] | None = None
     length: int = 0
     beams: int = 1  # rows per sentence: 1 until the first select widens the beam
+    # Continuous batching (:meth:`admit`): each row's first cache slot ``[R]``, its position 0; None = all rows 0.
+    start: Tensor | None = None
+    _key_mask: Tensor | None = dataclasses.field(default=None, repr=False)  # this step's, made by the first layer
 
-    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Write layer ``layer``'s keys/values ``[R, h, 1, d]`` of position ``length``; return positions
-        ``0..length`` of that layer, ``[R, h, length+1, d]`` (the :data:`KVCache` of that layer)."""
+        ``0..length`` of that layer, ``[R, h, length+1, d]``, and the keys' mask ``[R, 1, 1, length+1]`` (False:
+        the slots before a row's ``start``) or None when every row started at slot 0 (the :data:`KVCache` of that
+        layer)."""
         t = self.length
         if self.cache is None or self.cache.keys.size(0) <= t:
             self._grow(k, v)
@@ -647,7 +663,11 @@ class DecoderState:
         self.cache.keys[t, layer] = k[:, :, 0]  # [R, h, 1, d] -> [R, h, d]
         self.cache.values[t, layer] = v[:, :, 0]
         keys, values = self.cache.keys[: t + 1, layer], self.cache.values[: t + 1, layer]  # [t+1, R, h, d]
-        return keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3)  # [t+1, R, h, d] -> [R, h, t+1, d] (strides only)
+        if self.start is not None and (self._key_mask is None or self._key_mask.size(-1) != t + 1):
+            slots = torch.arange(t + 1, device=self.start.device)
+            self._key_mask = (slots[None, :] >= self.start[:, None])[:, None, None, :]  # [R, t+1] -> [R, 1, 1, t+1]
+        # [t+1, R, h, d] -> [R, h, t+1, d] (strides only)
+        return keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3), self._key_mask
 
     def _grow(self, k: Tensor, v: Tensor) -> None:
         """Allocate the cache at the first step (16 positions, enough for most sentences); double it when full."""
@@ -676,14 +696,65 @@ class DecoderState:
             src_mask = src_mask.index_select(0, sentences)
             cross = [(k.index_select(0, sentences), v.index_select(0, sentences)) for k, v in cross]
         t, old = self.length, self.cache
+        start, first = self.start, 0
+        if start is not None:
+            # Continuous batching: the slots before every kept row's start belonged to rows that have left; the copy
+            # below drops them, so a batch that never empties keeps its cache (and attention span) bounded.
+            start = start.index_select(0, index)
+            first = int(start.min())
+            start = start - first if bool((start != first).any()) else None  # None: every row starts at slot 0
         if old is None or t == 0:
-            return DecoderState(src_mask, cross, length=t, beams=beams)
+            return DecoderState(src_mask, cross, length=t, beams=beams, start=start)
         rows = index.numel()
-        if rows == old.keys.size(2) and torch.equal(index, torch.arange(rows, device=index.device)):
-            return DecoderState(src_mask, cross, old, self.spare, t, beams)  # nothing moved (e.g. greedy search)
+        if first == 0 and rows == old.keys.size(2) and torch.equal(index, torch.arange(rows, device=index.device)):
+            # nothing moved (e.g. greedy search)
+            return DecoderState(src_mask, cross, old, self.spare, t, beams, start)
         capacity, layers, _, heads = old.shape
         new = SelfAttentionCache.allocate(old.keys, (capacity, layers, rows, heads), old.keys.size(-1),
                                           old.values.size(-1), self.spare)
-        torch.index_select(old.keys[:t], 2, index, out=new.keys[:t])  # [t, layers, R, h, d] -> [t, layers, R', h, d]
-        torch.index_select(old.values[:t], 2, index, out=new.values[:t])
-        return DecoderState(src_mask, cross, new, old.stores, t, beams)
+        # [t, layers, R, h, d] -> [t - first, layers, R', h, d]
+        torch.index_select(old.keys[first:t], 2, index, out=new.keys[: t - first])
+        torch.index_select(old.values[first:t], 2, index, out=new.values[: t - first])
+        return DecoderState(src_mask, cross, new, old.stores, t - first, beams, start)
+
+    def admit(self, fresh: DecoderState) -> DecoderState:
+        """Continuous batching: this state's rows, then ``fresh``'s sentences (:meth:`Transformer.start`: one row
+        each, nothing decoded yet) with ``beams`` rows each, joining at slot ``length`` of the cache.
+
+        The per-sentence encoder tensors are padded to the longer source (padding masked in ``src_mask``); the new
+        rows' cache slots before ``length`` are zeros that their key mask hides (:meth:`append`), and their positions
+        count from their ``start`` (:meth:`Transformer.step`), so a sentence decodes as it would alone."""
+        if fresh.length != 0 or fresh.cache is not None or fresh.beams != 1:
+            raise MtpipeError("DecoderState.admit: the joining sentences must be fresh (Transformer.start)")
+        beams, t = self.beams, self.length
+        width = max(self.src_mask.size(-1), fresh.src_mask.size(-1))
+
+        def pad(x: Tensor, dim: int, value: float | bool) -> Tensor:  # along the source positions, to `width`
+            extra = width - x.size(dim)
+            if extra == 0:
+                return x
+            shape = list(x.shape)
+            shape[dim] = extra
+            return torch.cat([x, x.new_full(shape, value)], dim=dim)
+
+        src_mask = torch.cat([pad(self.src_mask, -1, False), pad(fresh.src_mask, -1, False)])  # [n+m, 1, 1, S]
+        cross = [(torch.cat([pad(k, 2, 0.0), pad(k2, 2, 0.0)]), torch.cat([pad(v, 2, 0.0), pad(v2, 2, 0.0)]))
+                 for (k, v), (k2, v2) in zip(self.cross, fresh.cross)]  # each [n+m, h, S, d]
+        old_rows = self.src_mask.size(0) * beams
+        rows = old_rows + fresh.src_mask.size(0) * beams
+        device = self.src_mask.device
+        start = torch.cat([self.start if self.start is not None else torch.zeros(old_rows, dtype=torch.long,
+                                                                                 device=device),
+                           torch.full((rows - old_rows,), t, dtype=torch.long, device=device)])  # [R + m*beams]
+        old = self.cache
+        if old is None or t == 0:
+            return DecoderState(src_mask, cross, length=t, beams=beams, start=start)
+        capacity, layers, _, heads = old.shape
+        new = SelfAttentionCache.allocate(old.keys, (capacity, layers, rows, heads), old.keys.size(-1),
+                                          old.values.size(-1), self.spare)
+        new.keys[:t, :, :old_rows] = old.keys[:t]  # [t, layers, R, h, d] into [t, layers, R + m*beams, h, d]
+        new.values[:t, :, :old_rows] = old.values[:t]
+        new.keys[:t, :, old_rows:] = 0.0  # hidden by the key mask; zeros, not garbage, since 0 * NaN is NaN
+        new.values[:t, :, old_rows:] = 0.0
+        return DecoderState(src_mask, cross, new, old.stores, t, beams, start)
+

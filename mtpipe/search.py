@@ -187,6 +187,8 @@ class Engine(Protocol):
 class State(Protocol):
     def select(self, index: Tensor, beams: int) -> "State": ...
 
+    def admit(self, fresh: "State") -> "State": ...
+
 
 StepFn = Callable[[Tensor, Any], "tuple[Tensor | Callable[[int, int], Tensor], Any]"]
 
@@ -195,49 +197,93 @@ StepFn = Callable[[Tensor, Any], "tuple[Tensor | Callable[[int, int], Tensor], A
 _BLOCK_ROWS = 256
 
 
-def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, penalty: LengthPenalty,
-                nbest: int = 1, device: torch.device | str = "cpu",
-                on_done: Callable[[int], None] | None = None,
-                stop_after: int | None = None, start_id: int = BOS_ID) -> list[list[Hypothesis]]:
-    """Beam search for ``len(max_lens)`` sentences at once; returns each sentence's ``nbest`` best, best first.
+class BeamSearch:
+    """The beam search of the module docstring, one :meth:`advance` (decoder step) at a time, over the sentences
+    :meth:`admit` has let in; each sentence leaves as soon as it is done.
 
-    ``state`` has one row per sentence; ``step(tokens [N], state)`` gives the log-probabilities ``[N, V]`` of the
-    next token after ``tokens`` (BOS first; a new tensor each call, which the search overwrites), or a function
-    ``(lo, hi) -> [hi - lo, V]`` that makes rows ``lo:hi`` of them on demand (:meth:`Transformer.step` with
-    ``lazy``), and the advanced state. ``max_lens[b]``: the most tokens sentence b may have before its EOS.
-    ``on_done(n)`` is called as n sentences finish. After each step the state is narrowed with
-    ``state.select(rows, beams)``: rows of the kept hypotheses, ``beams`` consecutive rows per sentence still in the
-    batch. ``stop_after=None`` stops a sentence by the exact bound, ``stop_after=m`` once m of its hypotheses have
-    finished (fairseq's and CTranslate2's rule, ``decode.stop=finished``; m >= nbest). See the module docstring for
-    the search rules. ``start_id``: the decoder's first input (the model's ``start_id``: BOS, or EOS for
-    ``model.decoder_start=eos``). (One function on purpose: the step loop reads as the algorithm it is.)
+    :func:`beam_search` admits one batch and advances until it is empty. ``mtpipe serve`` (:mod:`mtpipe.streaming`)
+    admits new requests' sentences between steps while others are still decoding: iteration-level batching (Yu et
+    al. 2022, "Orca"), so that a short sentence is answered when it ends rather than when the longest sentence of its
+    batch ends, and the batch stays full. A sentence's result does not depend on what else is in the batch: the rows
+    never interact, each sentence counts its own steps (its positions, its length limit, its length penalty), and a
+    sentence that joins later attends only to its own cache slots (:meth:`mtpipe.model.DecoderState.admit`).
+
+    ``step(tokens [N], state) -> (log_probs, state)`` as in :func:`beam_search`; the state also needs
+    ``admit(fresh)`` when sentences join a non-empty search (:class:`mtpipe.model.DecoderState`).
+    (The step body is one method on purpose: it reads as the algorithm it is.)
     """
-    if stop_after is not None and stop_after < nbest:
-        raise MtpipeError(f"beam search: stop_after {stop_after} is below nbest {nbest}")
-    if beam < 1:
-        raise MtpipeError(f"decode.beam: {beam} is not >= 1")
-    n_sent = len(max_lens)
-    finished: list[list[Hypothesis]] = [[] for _ in range(n_sent)]
-    n_finished = [0] * n_sent  # hypotheses each sentence has finished (its pool keeps the nbest best of them)
-    if n_sent == 0:
-        return finished
-    neg_inf = float("-inf")
-    # stop_after (fairseq's and CTranslate2's search): rank 2 x beam candidates, so that the live beam is refilled
-    # to `beam` hypotheses from the runners-up when some of the top `beam` end in EOS.
-    refill = stop_after is not None
-    candidates = 2 * beam if refill else beam
-    active = list(range(n_sent))  # the sentences still in the batch, in the order of their row blocks
-    limits = torch.tensor(list(max_lens), dtype=torch.long, device=device)  # [n]
-    k = 1  # slots per active sentence: 1 at the start, since every beam would hold the same BOS prefix
-    tokens = torch.full((n_sent,), start_id, dtype=torch.long, device=device)  # [n*k] the last token of each row
-    scores = torch.zeros(n_sent, 1, device=device)  # [n, k] log-probabilities of the live hypotheses (-inf: empty)
-    history = torch.zeros(n_sent, 0, dtype=torch.long, device=device)  # [n*k, t] tokens after BOS
-    banned = torch.tensor([PAD_ID, BOS_ID], device=device)
-    t = 0
-    while active:
-        out, state = step(tokens, state)  # [n*k, V] (a fresh tensor: updated in place below), or rows on demand
-        n = len(active)
-        forced = limits == t  # [n] sentences at their length limit: only EOS may follow
+
+    def __init__(self, step: StepFn, beam: int, penalty: LengthPenalty, nbest: int = 1,
+                 device: torch.device | str = "cpu", stop_after: int | None = None, start_id: int = BOS_ID) -> None:
+        if stop_after is not None and stop_after < nbest:
+            raise MtpipeError(f"beam search: stop_after {stop_after} is below nbest {nbest}")
+        if beam < 1:
+            raise MtpipeError(f"decode.beam: {beam} is not >= 1")
+        self.step_fn, self.beam, self.penalty, self.nbest = step, beam, penalty, nbest
+        self.device, self.stop_after, self.start_id = device, stop_after, start_id
+        self.state: Any = None
+        self.keys: list[Any] = []  # the sentences in the batch, in the order of their row blocks
+        self.pools: list[list[Hypothesis]] = []  # each one's nbest best finished hypotheses so far
+        self.n_finished: list[int] = []  # hypotheses each has finished (its pool keeps the nbest best)
+        self.k = 1  # slots per sentence: 1 at the start, since every beam would hold the same BOS prefix
+        self._reset()
+
+    def _reset(self) -> None:
+        device = self.device
+        self.k = 1
+        self.tokens = torch.zeros(0, dtype=torch.long, device=device)  # [n*k] the last token of each row
+        self.scores = torch.zeros(0, 1, device=device)  # [n, k] log-probabilities of the live hypotheses (-inf: empty)
+        self.history = torch.zeros(0, 0, dtype=torch.long, device=device)  # [n*k, W] tokens after BOS, right-aligned
+        self.limits = torch.zeros(0, dtype=torch.long, device=device)  # [n] the most tokens before EOS
+        self.steps = torch.zeros(0, dtype=torch.long, device=device)  # [n] tokens each sentence has decoded
+        self.state = None
+
+    def __len__(self) -> int:
+        """Sentences in the batch."""
+        return len(self.keys)
+
+    def admit(self, keys: Sequence[Any], state: State, max_lens: Sequence[int]) -> None:
+        """Let sentences in: ``state`` has one row per sentence and nothing decoded yet (:meth:`Transformer.start`),
+        ``max_lens[i]`` the most tokens sentence ``keys[i]`` may have before its EOS. Into a running search they join
+        with ``k`` slots each, the first holding BOS at log-probability 0 and the others empty (-inf), which ranks
+        exactly as one slot would."""
+        m = len(keys)
+        if m == 0:
+            return
+        device, k = self.device, self.k
+        limits = torch.tensor(list(max_lens), dtype=torch.long, device=device)  # [m]
+        if not self.keys:
+            self._reset()
+            self.state, k = state, 1
+        else:
+            self.state = self.state.admit(state)
+        scores = torch.full((m, k), float("-inf"), device=device)
+        scores[:, 0] = 0.0
+        self.tokens = torch.cat([self.tokens, torch.full((m * k,), self.start_id, dtype=torch.long, device=device)])
+        self.scores = torch.cat([self.scores, scores])  # [n+m, k]
+        self.history = torch.cat([self.history, self.history.new_zeros(m * k, self.history.size(1))])
+        self.limits = torch.cat([self.limits, limits])
+        self.steps = torch.cat([self.steps, torch.zeros(m, dtype=torch.long, device=device)])
+        self.keys.extend(keys)
+        self.pools.extend([] for _ in range(m))
+        self.n_finished.extend(0 for _ in range(m))
+
+    def advance(self) -> list[tuple[Any, list[Hypothesis]]]:
+        """One decoder step for every sentence in the batch; returns the sentences that are done, each with its
+        ``nbest`` best hypotheses (best first), and drops them from the batch."""
+        if not self.keys:
+            return []
+        beam, k, device, penalty, nbest = self.beam, self.k, self.device, self.penalty, self.nbest
+        stop_after = self.stop_after
+        neg_inf = float("-inf")
+        # stop_after (fairseq's and CTranslate2's search): rank 2 x beam candidates, so that the live beam is refilled
+        # to `beam` hypotheses from the runners-up when some of the top `beam` end in EOS.
+        refill = stop_after is not None
+        candidates = 2 * beam if refill else beam
+        banned = torch.tensor([PAD_ID, BOS_ID], device=device)
+        out, state = self.step_fn(self.tokens, self.state)  # [n*k, V] (fresh: updated in place below), or on demand
+        n = len(self.keys)
+        forced = self.limits == self.steps  # [n] sentences at their length limit: only EOS may follow
         any_forced = bool(forced.any())
         # Rank the candidates a block of sentences at a time: each block's log-probabilities are made, masked,
         # added to the hypotheses' scores and ranked while they are in the CPU's cache.
@@ -252,7 +298,7 @@ def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, 
                 f = forced[lo:hi].repeat_interleave(k)[:, None]  # [c*k, 1]
                 eos = logp[:, EOS_ID].clone()
                 logp.masked_fill_(f, neg_inf)[:, EOS_ID] = eos
-            cand = logp.view(hi - lo, k, vocab).add_(scores[lo:hi].unsqueeze(2)).view(hi - lo, k * vocab)
+            cand = logp.view(hi - lo, k, vocab).add_(self.scores[lo:hi].unsqueeze(2)).view(hi - lo, k * vocab)
             top, idx = cand.topk(min(candidates, k * vocab), dim=1)  # [c, candidates], best first
             tops.append(top)
             idxs.append(idx)
@@ -275,53 +321,90 @@ def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, 
             next_parent, next_token = parent, token
 
         # Finished hypotheses: a little Python per EOS candidate (at most `width` per sentence and step).
+        steps = self.steps.tolist()  # tokens before this step's: an EOS now makes a hypothesis of steps + 1
         where = ends.nonzero().tolist()
         if where:
             parents = parent.tolist()
             rows = torch.tensor([i * k + parents[i][j] for i, j in where], device=device)
-            prefixes = history.index_select(0, rows).tolist()
+            prefixes = self.history.index_select(0, rows).tolist()  # [e, W], right-aligned
             logprobs = top[ends].tolist()  # row-major, the same order as `where`
+            w = self.history.size(1)
             for (i, _), prefix, lprob in zip(where, prefixes, logprobs):
-                pool = finished[active[i]]
-                n_finished[active[i]] += 1
-                pool.append(Hypothesis(tokens=prefix, score=penalty.score(lprob, t + 1), logprob=lprob))
+                pool = self.pools[i]
+                self.n_finished[i] += 1
+                pool.append(Hypothesis(tokens=prefix[w - steps[i]:], score=penalty.score(lprob, steps[i] + 1),
+                                       logprob=lprob))
                 pool.sort(key=lambda h: -h.score)
                 del pool[nbest:]
 
         # Which sentences are done: nothing live, or no live hypothesis can beat the nbest-th finished one (or, with
         # stop_after, enough hypotheses have finished).
         best_live = live[:, 0] if width == 1 else live.max(dim=1).values
-        best_live_l, limits_l = best_live.tolist(), limits.tolist()
-        keep = []
-        lp_next = penalty(t + 2)  # a live hypothesis has t+1 tokens now, so at least t+2 with its EOS
+        best_live_l, limits_l = best_live.tolist(), self.limits.tolist()
+        keep, done = [], []
         for i, (s, lim) in enumerate(zip(best_live_l, limits_l)):
-            pool = finished[active[i]]
-            if s == neg_inf:
-                continue
-            if stop_after is not None:
-                if n_finished[active[i]] >= stop_after:
-                    continue
-            elif len(pool) >= nbest and s / max(lp_next, penalty(lim + 1)) <= pool[-1].score:
-                continue
-            keep.append(i)
-        if on_done is not None and len(keep) < n:
-            on_done(n - len(keep))
+            pool = self.pools[i]
+            # a live hypothesis has steps + 1 tokens now, so at least steps + 2 with its EOS
+            if s == neg_inf or (stop_after is not None and self.n_finished[i] >= stop_after) or (
+                    stop_after is None and len(pool) >= nbest
+                    and s / max(penalty(steps[i] + 2), penalty(lim + 1)) <= pool[-1].score):
+                done.append((self.keys[i], pool))
+            else:
+                keep.append(i)
         if not keep:
-            break
+            self.keys, self.pools, self.n_finished = [], [], []
+            self._reset()
+            return done
 
         # Reorder the beams and drop the finished sentences from the batch in one select.
         keep_t = torch.tensor(keep, device=device)
         rows = (keep_t[:, None] * k + next_parent.index_select(0, keep_t)).view(-1)  # [n', width] -> [n'*width]
-        state = state.select(rows, width)
-        tokens = next_token.index_select(0, keep_t).view(-1)  # [n'*width]
-        history = torch.cat([history.index_select(0, rows), tokens[:, None]], dim=1)  # [n'*width, t+1]
-        scores = live.index_select(0, keep_t)
-        limits = limits.index_select(0, keep_t)
-        active = [active[i] for i in keep]
-        k = width
-        t += 1
-    return finished
+        self.state = state.select(rows, width)
+        self.tokens = next_token.index_select(0, keep_t).view(-1)  # [n'*width]
+        self.steps = self.steps.index_select(0, keep_t) + 1
+        # Right-aligned: each sentence's tokens are its last `steps` columns; columns no sentence needs are dropped.
+        span = int(self.steps.max())
+        self.history = torch.cat([self.history.index_select(0, rows)[:, self.history.size(1) - (span - 1):],
+                                  self.tokens[:, None]], dim=1)  # [n'*width, span]
+        self.scores = live.index_select(0, keep_t)
+        self.limits = self.limits.index_select(0, keep_t)
+        if len(keep) < n:
+            self.keys = [self.keys[i] for i in keep]
+            self.pools = [self.pools[i] for i in keep]
+            self.n_finished = [self.n_finished[i] for i in keep]
+        self.k = width
+        return done
 
 
-__all__ = ["DecodeRules", "Engine", "Hypothesis", "LengthPenalty", "PENALTIES", "STOPS", "State", "StepFn",
+def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, penalty: LengthPenalty,
+                nbest: int = 1, device: torch.device | str = "cpu",
+                on_done: Callable[[int], None] | None = None,
+                stop_after: int | None = None, start_id: int = BOS_ID) -> list[list[Hypothesis]]:
+    """Beam search for ``len(max_lens)`` sentences at once (:class:`BeamSearch` over one batch); returns each
+    sentence's ``nbest`` best, best first.
+
+    ``state`` has one row per sentence; ``step(tokens [N], state)`` gives the log-probabilities ``[N, V]`` of the
+    next token after ``tokens`` (BOS first; a new tensor each call, which the search overwrites), or a function
+    ``(lo, hi) -> [hi - lo, V]`` that makes rows ``lo:hi`` of them on demand (:meth:`Transformer.step` with
+    ``lazy``), and the advanced state. ``max_lens[b]``: the most tokens sentence b may have before its EOS.
+    ``on_done(n)`` is called as n sentences finish. After each step the state is narrowed with
+    ``state.select(rows, beams)``: rows of the kept hypotheses, ``beams`` consecutive rows per sentence still in the
+    batch. ``stop_after=None`` stops a sentence by the exact bound, ``stop_after=m`` once m of its hypotheses have
+    finished (fairseq's and CTranslate2's rule, ``decode.stop=finished``; m >= nbest). See the module docstring for
+    the search rules. ``start_id``: the decoder's first input (the model's ``start_id``: BOS, or EOS for
+    ``model.decoder_start=eos``).
+    """
+    search = BeamSearch(step, beam, penalty, nbest, device, stop_after, start_id)
+    results: list[list[Hypothesis]] = [[] for _ in max_lens]
+    search.admit(range(len(max_lens)), state, max_lens)
+    while len(search):
+        done = search.advance()
+        for key, hyps in done:
+            results[key] = hyps
+        if on_done is not None and done:
+            on_done(len(done))
+    return results
+
+
+__all__ = ["BeamSearch", "DecodeRules", "Engine", "Hypothesis", "LengthPenalty", "PENALTIES", "STOPS", "State", "StepFn",
            "beam_search", "max_source_len"]

@@ -5,8 +5,8 @@ Endpoints (FastAPI on uvicorn, ``pip install 'mtpipe[serve]'``):
 * ``POST /translate`` ``{"text": ["...", ...], "beam": 4, "alpha": 0.6, "nbest": 1}`` (beam, alpha and nbest
   optional: ``decode``'s values by default, within ``serve.max_beam`` / ``max_alpha`` / ``max_nbest``) answers
   ``{"translations": [...], "scores": [...], "model": <manifest hash of the checkpoint>, "batch": {...}}`` (with
-  ``nbest`` / ``nbest_scores`` lists when nbest > 1). ``batch`` says how many requests and sentences shared the
-  decoding batch, and how long the request waited for it and took in it.
+  ``nbest`` / ``nbest_scores`` lists when nbest > 1). ``batch`` says which worker decoded the request, the most
+  requests and sentences decoded together with it (itself included), and how long it waited and took.
 * ``GET /health``: ``{"status": "ok", ...}``; ``GET /info``: the model, the engine, the settings, the counters.
 
 The search is :func:`mtpipe.search.beam_search` under the ``decode`` section's rules (paper section 6.1), through the
@@ -15,21 +15,29 @@ same engines as ``mtpipe decode`` (:class:`mtpipe.decode.MtpipeEngine`, or :clas
 detokenised the same way, so a sentence translates exactly as ``mtpipe decode`` translates it: beam search is per
 sentence, and the padding of a mixed batch is masked (the tests compare with ``mtpipe decode``).
 
-Dynamic batching (:class:`Batcher`): the event loop only parses, encodes and queues a request; a worker runs the
-model, in the process's main thread while uvicorn's event loop runs in a second one: torch's CPU thread pool
-(OpenMP) parallelises the small operations of a decoding step well only from the main thread (from any other thread
-a 2-thread decode of 8 sentences ran 3x slower on a 2-core CPU). With ``serve.workers`` N > 1, N worker processes
-(:class:`WorkerProcess`) each run a copy of the model in their own main thread with 1/N of the CPU threads, and each
-takes its own batches: a server's batches are small, and the small matrix products of a few sentences use several
-cores poorly, where separate batches use them fully. A worker takes the oldest waiting request,
-waits until it has waited ``serve.batch_wait_ms`` (counted from the later of its arrival and the end of the last
-batch), or until the waiting requests fill ``serve.batch_tokens`` source tokens, and takes every waiting request
-that fits the budget, oldest first. Requests that asked for the same settings are decoded as one group (one call of
-the engine, itself split into ``decode.max_tokens`` batches sorted by length); each group's answers go back to the
-event loop as soon as that group is done. At most ``serve.max_queue`` requests wait (being gathered counts as
-waiting); one more gets 503 with Retry-After. Bad input gets a 4xx and one line of JSON ``{"error": "..."}``: 400 for
-a body that is not UTF-8 JSON, 413 for too many sentences or characters, 422 for valid JSON with wrong fields or
-values.
+Dynamic batching (:class:`Batcher`): the event loop only parses, encodes and queues a request; a worker takes
+requests from the queue into its :class:`Lane`, which runs the model, in the process's main thread while uvicorn's
+event loop runs in a second one: torch's CPU thread pool (OpenMP) parallelises the small operations of a decoding step
+well only from the main thread (from any other thread a 2-thread decode of 8 sentences ran 3x slower on a 2-core CPU).
+With ``serve.workers`` N > 1, N worker processes (:class:`WorkerProcess`) each run a copy of the model in their own
+main thread with 1/N of the CPU threads, and each decodes its own requests: a server's batches are small, and the small
+matrix products of a few sentences use several cores poorly, where separate batches use them fully.
+
+An idle worker takes the oldest waiting request, waits until it has waited ``serve.batch_wait_ms`` (counted from the
+later of its arrival and the end of the worker's last work), or until the waiting requests fill ``serve.batch_tokens``
+source tokens, and takes every waiting request that fits the budget, oldest first. Then, by ``serve.batching``:
+
+* ``batch`` (:class:`BatchLane`): the requests are decoded to the end as one batch, a group per distinct settings (one
+  call of the engine, itself split into ``decode.max_tokens`` batches sorted by length); the worker takes no more
+  until it is done.
+* ``continuous`` (:class:`StreamLane`, mtpipe's engine; :mod:`mtpipe.streaming`): a busy worker goes on taking
+  waiting requests (while it holds fewer tokens than the budget, and no more than the least busy other worker), whose
+  sentences join its running beam search at the next decoder step; a request is answered the step its last sentence
+  ends.
+
+At most ``serve.max_queue`` requests wait (being gathered counts as waiting); one more gets 503 with Retry-After. Bad
+input gets a 4xx and one line of JSON ``{"error": "..."}``: 400 for a body that is not UTF-8 JSON, 413 for too many
+sentences or characters, 422 for valid JSON with wrong fields or values.
 
 SIGTERM (or Ctrl-C): uvicorn stops accepting connections and waits for the requests in flight (the worker goes on
 decoding them); the worker then decodes whatever is still queued and stops; the process exits 0.
@@ -41,6 +49,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import signal
@@ -179,10 +188,10 @@ def check_defaults(cfg: ServeConfig, defaults: DecodeConfig) -> None:
 
 @dataclass
 class ServedModel:
-    """What the server decodes with: ``translate(sources, rules)`` (token ids without EOS -> each source's n-best
-    :class:`~mtpipe.search.Hypothesis` list) and the SentencePiece model, plus what ``/info`` shows."""
+    """What the server decodes with: ``lane()`` makes a :class:`Lane` over the engine (the model already in its
+    decoding precision), the SentencePiece model, and what ``/info`` shows."""
 
-    translate: Callable[[Sequence[Sequence[int]], Any], list[list[Any]]]
+    lane: Callable[[], "Lane"]
     sp: Any  # sentencepiece.SentencePieceProcessor
     max_positions: int
     info: dict[str, Any]
@@ -191,11 +200,20 @@ class ServedModel:
         """Pieces -> text as ``mtpipe decode`` writes it: one line per hypothesis whatever the model emits."""
         return [s.replace("\r", " ").replace("\n", " ") for s in self.sp.decode(tokens)]
 
+    def warm_up(self, rules: Any) -> None:
+        """Decode one sentence: the first decoding of a process pays for kernel selection; no request should."""
+        lane = self.lane()
+        lane.add(0, [self.sp.encode("Warm up.", out_type=int)[: self.max_positions - 1]], rules)
+        while lane.busy():
+            for _, result in lane.poll():
+                if isinstance(result, Exception):
+                    raise result
 
-def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None) -> ServedModel:
+
+def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, batching: str = "batch") -> ServedModel:
     """The checkpoint (or, with ``decode.engine=ctranslate2``, also a CTranslate2 export) and its vocabulary (that of
     ``tokens``, None: the model's own), checked and opened as ``mtpipe decode`` opens them
-    (:func:`mtpipe.decode.open_model`)."""
+    (:func:`mtpipe.decode.open_model`); its lanes decode by ``serve.batching``."""
     from mtpipe import artifacts
 
     checkpoint = Path(checkpoint)
@@ -205,10 +223,14 @@ def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None) -> Serv
     if cfg.engine == "ctranslate2":
         from mtpipe import engine_ct2
 
+        if batching == "continuous":
+            raise MtpipeError("serve.batching=continuous needs decode.engine=mtpipe (CTranslate2 decodes batch by "
+                              "batch)")
         manifest = engine_ct2.decode_source(checkpoint)
         sp, step, tokens = engine_ct2.source_vocab(checkpoint, manifest, tokens)
         engine: Any = engine_ct2.Ct2Engine.open(checkpoint, manifest, tokens, cfg)
         translate = engine.translate
+        lane: Callable[[], Lane] = lambda: BatchLane(translate)  # noqa: E731
         model_config = manifest.extra.get("model_config")
         precision = f"CTranslate2 compute type {cfg.ct2_compute_type}"
     else:
@@ -221,22 +243,27 @@ def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None) -> Serv
         loaded = load_model_and_vocab(checkpoint, tokens)
         sp, step = loaded.sp, loaded.ck.step
         engine = MtpipeEngine.open(loaded.model, cfg)
-        translate = _mtpipe_translate(engine)
+        prepared = _decoding_model(engine)
+        if batching == "continuous":
+            lane = lambda: StreamLane(prepared, engine)  # noqa: E731
+        else:
+            translate_prepared = _translate_prepared(prepared, engine)
+            lane = lambda: BatchLane(translate_prepared)  # noqa: E731
         model_config = to_dict(engine.model.cfg)  # after decode.prune, the model that runs
         precision = cfg.precision
     info.update({"step": step, "engine": cfg.engine, "device": engine.describe(), "precision": precision,
                  "vocab_size": sp.get_piece_size(), "max_positions": engine.max_positions,
                  "model_config": model_config})
-    return ServedModel(translate, sp, engine.max_positions, info)
+    return ServedModel(lane, sp, engine.max_positions, info)
 
 
-def _mtpipe_translate(engine: Any) -> Callable[[Sequence[Sequence[int]], Any], list[list[Any]]]:
-    """mtpipe's engine with its bf16 or int8 copy of the model made once, not once per batch as
+def _decoding_model(engine: Any) -> Any:
+    """mtpipe's engine's model with its bf16 or int8 copy made once, not once per batch as
     :func:`mtpipe.decode.translate_batches` makes it for a whole decode run: the same model, the same autocast, the
     same outputs, without a copy (or a quantisation) of the weights per request."""
     import torch
 
-    from mtpipe.decode import bf16_copy, int8_copy, precision_context, translate_batches
+    from mtpipe.decode import bf16_copy, int8_copy
 
     model, device, precision = engine.model, engine.device, engine.precision
     if precision == "int8" and device.type != "cpu":
@@ -247,14 +274,137 @@ def _mtpipe_translate(engine: Any) -> Callable[[Sequence[Sequence[int]], Any], l
         model = int8_copy(model)
     if engine.threads > 0:
         torch.set_num_threads(engine.threads)  # the process serves one model: set once, not around every batch
+    return model.eval()
+
+
+def _translate_prepared(model: Any, engine: Any) -> Callable[[Sequence[Sequence[int]], Any], list[list[Any]]]:
+    """``translate(sources, rules)`` over the model :func:`_decoding_model` made: ``mtpipe decode``'s batches."""
+    from mtpipe.decode import precision_context, translate_batches
 
     def translate(sources: Sequence[Sequence[int]], rules: Any) -> list[list[Any]]:
         # bf16: the autocast translate_batches enters for precision bf16, around the ready bf16 copy.
-        with precision_context(device, precision):
+        with precision_context(engine.device, engine.precision):
             return translate_batches(model, sources, rules, max_tokens=engine.max_tokens, precision="fp32",
-                                     device=device)
+                                     device=engine.device)
 
     return translate
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Lanes: where a worker's requests are decoded (continuously in this process, batch by batch, or in a process)
+# --------------------------------------------------------------------------------------------------------------------
+
+class Lane(typing.Protocol):
+    """What a :class:`Batcher` worker drives: requests in (:meth:`add`), finished requests out (:meth:`poll`).
+    ``continuous``: it takes new requests while it decodes (else only when it is idle)."""
+
+    continuous: bool
+
+    def add(self, key: int, sources: list[list[int]], rules: Any) -> None:
+        """Take request ``key``: its sources (token ids, no EOS), decoded under ``rules``."""
+        ...
+
+    def busy(self) -> bool:
+        """Whether requests are still being decoded."""
+        ...
+
+    def poll(self) -> list[tuple[int, Any]]:
+        """Work a little (a decoder step, a batch, or a few milliseconds' wait): the requests finished meanwhile,
+        each ``(key, result)``."""
+        ...
+
+
+class StreamLane:
+    """mtpipe's engine with continuous batching (:class:`mtpipe.streaming.StreamDecoder`): a request's sentences
+    join the running search at the next decoder step and it is answered the step its last one ends. One stream per
+    distinct rules (requests asking for another beam, alpha or nbest are decoded side by side, a step each in turn)."""
+
+    continuous = True
+
+    def __init__(self, model: Any, engine: Any) -> None:
+        self.model, self.device, self.precision, self.max_tokens = model, engine.device, engine.precision, \
+            engine.max_tokens
+        self.streams: dict[Any, Any] = {}  # rules -> StreamDecoder
+        self.pending: dict[int, list[Any]] = {}  # key -> per sentence its hypotheses (None until done)
+        self.members: dict[Any, set[int]] = {}  # rules -> keys with sentences in that stream
+
+    def add(self, key: int, sources: list[list[int]], rules: Any) -> None:
+        from mtpipe.streaming import StreamDecoder
+
+        stream = self.streams.get(rules)
+        if stream is None:
+            stream = self.streams[rules] = StreamDecoder(self.model, rules, self.max_tokens, self.device)
+            self.members[rules] = set()
+        self.pending[key] = [None] * len(sources)
+        self.members[rules].add(key)
+        for i, source in enumerate(sources):
+            stream.add((key, i), source)
+
+    def busy(self) -> bool:
+        return bool(self.pending)
+
+    def poll(self) -> list[tuple[int, Any]]:
+        import torch
+
+        from mtpipe.decode import precision_context
+
+        finished: list[tuple[int, Any]] = []
+        for rules, stream in list(self.streams.items()):
+            if not len(stream):
+                del self.streams[rules], self.members[rules]
+                continue
+            try:
+                # bf16: the autocast translate_batches enters for precision bf16, around the ready bf16 copy.
+                with torch.inference_mode(), precision_context(self.device, self.precision):
+                    done = stream.step()
+            except Exception as e:  # noqa: BLE001 - the stream's requests fail (500); the server goes on
+                error = RuntimeError(f"decoding failed: {_first_line(e)}")
+                finished += [(key, error) for key in self.members.pop(rules) if self.pending.pop(key, None)]
+                del self.streams[rules]
+                continue
+            for (key, i), hyps in done:
+                sentences = self.pending[key]
+                sentences[i] = hyps
+                if all(h is not None for h in sentences):
+                    del self.pending[key]
+                    self.members[rules].discard(key)
+                    finished.append((key, sentences))
+        return finished
+
+
+class BatchLane:
+    """An engine's ``translate(sources, rules)`` (CTranslate2's, or a test's), batch by batch: :meth:`poll` decodes
+    every request added since the last one, a group per distinct rules."""
+
+    continuous = False
+
+    def __init__(self, translate: Callable[[list[list[int]], Any], list[list[Any]]]) -> None:
+        self.translate = translate
+        self.waiting: list[tuple[int, list[list[int]], Any]] = []
+
+    def add(self, key: int, sources: list[list[int]], rules: Any) -> None:
+        self.waiting.append((key, sources, rules))
+
+    def busy(self) -> bool:
+        return bool(self.waiting)
+
+    def poll(self) -> list[tuple[int, Any]]:
+        groups: dict[Any, list[tuple[int, list[list[int]]]]] = {}
+        for key, sources, rules in self.waiting:
+            groups.setdefault(rules, []).append((key, sources))
+        self.waiting = []
+        finished: list[tuple[int, Any]] = []
+        for rules, group in groups.items():
+            try:
+                results = self.translate([s for _, sources in group for s in sources], rules)
+            except Exception as e:  # noqa: BLE001 - the group's requests fail (500); the server goes on
+                finished += [(key, RuntimeError(f"decoding failed: {_first_line(e)}")) for key, _ in group]
+                continue
+            pos = 0
+            for key, sources in group:
+                finished.append((key, results[pos : pos + len(sources)]))
+                pos += len(sources)
+        return finished
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -267,9 +417,10 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def _worker_main(conn: Any, cfg: DecodeConfig, checkpoint: str, tokens: str | None) -> None:
-    """A worker process: open the model as the server does, warm it up, then answer ``(sources, rules)`` messages
-    with ``("ok", hypotheses)`` or ``("error", reason)`` until the server closes the pipe."""
+def _worker_main(conn: Any, cfg: DecodeConfig, checkpoint: str, tokens: str | None, batching: str) -> None:
+    """A worker process: open the model as the server does, warm it up, then run a lane: lists of ``(key, sources,
+    rules)`` in (what the server took at once), ``(key, result)`` messages out (an exception travels as its one-line
+    reason), until the server closes the pipe."""
     # The server drains and stops on SIGTERM / Ctrl-C (which a terminal sends to the whole process group): a worker
     # must go on decoding what the server still hands it, and ends when the server closes its pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -277,32 +428,38 @@ def _worker_main(conn: Any, cfg: DecodeConfig, checkpoint: str, tokens: str | No
     from mtpipe.decode import validate
 
     try:
-        model = open_model(cfg, Path(checkpoint), Path(tokens) if tokens is not None else None)
-        model.translate([model.sp.encode("Warm up.", out_type=int)[: model.max_positions - 1]], validate(cfg))
+        model = open_model(cfg, Path(checkpoint), Path(tokens) if tokens is not None else None, batching)
+        model.warm_up(validate(cfg))
     except Exception as e:  # noqa: BLE001 - reported to the server, which stops with it
         conn.send(("error", _first_line(e)))
         return
     conn.send(("ready", None))
+    lane = model.lane()
     while True:
         try:
-            sources, rules = conn.recv()
+            # Between decoder steps take whatever arrived; with nothing to decode, wait for it.
+            while conn.poll(0 if lane.busy() else None):
+                for request in conn.recv():
+                    lane.add(*request)
         except (EOFError, OSError):
             return
-        try:
-            result: tuple[str, Any] = ("ok", model.translate(sources, rules))
-        except Exception as e:  # noqa: BLE001 - answered (500) by the server, which goes on
-            result = ("error", _first_line(e))
-        conn.send(result)
+        for key, result in lane.poll():
+            conn.send((key, ("error", _first_line(result)) if isinstance(result, Exception) else ("ok", result)))
 
 
 class WorkerProcess:
     """One decoding process of ``serve.workers`` (spawned: a fresh interpreter, its model in its own main thread,
-    ``cfg.threads`` CPU threads). :meth:`translate` is called by one server thread at a time. A worker that dies
-    (e.g. killed for memory) fails the batch it held; the next batch starts a new one."""
+    ``cfg.threads`` CPU threads), as a :class:`Lane` of the server: requests go down its pipe as they are taken and
+    come back as they finish. Driven by one server thread. A worker that dies (e.g. killed for memory) fails the
+    requests it held; the next request starts a new one."""
 
-    def __init__(self, index: int, cfg: DecodeConfig, checkpoint: Path, tokens: Path | None) -> None:
+    def __init__(self, index: int, cfg: DecodeConfig, checkpoint: Path, tokens: Path | None,
+                 batching: str = "batch") -> None:
         self.index = index
-        self._args = (cfg, str(checkpoint), str(tokens) if tokens is not None else None)
+        self.continuous = batching == "continuous"
+        self._args = (cfg, str(checkpoint), str(tokens) if tokens is not None else None, batching)
+        self._held: set[int] = set()
+        self._outbox: list[tuple[int, list[list[int]], Any]] = []  # sent at the next poll, as one message
         self._start()
 
     def _start(self) -> None:
@@ -318,35 +475,52 @@ class WorkerProcess:
 
     def ready(self) -> None:
         """Wait until the model is loaded and warm; its start-up error as a :class:`MtpipeError`."""
-        status, payload = self._receive()
+        try:
+            status, payload = self._conn.recv()
+        except (EOFError, OSError):
+            status, payload = "error", f"exited (code {self._proc.exitcode})"
         if status != "ready":
             raise MtpipeError(f"serve.workers: worker {self.index} could not open the model ({payload})")
 
-    def translate(self, sources: Sequence[Sequence[int]], rules: Any) -> list[list[Any]]:
+    def add(self, key: int, sources: list[list[int]], rules: Any) -> None:
         if self._dead:
             self._conn.close()
             self._start()
             self.ready()
-        try:
-            self._conn.send((list(map(list, sources)), rules))
-        except OSError:
-            self._died()
-        status, payload = self._receive()
-        if status != "ok":
-            raise RuntimeError(payload)
-        return payload
+        self._held.add(key)
+        self._outbox.append((key, [list(s) for s in sources], rules))
 
-    def _receive(self) -> tuple[str, Any]:
+    def busy(self) -> bool:
+        return bool(self._held)
+
+    def poll(self) -> list[tuple[int, Any]]:
+        finished: list[tuple[int, Any]] = []
+        if self._outbox and not self._dead:
+            try:
+                self._conn.send(self._outbox)  # one message: a batch arrives whole
+            except OSError:
+                self._dead = True  # below: fail what it held
+            self._outbox = []
         try:
-            return self._conn.recv()
+            # Continuous: a short wait, since this thread also hands the worker new requests; batch by batch it
+            # takes none while the worker decodes, so it sleeps until the answers come.
+            if not self._dead and self._conn.poll(0.002 if self.continuous else 0.5):
+                while True:
+                    key, (status, payload) = self._conn.recv()
+                    self._held.discard(key)
+                    finished.append((key, payload if status == "ok" else RuntimeError(payload)))
+                    if not self._conn.poll(0):
+                        break
         except (EOFError, OSError):
-            self._died()
-
-    def _died(self) -> typing.NoReturn:
-        self._dead = True
-        self._proc.join(5)
-        raise RuntimeError(f"worker process {self.index} exited (code {self._proc.exitcode}); it is restarted for "
-                           "the next batch")
+            self._dead = True
+        if self._dead and self._held:
+            self._proc.join(5)
+            error = RuntimeError(f"worker process {self.index} exited (code {self._proc.exitcode}); it is restarted "
+                                 "for the next request")
+            finished += [(key, error) for key in self._held]
+            self._held.clear()
+            self._outbox = []
+        return finished
 
     def close(self) -> None:
         """Close the pipe (the worker then exits) and wait for the process."""
@@ -368,7 +542,7 @@ def worker_threads(cfg: DecodeConfig, workers: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Dynamic batching: a worker runs the model (in this process, or one WorkerProcess each)
+# Dynamic batching: the queue, and the workers that feed their lanes from it
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -386,6 +560,8 @@ class Job:
     loop: asyncio.AbstractEventLoop
     queued_at: float
     tokens: int = 0  # source tokens with their EOS, as the encoder sees them: the job's share of a batch's budget
+    started_at: float = 0.0  # when a worker took it
+    together: tuple[int, int] = (0, 0)  # the most requests / sentences decoding with it (itself included)
 
     def __post_init__(self) -> None:
         self.tokens = sum(len(s) + 1 for s in self.sources)
@@ -393,39 +569,37 @@ class Job:
 
 @dataclass
 class Answer:
-    """A job's result: per sentence its n-best ``(text, score)`` list, best first, and what its batch was."""
+    """A job's result: per sentence its n-best ``(text, score)`` list, best first, and how it was decoded."""
 
     hypotheses: list[list[tuple[str, float]]]
     batch: dict[str, Any]
 
 
 class Batcher:
-    """Requests in, answers out, the model in one thread (:meth:`submit` from the event loop; see the module
-    docstring for how a batch is gathered)."""
+    """Requests in, answers out: the queue, and the workers that take requests from it into their :class:`Lane`
+    (:meth:`submit` from the event loop; see the module docstring for how requests are gathered)."""
 
-    def __init__(self, translate: Callable[[list[list[int]], Any], list[list[Any]]],
-                 detok: Callable[[list[list[int]]], list[str]], *, max_queue: int, wait_s: float,
+    def __init__(self, detok: Callable[[list[list[int]]], list[str]], *, max_queue: int, wait_s: float,
                  batch_tokens: int) -> None:
-        self._translate, self._detok = translate, detok
+        self._detok = detok
         self.max_queue, self.wait_s, self.batch_tokens = max_queue, wait_s, batch_tokens
         self._jobs: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
         self._done = threading.Event()  # set when the last :meth:`run` returns
         self._running = 0  # :meth:`run` loops not yet returned (one per worker)
-        self._last_end = 0.0  # time.monotonic() at the end of the last batch
-        self.counters = {"requests": 0, "sentences": 0, "batches": 0, "max_requests_per_batch": 0,
-                         "rejected_queue_full": 0, "failed": 0}
+        self._keys = itertools.count(1)  # request keys for the lanes (next() is atomic: workers share it)
+        self._held: dict[int, int] = {}  # worker -> source tokens it is decoding (under the lock)
+        self.counters = {"requests": 0, "sentences": 0, "max_requests_together": 0, "rejected_queue_full": 0,
+                         "failed": 0}
 
     # ---- the event loop's side
 
-    def start(self, translate: Callable[[list[list[int]], Any], list[list[Any]]] | None = None,
-              worker: int = 0) -> None:
+    def start(self, lane: Lane, worker: int = 0) -> None:
         """:meth:`run` in a thread of its own (the server runs worker 0 in the main thread instead: see
         :func:`serve_model`)."""
         self._enter()
-        threading.Thread(target=self._loop, args=(translate, worker), name=f"mtpipe-decode-{worker}",
-                         daemon=True).start()
+        threading.Thread(target=self._loop, args=(lane, worker), name=f"mtpipe-decode-{worker}", daemon=True).start()
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; :class:`QueueFull` when ``max_queue`` requests wait already or the server is stopping."""
@@ -437,7 +611,7 @@ class Batcher:
             self._cond.notify()
 
     def close(self) -> None:
-        """No new jobs; the worker decodes the queued ones without waiting for more, then stops."""
+        """No new jobs; the workers decode the queued ones without waiting for more, then stop."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -451,96 +625,113 @@ class Batcher:
         with self._cond:
             return {**self.counters, "queued": len(self._jobs)}
 
-    # ---- the worker's side
+    # ---- the workers' side
 
-    def _take(self) -> list[Job] | None:
-        """The next batch: wait for a job, then until the oldest has waited ``wait_s`` or the waiting jobs fill the
-        token budget; take the oldest jobs that fit (at least one). None once closed and drained."""
+    def _take(self, worker: int, held: int, last_end: float, continuous: bool = True) -> list[Job] | None:
+        """Requests for ``worker``'s lane, which decodes ``held`` source tokens. An idle lane waits for a request,
+        then until the oldest has waited ``wait_s`` (from the later of its arrival and ``last_end``, the end of the
+        lane's last work) or the waiting requests fill ``batch_tokens``, and takes at least one; a busy lane takes,
+        without waiting, the oldest that fit, while it holds no more than the least busy of the other lanes (so
+        that with several workers the load is shared, not taken by whichever asks first). None once closed and
+        drained. A lane that is not ``continuous`` takes nothing while it is busy."""
+        room = self.batch_tokens - held
         with self._cond:
+            self._held[worker] = held
+            if held:
+                if not continuous:
+                    return []
+                others = [t for w, t in self._held.items() if w != worker]
+                fair = min(others) if others else self.batch_tokens
+                taken, tokens = [], 0
+                while self._jobs and tokens + self._jobs[0].tokens <= room and held + tokens <= fair:
+                    tokens += self._jobs[0].tokens
+                    taken.append(self._jobs.popleft())
+                self._held[worker] = held + tokens
+                return taken
             while not self._jobs:
                 if self._closing:
                     return None
                 self._cond.wait(0.5)  # in slices: in the main thread, signal handlers run between them
-            # Wait from the later of the oldest request's arrival and the last batch's end: under closed-loop load
-            # the clients just answered send their next requests within a millisecond or two, and without this the
-            # requests that queued during a batch would leave at once, alone, and the load split into two
-            # alternating half-size batches.
-            deadline = max(self._jobs[0].queued_at, self._last_end) + self.wait_s
-            while not self._closing and sum(j.tokens for j in self._jobs) < self.batch_tokens:
+            # Under closed-loop load the clients just answered send their next requests within a millisecond or
+            # two: without waiting from the end of the last work, the requests that queued meanwhile would leave at
+            # once, alone.
+            deadline = max(self._jobs[0].queued_at, last_end) + self.wait_s
+            while not self._closing and sum(j.tokens for j in self._jobs) < room:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            batch, tokens = [], 0
-            while self._jobs and (not batch or tokens + self._jobs[0].tokens <= self.batch_tokens):
-                job = self._jobs.popleft()
-                batch.append(job)
-                tokens += job.tokens
-            return batch
+            taken, tokens = [], 0
+            while self._jobs and (not taken or tokens + self._jobs[0].tokens <= room):
+                tokens += self._jobs[0].tokens
+                taken.append(self._jobs.popleft())
+            self._held[worker] = tokens
+            return taken
 
-    def run(self, translate: Callable[[list[list[int]], Any], list[list[Any]]] | None = None,
-            worker: int = 0) -> None:
-        """A worker: decode batch after batch with ``translate`` (default: the batcher's own) until closed and
-        drained. Several workers may run at once, each in its own thread, each taking its own batches."""
+    def run(self, lane: Lane, worker: int = 0) -> None:
+        """A worker: feed ``lane`` requests and answer them as they finish, until closed and drained. Several
+        workers may run at once, each in its own thread with its own lane."""
         self._enter()
-        self._loop(translate, worker)
+        self._loop(lane, worker)
 
     def _enter(self) -> None:
         with self._cond:
             self._running += 1
             self._done.clear()
 
-    def _loop(self, translate: Callable[[list[list[int]], Any], list[list[Any]]] | None, worker: int) -> None:
+    def _loop(self, lane: Lane, worker: int) -> None:
+        held: dict[int, Job] = {}
+        last_end = 0.0
         try:
-            while (batch := self._take()) is not None:
-                self._decode(batch, translate or self._translate, worker)
-                self._last_end = time.monotonic()
+            while True:
+                jobs = self._take(worker, sum(j.tokens for j in held.values()), last_end, lane.continuous)
+                if jobs is None:
+                    return
+                now = time.monotonic()
+                for job in jobs:
+                    key = next(self._keys)
+                    job.started_at = now
+                    held[key] = job
+                    lane.add(key, job.sources, job.rules)
+                together = (len(held), sum(len(j.sources) for j in held.values()))
+                for job in held.values():
+                    job.together = (max(job.together[0], together[0]), max(job.together[1], together[1]))
+                with self._cond:
+                    self.counters["max_requests_together"] = max(self.counters["max_requests_together"], len(held))
+                for key, result in lane.poll():
+                    self._answer(held.pop(key), result, worker)
+                if not held:
+                    last_end = time.monotonic()
         finally:
             with self._cond:
                 self._running -= 1
                 if self._running == 0:
                     self._done.set()
 
-    def _decode(self, jobs: list[Job], translate: Callable[[list[list[int]], Any], list[list[Any]]],
-                worker: int) -> None:
-        """Decode one batch, a group per distinct rules, and send every job its answer (or the error)."""
-        start = time.monotonic()
-        with self._cond:
-            self.counters["batches"] += 1
-            batch_id = self.counters["batches"]
-            self.counters["max_requests_per_batch"] = max(self.counters["max_requests_per_batch"], len(jobs))
-        groups: dict[Any, list[Job]] = {}
-        for job in jobs:
-            groups.setdefault(job.rules, []).append(job)
-        info = {"id": batch_id, "worker": worker, "requests": len(jobs),
-                "sentences": sum(len(j.sources) for j in jobs), "groups": len(groups)}
-        for rules, group in groups.items():
-            group_start = time.monotonic()
+    def _answer(self, job: Job, result: Any, worker: int) -> None:
+        """Send ``job`` its answer: the texts of ``result`` (each sentence's hypotheses), or its error."""
+        if not isinstance(result, Exception):
             try:
-                sources = [s for job in group for s in job.sources]
-                results = translate(sources, rules)
-                texts = self._detok([h.tokens for hyps in results for h in hyps])
-            except Exception as e:  # noqa: BLE001 - any failure is answered (500) and the server goes on
-                reason = _first_line(e)
-                with self._cond:
-                    self.counters["failed"] += len(group)
-                for job in group:
-                    _settle(job, RuntimeError(f"decoding failed: {reason}"))
-                continue
-            decode_ms = 1000 * (time.monotonic() - group_start)
-            pos, text_pos = 0, 0
-            for job in group:
-                hyps_of_job = []
-                for hyps in results[pos : pos + len(job.sources)]:
-                    hyps_of_job.append([(texts[text_pos + k], float(h.score)) for k, h in enumerate(hyps)])
-                    text_pos += len(hyps)
-                pos += len(job.sources)
-                batch = {**info, "group_requests": len(group), "group_sentences": len(sources),
-                         "queue_ms": round(1000 * (start - job.queued_at), 2), "decode_ms": round(decode_ms, 2)}
-                with self._cond:
-                    self.counters["requests"] += 1
-                    self.counters["sentences"] += len(job.sources)
-                _settle(job, Answer(hyps_of_job, batch))
+                texts = self._detok([h.tokens for hyps in result for h in hyps])
+            except Exception as e:  # noqa: BLE001 - answered (500), the server goes on
+                result = RuntimeError(f"decoding failed: {_first_line(e)}")
+        if isinstance(result, Exception):
+            with self._cond:
+                self.counters["failed"] += 1
+            _settle(job, result)
+            return
+        hypotheses, pos = [], 0
+        for hyps in result:
+            hypotheses.append([(texts[pos + k], float(h.score)) for k, h in enumerate(hyps)])
+            pos += len(hyps)
+        now = time.monotonic()
+        batch = {"worker": worker, "requests": job.together[0], "sentences": job.together[1],
+                 "queue_ms": round(1000 * (job.started_at - job.queued_at), 2),
+                 "decode_ms": round(1000 * (now - job.started_at), 2)}
+        with self._cond:
+            self.counters["requests"] += 1
+            self.counters["sentences"] += len(job.sources)
+        _settle(job, Answer(hypotheses, batch))
 
 
 def _settle(job: Job, result: Answer | Exception) -> None:
@@ -704,21 +895,21 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
     sock = listen(cfg.host, cfg.port)
     workers: list[WorkerProcess] = []
     try:
-        model = open_model(defaults, checkpoint, tokens)
+        model = open_model(defaults, checkpoint, tokens, cfg.batching)
+        model.info["batching"] = cfg.batching
         if cfg.workers == 1:
-            # Warm-up: the first batch of a process pays for kernel selection; no request should.
-            model.translate([model.sp.encode("Warm up.", out_type=int)[: model.max_positions - 1]], default_rules)
+            model.warm_up(default_rules)
         else:
             threads = worker_threads(defaults, cfg.workers)
             info(f"starting {cfg.workers} decoding processes, {threads} CPU thread(s) each")
             worker_cfg = dataclasses.replace(defaults, threads=threads)
             for i in range(cfg.workers):
-                workers.append(WorkerProcess(i, worker_cfg, checkpoint, tokens))
+                workers.append(WorkerProcess(i, worker_cfg, checkpoint, tokens, cfg.batching))
             for w in workers:
                 w.ready()
             model.info["workers"] = cfg.workers
             model.info["threads_per_worker"] = threads
-        batcher = Batcher(model.translate, model.detok, max_queue=cfg.max_queue, wait_s=cfg.batch_wait_ms / 1000,
+        batcher = Batcher(model.detok, max_queue=cfg.max_queue, wait_s=cfg.batch_wait_ms / 1000,
                           batch_tokens=cfg.batch_tokens)
         app = build_app(model, batcher, cfg, defaults)
         server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=False, lifespan="on"))
@@ -731,8 +922,8 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
                        f"{defaults.nbest}, stop {defaults.stop}"],
             ["limits", f"{cfg.max_sentences} sentences x {cfg.max_chars} chars, beam <= {cfg.max_beam}, nbest <= "
                        f"{cfg.max_nbest}, alpha <= {cfg.max_alpha:g}"],
-            ["batching", f"wait {cfg.batch_wait_ms:g} ms, {cfg.batch_tokens:,} tokens, queue {cfg.max_queue}, "
-                         f"{cfg.workers} worker(s)"],
+            ["batching", f"{model.info['batching']}, wait {cfg.batch_wait_ms:g} ms, {cfg.batch_tokens:,} tokens, "
+                         f"queue {cfg.max_queue}, {cfg.workers} worker(s)"],
         ])
         # One plain line (never wrapped) that scripts and the tests read the address from.
         sys.stderr.write(f"mtpipe serve: listening on {url} (POST /translate, GET /health, GET /info)\n")
@@ -756,8 +947,8 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
         try:
             thread.start()
             for w in workers[1:]:
-                batcher.start(w.translate, w.index)
-            batcher.run(workers[0].translate if workers else None)
+                batcher.start(w, w.index)
+            batcher.run(workers[0] if workers else model.lane())
             while thread.is_alive():
                 thread.join(0.5)  # in slices, so that a second signal still reaches stop()
         finally:
@@ -774,6 +965,6 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
     table("served", ["", "value"], [[k.replace("_", " "), v] for k, v in counters.items() if k != "queued"])
 
 
-__all__ = ["Answer", "Batcher", "Job", "QueueFull", "RequestError", "ServedModel", "TranslateRequest", "WorkerProcess",
+__all__ = ["Answer", "BatchLane", "Batcher", "Job", "Lane", "QueueFull", "RequestError", "ServedModel", "TranslateRequest", "WorkerProcess",
            "build_app", "check_defaults", "listen", "max_body_bytes", "open_model", "parse_request", "require_serve",
-           "serve_model", "worker_threads"]
+           "serve_model", "StreamLane", "worker_threads"]

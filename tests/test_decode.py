@@ -26,7 +26,7 @@ from mtpipe import artifacts, writing
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mtpipe.cli import app
 from mtpipe.config import DecodeConfig, ModelConfig, to_dict
-from mtpipe.decode import batches_by_tokens, translate
+from mtpipe.decode import batches_by_tokens, translate, translate_batches
 from mtpipe.errors import MtpipeError
 from mtpipe.kernels import Linear
 from mtpipe.model import Transformer
@@ -832,3 +832,37 @@ def test_checkpoint_without_spm_needs_tokens_outside_a_project(trained, tmp_path
     r = in_dir(empty, "decode", "--checkpoint", str(old), "--tokens", str(trained["tokens"]), "--input", str(infile))
     assert r.exit_code == 0, r.output
     assert r.stdout.splitlines() == [trained["pairs"][0][1]]
+
+
+@pytest.mark.parametrize("stop", ["bound", "finished"])
+def test_sentences_joining_a_running_search_decode_as_they_would_alone(model, stop):
+    """Continuous batching (mtpipe.streaming): sentences that join a beam search already running, at different steps
+    and beside sentences that leave, get each the hypotheses and scores of decoding it in a batch of its own -- their
+    positions count from their own start, the cache slots from before it are masked, and the slots that no remaining
+    row uses are dropped as the oldest sentences leave."""
+    from mtpipe.search import DecodeRules
+    from mtpipe.streaming import StreamDecoder
+
+    rules = DecodeRules(beam=4, nbest=2, penalty=LengthPenalty("gnmt", 0.6), max_len_b=24, stop=stop)
+    srcs = sources(12, seed=11)
+    alone = [translate_batches(model, [s], rules, max_tokens=1000)[0] for s in srcs]
+    stream = StreamDecoder(model, rules, max_tokens=10_000)
+    got: dict[int, list] = {}
+    arrivals = {0: [0, 1, 2], 1: [3], 3: [4, 5], 6: [6], 7: [7, 8], 12: [9], 13: [10, 11]}  # step -> sentences
+    step, joined_late, shrank = 0, False, False
+    with torch.inference_mode():
+        while len(got) < len(srcs):
+            for i in arrivals.get(step, []):
+                stream.add(i, srcs[i])
+            for key, hyps in stream.step():
+                got[key] = hyps
+            state = stream.search.state
+            if state is not None:
+                joined_late |= state.start is not None
+                shrank |= state.start is not None and state.length < step + 1
+            step += 1
+            assert step < 200
+    assert joined_late and shrank  # rows of different starts shared the batch, and old slots were dropped
+    for i, hyps in enumerate(alone):
+        assert [h.tokens for h in got[i]] == [h.tokens for h in hyps], i
+        assert [h.score for h in got[i]] == pytest.approx([h.score for h in hyps], abs=1e-4)

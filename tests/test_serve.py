@@ -1,7 +1,7 @@
 """`mtpipe serve`: the real server (a subprocess on a free loopback port) with a tiny model that memorised a few
 sentences. Its answers equal `mtpipe decode`'s on the same sentences, also when requests of different lengths and
 settings share a batch; bad input gets a 4xx with one line of JSON and the server keeps serving; a full queue gets
-503 with Retry-After; concurrent requests are decoded in one batch; SIGTERM lets the request in flight finish and
+503 with Retry-After; concurrent requests are decoded together, a request joining the running batch; SIGTERM lets the request in flight finish and
 exits 0."""
 
 from __future__ import annotations
@@ -195,9 +195,8 @@ def test_mixed_batches_equal_mtpipe_decode(server, model):
         assert got["scores"] == pytest.approx([want[beam][i]["score"]], abs=1e-4)
         assert "nbest" not in got  # nbest 1: no lists
     shared = [r.json()["batch"] for r in answers if r.json()["batch"]["requests"] > 1]
-    assert shared, "no two requests shared a batch"
-    assert any(b["groups"] == 2 for b in shared)  # beam 1 and beam 4 in one batch, decoded as two groups
-    assert any(b["group_requests"] > 1 for b in shared)  # padded rows of different requests in one decoding
+    assert shared, "no two requests were decoded together"
+    assert any(b["sentences"] > 2 for b in shared)  # padded rows of several requests (both beams) at once
 
 
 def test_concurrent_requests_are_batched_and_counted(server):
@@ -205,16 +204,70 @@ def test_concurrent_requests_are_batched_and_counted(server):
     answers = concurrently([lambda s=s: server.post({"text": [s]}) for s, _ in PAIRS[:8]])
     assert all(r.status_code == 200 for r in answers)
     batches = [r.json()["batch"] for r in answers]
-    ids = [b["id"] for b in batches]
-    for b in batches:  # each answer says how many requests its batch held: exactly the answers with its id
-        assert b["requests"] == ids.count(b["id"])
-        assert b["sentences"] >= b["group_sentences"] >= 1 and b["queue_ms"] >= 0 and b["decode_ms"] > 0
+    for b in batches:  # each answer says how many requests and sentences were decoded with it, itself included
+        assert b["requests"] >= 1 and b["sentences"] >= b["requests"] and b["queue_ms"] >= 0 and b["decode_ms"] > 0
+        assert b["worker"] == 0
     assert max(b["requests"] for b in batches) >= 2
     after = server.client.get("/info").json()["counters"]
     assert after["requests"] - before["requests"] == 8
     assert after["sentences"] - before["sentences"] == 8
-    assert after["batches"] - before["batches"] == len(set(ids)) < 8
-    assert after["max_requests_per_batch"] >= max(b["requests"] for b in batches)
+    assert after["max_requests_together"] >= max(b["requests"] for b in batches)
+
+
+def test_a_request_joins_the_running_batch_and_a_short_one_is_answered_first(model):
+    """Continuous batching: a request that arrives while another decodes joins it at the next decoder step (no
+    waiting for the batch to end, and answered as `mtpipe decode` answers it), and a short sentence is answered as
+    soon as its own search ends, before the longer one it joined."""
+    import asyncio
+
+    from mtpipe.config import DecodeConfig
+    from mtpipe.search import DecodeRules, LengthPenalty
+    from mtpipe.serve import Batcher, Job, open_model
+
+    served = open_model(DecodeConfig(threads=1), model["checkpoint"], model["tokens"], batching="continuous")
+    lane = served.lane()
+    steps: list[int] = []
+    poll = lane.poll
+
+    def counting_poll():  # the lane's decoder steps, and which requests were in the batch at each
+        steps.append(len(lane.pending))
+        return poll()
+
+    lane.poll = counting_poll
+    loop = asyncio.new_event_loop()
+    batcher = Batcher(served.detok, max_queue=8, wait_s=0.0, batch_tokens=10_000)
+    rules = DecodeRules(beam=4, penalty=LengthPenalty("gnmt", 0.6))
+    long_text, short_text = PAIRS[5][0], PAIRS[0][0]
+    order: list[str] = []
+
+    def job(text: str) -> Job:
+        future = loop.create_future()
+        future.add_done_callback(lambda f: order.append(text))
+        return Job([served.sp.encode(text, out_type=int)], rules, future, loop, time.monotonic())
+
+    long_job, short_job = job(long_text), job(short_text)
+    batcher.submit(long_job)
+    batcher.start(lane)
+    try:
+        for _ in range(500):
+            if steps:
+                break
+            time.sleep(0.002)
+        batcher.submit(short_job)  # the long sentence is decoding
+        for _ in range(1000):
+            loop.run_until_complete(asyncio.sleep(0.005))
+            if long_job.future.done() and short_job.future.done():
+                break
+    finally:
+        batcher.close()
+        batcher.join(10)
+    want = {row["hypothesis"] for row in decode(model, [long_text, short_text])}
+    answers = [long_job.future.result(), short_job.future.result()]
+    assert {a.hypotheses[0][0][0] for a in answers} == want
+    assert answers[1].batch["requests"] == 2 and answers[0].batch["requests"] == 2  # decoded together ...
+    assert steps[0] == 1 and 2 in steps  # ... after the long one had started alone
+    assert order == [short_text, long_text]  # the short one answered first
+    loop.close()
 
 
 def test_health_and_info(server, model):
@@ -224,7 +277,7 @@ def test_health_and_info(server, model):
     assert info["engine"] == "mtpipe" and info["precision"] == "fp32" and info["vocab_size"] > 10
     assert info["model_config"]["d_model"] == 64 and info["max_positions"] == 40
     assert info["decode"]["beam"] == 4 and info["serve"]["max_beam"] == 6 and info["serve"]["max_queue"] == 64
-    assert {"requests", "batches", "max_requests_per_batch", "queued"} <= set(info["counters"])
+    assert {"requests", "max_requests_together", "queued"} <= set(info["counters"]) and info["batching"] == "batch"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -333,12 +386,37 @@ def _cmdline(proc_dir: Path) -> bytes:
         return b""
 
 
-def test_worker_processes_share_the_load_and_answer_as_mtpipe_decode(model):
-    """``--workers 2``: two decoding processes, each taking its own batches (a batch per request here: the token
-    budget is below one sentence), every answer still `mtpipe decode`'s; SIGTERM drains both and exits 0."""
+def test_continuous_batching_answers_as_mtpipe_decode(model):
+    """``--batching continuous`` through the real server: requests of different lengths and beams sent at once,
+    decoded together as they arrive, each answered with `mtpipe decode`'s translation and score."""
+    sentences = [s for s, _ in PAIRS]
+    want = {4: decode(model, sentences), 1: decode(model, sentences, "--beam", "1")}
+    beams = [1 if i % 3 == 0 else 4 for i in range(len(sentences))]
+    s = Server(model, "--batching", "continuous", "--batch-wait-ms", "0")
+    try:
+        assert s.client.get("/info").json()["batching"] == "continuous"
+        for _ in range(2):
+            answers = concurrently([lambda t=t, b=b: s.post({"text": [t], "beam": b})
+                                    for t, b in zip(sentences, beams)])
+            for i, (r, beam) in enumerate(zip(answers, beams)):
+                assert r.status_code == 200, r.text
+                assert r.json()["translations"] == [want[beam][i]["hypothesis"]]
+                assert r.json()["scores"] == pytest.approx([want[beam][i]["score"]], abs=1e-4)
+        assert max(r.json()["batch"]["requests"] for r in answers) > 1
+        two = s.post({"text": sentences[:2], "nbest": 2}).json()  # a request of several sentences
+        assert two["translations"] == [row["hypothesis"] for row in want[4][:2]]
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("batching", ["batch", "continuous"])
+def test_worker_processes_share_the_load_and_answer_as_mtpipe_decode(model, batching):
+    """``--workers 2``: two decoding processes, each taking its own requests (one at a time here: the token
+    budget is below one sentence), every answer still `mtpipe decode`'s; a killed worker fails at most the requests
+    it held; SIGTERM drains both and exits 0."""
     sentences = [s for s, _ in PAIRS]
     want = decode(model, sentences)
-    s = Server(model, "--workers", "2", "--batch-wait-ms", "0", "--batch-tokens", "1")
+    s = Server(model, "--workers", "2", "--batch-wait-ms", "0", "--batch-tokens", "1", "--batching", batching)
     try:
         assert s.client.get("/info").json()["workers"] == 2
         workers_seen: set[int] = set()
@@ -353,7 +431,7 @@ def test_worker_processes_share_the_load_and_answer_as_mtpipe_decode(model):
                 break
         assert workers_seen == {0, 1}
 
-        # A worker that dies fails at most the batch it held and is started again for the next one.
+        # A worker that dies fails at most the request it held and is started again for the next one.
         children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and
                     _parent_pid(p) == s.proc.pid and b"resource_tracker" not in _cmdline(p)]
         assert len(children) == 2, children
@@ -395,7 +473,7 @@ def test_a_batch_waits_from_the_end_of_the_last_one():
     import asyncio
 
     from mtpipe.search import Hypothesis
-    from mtpipe.serve import Batcher, Job
+    from mtpipe.serve import BatchLane, Batcher, Job
 
     loop = asyncio.new_event_loop()
     first_started, release, sizes = threading.Event(), threading.Event(), []
@@ -407,8 +485,8 @@ def test_a_batch_waits_from_the_end_of_the_last_one():
             release.wait(10)
         return [[Hypothesis(list(s), 0.0, 0.0)] for s in sources]
 
-    batcher = Batcher(translate, lambda tokens: ["x"] * len(tokens), max_queue=8, wait_s=0.4, batch_tokens=10_000)
-    batcher.start()
+    batcher = Batcher(lambda tokens: ["x"] * len(tokens), max_queue=8, wait_s=0.4, batch_tokens=10_000)
+    batcher.start(BatchLane(translate))
 
     def submit() -> None:
         batcher.submit(Job([[5, 6]], "rules", loop.create_future(), loop, time.monotonic()))

@@ -1,0 +1,105 @@
+"""Continuous batching: mtpipe's engine decoding a stream of sentences, new ones joining between decoder steps.
+
+A batch decoded to its end (:func:`mtpipe.decode.translate_batches`) is right for a file: sorted by length, its
+sentences finish together. A server's sentences arrive one by one with any length; decoded batch by batch, a short
+sentence waits for the longest of its batch, and the batch shrinks to a few rows (slow steps) before the next one
+can start. Here (iteration-level batching, Yu et al. 2022, "Orca: A Distributed Serving System for
+Transformer-Based Generative Models") a sentence joins the running beam search at the next step and leaves it the
+step it is done (:class:`mtpipe.search.BeamSearch`), so the batch stays as full as the load allows and each sentence
+is answered as soon as its own search ends.
+
+A sentence's translation does not depend on its batch: beam search is per sentence, the encoder runs on the joining
+sentences alone, and a row that joined later sees only its own positions (:meth:`mtpipe.model.DecoderState.admit`).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from mtpipe.artifacts import EOS_ID, PAD_ID
+from mtpipe.search import BeamSearch, DecodeRules, Hypothesis
+
+
+# Most decoder steps a waiting sentence waits for company before it joins the running batch alone.
+ADMIT_EVERY = 4
+
+
+class StreamDecoder:
+    """One stream of sentences decoded under one set of :class:`~mtpipe.search.DecodeRules` by ``model`` (an
+    :class:`mtpipe.model.Transformer`, already in its decoding precision; the caller enters the precision context
+    and ``torch.inference_mode``).
+
+    :meth:`add` queues a sentence under a key; :meth:`step` lets queued sentences in while the batch holds fewer than
+    ``max_tokens`` source tokens (at least one sentence), runs one decoder step, and returns the sentences that are
+    done with their ``nbest`` hypotheses.
+    """
+
+    def __init__(self, model: Any, rules: DecodeRules, max_tokens: int, device: torch.device | str = "cpu") -> None:
+        self.model, self.rules, self.max_tokens, self.device = model, rules, max_tokens, torch.device(device)
+        self.search = BeamSearch(lambda tokens, state: model.step(tokens, state, lazy=True), rules.beam,
+                                 rules.penalty, rules.nbest, self.device, rules.stop_after, start_id=model.start_id)
+        self.waiting: collections.deque[tuple[Hashable, list[int]]] = collections.deque()
+        self.tokens: dict[Hashable, int] = {}  # source tokens (with EOS) of each sentence in the batch
+        self.ready: list[tuple[Hashable, list[Hypothesis]]] = []  # empty sources: answered at the next step
+        self.since_admit = 0  # decoder steps since sentences last joined
+
+    def add(self, key: Hashable, source: Sequence[int]) -> None:
+        """Queue ``source`` (token ids without EOS, at most ``max_positions - 1``) under ``key``. An empty source
+        translates to the empty output with score 0, as in ``mtpipe decode``."""
+        if not source:
+            self.ready.append((key, [Hypothesis([], 0.0, 0.0)]))
+        else:
+            self.waiting.append((key, list(source)))
+
+    def __len__(self) -> int:
+        """Sentences queued or decoding."""
+        return len(self.waiting) + len(self.tokens) + len(self.ready)
+
+    @property
+    def batch_sentences(self) -> int:
+        """Sentences in the running batch."""
+        return len(self.tokens)
+
+    def step(self) -> list[tuple[Hashable, list[Hypothesis]]]:
+        """Admit what fits, run one decoder step; the sentences done, each with its hypotheses, best first."""
+        done, self.ready = self.ready, []
+        self._admit()
+        if len(self.search):
+            for key, hyps in self.search.advance():
+                del self.tokens[key]
+                done.append((key, hyps))
+        return done
+
+    def _admit(self) -> None:
+        # Sentences join a running batch in groups: each joining costs an encoder pass and a copy of the whole
+        # self-attention cache, so they join once a group of them is waiting (an eighth of the batch), or after
+        # ADMIT_EVERY steps, at most a few milliseconds late.
+        self.since_admit += 1
+        live = len(self.tokens)
+        if live and len(self.waiting) * 8 < live and self.since_admit < ADMIT_EVERY:
+            return
+        budget = self.max_tokens - sum(self.tokens.values())
+        joining: list[tuple[Hashable, list[int]]] = []
+        while self.waiting and (len(self.waiting[0][1]) + 1 <= budget or not (self.tokens or joining)):
+            key, source = self.waiting.popleft()
+            budget -= len(source) + 1
+            joining.append((key, source))
+        if not joining:
+            return
+        self.since_admit = 0
+        width = max(len(s) for _, s in joining) + 1
+        src = torch.full((len(joining), width), PAD_ID, dtype=torch.long)  # [m, S] right-padded
+        for row, (_, source) in enumerate(joining):
+            src[row, : len(source) + 1] = torch.tensor([*source, EOS_ID], dtype=torch.long)
+        memory, src_mask = self.model.encode(src.to(self.device))  # the joining sentences only
+        positions = self.model.cfg.max_positions
+        self.search.admit([key for key, _ in joining], self.model.start(memory, src_mask),
+                          [self.rules.max_output_len(len(s), positions) for _, s in joining])
+        for key, source in joining:
+            self.tokens[key] = len(source) + 1
+
+
+__all__ = ["StreamDecoder"]
