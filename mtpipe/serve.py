@@ -179,6 +179,9 @@ def check_defaults(cfg: ServeConfig, defaults: DecodeConfig) -> None:
         if value > limit:
             raise MtpipeError(f"decode.{key} = {value:g} is over serve.max_{key} = {limit:g}: the default a request "
                               "gets must be one it may ask for")
+    if cfg.batching == "continuous" and defaults.engine != "mtpipe":
+        raise MtpipeError(f"serve.batching=continuous needs decode.engine=mtpipe ({defaults.engine} decodes batch by "
+                          "batch)")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -200,6 +203,23 @@ class ServedModel:
         """Pieces -> text as ``mtpipe decode`` writes it: one line per hypothesis whatever the model emits."""
         return [s.replace("\r", " ").replace("\n", " ") for s in self.sp.decode(tokens)]
 
+    def description(self) -> dict[str, Any]:
+        """What a server process needs of a model that its worker processes run: the vocabulary (the SentencePiece
+        model's bytes), the positions, the ``/info`` facts (:meth:`described` rebuilds it)."""
+        return {"spm": self.sp.serialized_model_proto(), "max_positions": self.max_positions, "info": self.info}
+
+    @classmethod
+    def described(cls, description: dict[str, Any]) -> "ServedModel":
+        """The model as :meth:`description` describes it, without its weights: encoding and detokenising only
+        (with ``serve.workers`` > 1 the weights live in the worker processes alone)."""
+        import sentencepiece as spm
+
+        def no_lane() -> "Lane":
+            raise MtpipeError("this process holds no copy of the model (serve.workers > 1)")
+
+        return cls(no_lane, spm.SentencePieceProcessor(model_proto=description["spm"]),
+                   int(description["max_positions"]), dict(description["info"]))
+
     def warm_up(self, rules: Any) -> None:
         """Decode one sentence: the first decoding of a process pays for kernel selection; no request should."""
         lane = self.lane()
@@ -213,7 +233,7 @@ class ServedModel:
 def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, batching: str = "batch") -> ServedModel:
     """The checkpoint (or, with ``decode.engine=ctranslate2``, also a CTranslate2 export) and its vocabulary (that of
     ``tokens``, None: the model's own), checked and opened as ``mtpipe decode`` opens them
-    (:func:`mtpipe.decode.open_model`); its lanes decode by ``serve.batching``."""
+    (:func:`mtpipe.decode.open_model`); its lanes decode by ``serve.batching`` (CTranslate2: batch by batch)."""
     from mtpipe import artifacts
 
     checkpoint = Path(checkpoint)
@@ -223,9 +243,6 @@ def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, batchin
     if cfg.engine == "ctranslate2":
         from mtpipe import engine_ct2
 
-        if batching == "continuous":
-            raise MtpipeError("serve.batching=continuous needs decode.engine=mtpipe (CTranslate2 decodes batch by "
-                              "batch)")
         manifest = engine_ct2.decode_source(checkpoint)
         sp, step, tokens = engine_ct2.source_vocab(checkpoint, manifest, tokens)
         engine: Any = engine_ct2.Ct2Engine.open(checkpoint, manifest, tokens, cfg)
@@ -433,7 +450,7 @@ def _worker_main(conn: Any, cfg: DecodeConfig, checkpoint: str, tokens: str | No
     except Exception as e:  # noqa: BLE001 - reported to the server, which stops with it
         conn.send(("error", _first_line(e)))
         return
-    conn.send(("ready", None))
+    conn.send(("ready", model.description()))
     lane = model.lane()
     while True:
         try:
@@ -473,14 +490,16 @@ class WorkerProcess:
         child.close()
         self._dead = False
 
-    def ready(self) -> None:
-        """Wait until the model is loaded and warm; its start-up error as a :class:`MtpipeError`."""
+    def ready(self) -> dict[str, Any]:
+        """Wait until the model is loaded and warm: its :meth:`ServedModel.description`; its start-up error as a
+        :class:`MtpipeError`."""
         try:
             status, payload = self._conn.recv()
         except (EOFError, OSError):
             status, payload = "error", f"exited (code {self._proc.exitcode})"
         if status != "ready":
             raise MtpipeError(f"serve.workers: worker {self.index} could not open the model ({payload})")
+        return payload
 
     def add(self, key: int, sources: list[list[int]], rules: Any) -> None:
         if self._dead:
@@ -895,20 +914,21 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
     sock = listen(cfg.host, cfg.port)
     workers: list[WorkerProcess] = []
     try:
-        model = open_model(defaults, checkpoint, tokens, cfg.batching)
-        model.info["batching"] = cfg.batching
         if cfg.workers == 1:
+            model = open_model(defaults, checkpoint, tokens, cfg.batching)
             model.warm_up(default_rules)
         else:
+            # The weights only in the workers: this process encodes, queues and detokenises with worker 0's vocabulary.
             threads = worker_threads(defaults, cfg.workers)
             info(f"starting {cfg.workers} decoding processes, {threads} CPU thread(s) each")
             worker_cfg = dataclasses.replace(defaults, threads=threads)
             for i in range(cfg.workers):
                 workers.append(WorkerProcess(i, worker_cfg, checkpoint, tokens, cfg.batching))
-            for w in workers:
-                w.ready()
+            descriptions = [w.ready() for w in workers]
+            model = ServedModel.described(descriptions[0])
             model.info["workers"] = cfg.workers
             model.info["threads_per_worker"] = threads
+        model.info["batching"] = cfg.batching
         batcher = Batcher(model.detok, max_queue=cfg.max_queue, wait_s=cfg.batch_wait_ms / 1000,
                           batch_tokens=cfg.batch_tokens)
         app = build_app(model, batcher, cfg, defaults)

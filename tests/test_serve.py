@@ -418,7 +418,9 @@ def test_worker_processes_share_the_load_and_answer_as_mtpipe_decode(model, batc
     want = decode(model, sentences)
     s = Server(model, "--workers", "2", "--batch-wait-ms", "0", "--batch-tokens", "1", "--batching", batching)
     try:
-        assert s.client.get("/info").json()["workers"] == 2
+        info = s.client.get("/info").json()
+        assert info["workers"] == 2 and info["batching"] == batching and info["step"] == 100
+        assert info["model"] == artifacts.manifest_hash(model["checkpoint"]) and info["model_config"]["d_model"] == 64
         workers_seen: set[int] = set()
         for _ in range(3):  # concurrent requests: while one worker decodes, the other takes the next request
             answers = concurrently([lambda t=t: s.post({"text": [t]}) for t in sentences])
@@ -458,6 +460,10 @@ def test_startup_errors_are_one_line(model, tmp_path):
     assert r.exit_code == 1 and r.output.startswith("error: ") and len(r.output.strip().splitlines()) == 1
     r = CliRunner().invoke(app, [*base, "--checkpoint", str(model["checkpoint"]), "--beam", "9"])
     assert r.exit_code == 1 and "serve.max_beam" in r.output and len(r.output.strip().splitlines()) == 1
+    r = CliRunner().invoke(app, [*base, "--checkpoint", str(model["checkpoint"]), "--engine", "ctranslate2",
+                                 "--batching", "continuous"])
+    assert r.exit_code == 1 and "serve.batching=continuous needs decode.engine=mtpipe" in r.output
+    assert len(r.output.strip().splitlines()) == 1
 
     # Without FastAPI / uvicorn installed: a hint, before anything is loaded.
     code = ("import sys; sys.modules['uvicorn'] = None\nfrom mtpipe.cli import app\n"
@@ -506,3 +512,19 @@ def test_a_batch_waits_from_the_end_of_the_last_one():
         batcher.join(10)
         loop.close()
     assert sizes == [1, 2]
+
+
+def test_a_server_with_worker_processes_holds_the_vocabulary_not_the_weights(model):
+    """With serve.workers > 1 the server process rebuilds the model from worker 0's description: the same
+    SentencePiece model and /info facts, and no lane (no weights) of its own."""
+    from mtpipe.config import DecodeConfig
+    from mtpipe.serve import ServedModel, open_model
+
+    served = open_model(DecodeConfig(threads=1), model["checkpoint"], model["tokens"])
+    remote = ServedModel.described(served.description())
+    text = PAIRS[6][0]
+    assert remote.sp.encode(text) == served.sp.encode(text) and remote.max_positions == served.max_positions
+    assert remote.info == served.info
+    assert remote.detok([served.sp.encode(PAIRS[6][1])]) == [PAIRS[6][1]]
+    with pytest.raises(Exception, match="holds no copy of the model"):
+        remote.lane()
