@@ -221,6 +221,7 @@ class BeamSearch:
             raise MtpipeError(f"decode.beam: {beam} is not >= 1")
         self.step_fn, self.beam, self.penalty, self.nbest = step, beam, penalty, nbest
         self.device, self.stop_after, self.start_id = device, stop_after, start_id
+        self._banned = torch.tensor([PAD_ID, BOS_ID], device=device)  # never generated
         self.state: Any = None
         self.keys: list[Any] = []  # the sentences in the batch, in the order of their row blocks
         self.pools: list[list[Hypothesis]] = []  # each one's nbest best finished hypotheses so far
@@ -280,7 +281,7 @@ class BeamSearch:
         # to `beam` hypotheses from the runners-up when some of the top `beam` end in EOS.
         refill = stop_after is not None
         candidates = 2 * beam if refill else beam
-        banned = torch.tensor([PAD_ID, BOS_ID], device=device)
+        banned = self._banned
         out, state = self.step_fn(self.tokens, self.state)  # [n*k, V] (fresh: updated in place below), or on demand
         n = len(self.keys)
         forced = self.limits == self.steps  # [n] sentences at their length limit: only EOS may follow
