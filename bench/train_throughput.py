@@ -22,7 +22,6 @@ label smoothing over every position, torch.optim.Adam with its defaults.
 
     python bench/train_throughput.py                                   # both dims, 2 threads, ~3-8 minutes
     python bench/train_throughput.py --threads 1 --clock cpu           # robust to other processes on the machine
-    python bench/train_throughput.py --configs small --loss both       # + rows with the fused-loss what-if
     python bench/train_throughput.py --profile small:bf16              # torch.profiler table of mtpipe's step
 """
 
@@ -258,75 +257,46 @@ def reference_step(vocab: int, dims: dict, precision: str, args: argparse.Namesp
 # --------------------------------------------------------------------------------------------------------------------
 
 
-class FusedSmoothedNLL(torch.autograd.Function):
-    """A what-if for ``mtpipe/loss.py`` (``--loss fused``): the same ``(loss_sum, nll_sum)`` as
-    ``mtpipe.loss.label_smoothed_nll``, with a hand-written backward.
-
-    Autograd of the textbook formula makes ~8 passes over the ``[N, V]`` logits (log-softmax, its backward, the
-    ``mean``'s expanded gradient, ``gather``'s zero-filled scatter, their sum, dtype casts): 20-35 % of a small
-    bf16 step. Here: one float32 log-softmax that reads bf16 logits directly, and a backward
-    ``g * softmax(z) - g_loss * eps / V`` computed in place in the saved log-probabilities and written straight
-    into the logits' dtype, minus the target term at N positions (``index_add_``: ``scatter_add_`` is ~1000x slower
-    on bf16 CPU tensors).
-    """
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, target: Tensor, eps: float):  # type: ignore[override]
-        lprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [N, V]
-        nll = -lprobs.gather(-1, target[:, None]).sum()  # [N, 1] -> scalar
-        smooth = -lprobs.sum() / lprobs.size(-1)
-        ctx.save_for_backward(lprobs, target)
-        ctx.eps, ctx.dtype = eps, logits.dtype
-        return (1.0 - eps) * nll + eps * smooth, nll
-
-    @staticmethod
-    def backward(ctx, g_loss: Tensor, g_nll: Tensor):  # type: ignore[override]
-        lprobs, target = ctx.saved_tensors
-        eps, n, v = ctx.eps, lprobs.size(0), lprobs.size(-1)
-        # d loss / dz = softmax(z) - ((1 - eps) onehot + eps / V);  d nll / dz = softmax(z) - onehot
-        scaled = lprobs.exp_().mul_(g_loss + g_nll)  # in place: g * softmax(z), [N, V] float32
-        grad = torch.sub(scaled, g_loss * (eps / v), out=torch.empty(scaled.shape, dtype=ctx.dtype))  # cast on write
-        flat = torch.arange(n, device=grad.device) * v + target  # [N] positions of the targets in grad.view(-1)
-        grad.view(-1).index_add_(0, flat, (-(g_loss * (1.0 - eps) + g_nll)).to(grad.dtype).expand(n))
-        return grad, None, None
-
-
-def fused_label_smoothed_nll(logits: Tensor, target: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    return FusedSmoothedNLL.apply(logits, target, eps)
-
-
-# CPU tricks of mtpipe.kernels that --plain can switch off for one row: what each is replaced with.
+# CPU tricks of mtpipe.kernels and mtpipe.loss that --plain can switch off for one row: what each is replaced with.
 PLAIN = {
     "dropout": "F.dropout (torch's bernoulli masks) instead of mtpipe.kernels.keep_mask",
     "attention": "F.scaled_dot_product_attention instead of two matmuls",
+    "loss": "the whole [N, V] logits made, then the textbook loss differentiated by autograd, instead of "
+            "mtpipe.loss's blocks",
 }
 
 
 @contextlib.contextmanager
 def plain_kernels(tricks: frozenset[str]) -> Iterator[None]:
-    """mtpipe's model with the named tricks of :mod:`mtpipe.kernels` switched off (their plain torch formulation),
-    for the length of one step."""
-    from mtpipe import kernels, model
+    """mtpipe's step with the named tricks of :mod:`mtpipe.kernels` and :mod:`mtpipe.loss` switched off (their plain
+    torch formulation), for the length of one step."""
+    from mtpipe import kernels, loss, model
+    from mtpipe import train as mtrain
 
-    saved = (kernels._fused_dropout_available, model.prefer_explicit_attention)
+    def whole_logits(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, eps: float):
+        return loss.reference_label_smoothed_nll(F.linear(h, weight, bias), target, eps)
+
+    saved = (kernels._fused_dropout_available, model.prefer_explicit_attention, mtrain.projected_label_smoothed_nll)
     if "dropout" in tricks:
         kernels._fused_dropout_available = lambda x: True
     if "attention" in tricks:
         model.prefer_explicit_attention = lambda q: False
+    if "loss" in tricks:
+        mtrain.projected_label_smoothed_nll = whole_logits  # the module global LossModule calls
     try:
         yield
     finally:
-        kernels._fused_dropout_available, model.prefer_explicit_attention = saved
+        (kernels._fused_dropout_available, model.prefer_explicit_attention,
+         mtrain.projected_label_smoothed_nll) = saved
 
 
-def mtpipe_step(vocab: int, dims: dict, precision: str, compiled: bool, fused_loss: bool,
-                args: argparse.Namespace, plain: frozenset[str] = frozenset()) -> tuple[Callable[[Batch], float], str]:
+def mtpipe_step(vocab: int, dims: dict, precision: str, compiled: bool, args: argparse.Namespace,
+                plain: frozenset[str] = frozenset()) -> tuple[Callable[[Batch], float], str]:
     """mtpipe's update as ``mtpipe train`` runs it: ``mtpipe.train.make_train_step`` (forward, loss over the
     non-pad positions, backward, Adam, the paper's schedule, precision and compile settings from TrainConfig);
     ``plain``: with those CPU tricks switched off (:data:`PLAIN`)."""
     from mtpipe import train as mtrain
     from mtpipe.config import TrainConfig
-    from mtpipe.loss import label_smoothed_nll
     from mtpipe.model import Transformer
 
     cfg = ModelConfig(preset="base", encoder_layers=dims["layers"], decoder_layers=dims["layers"],
@@ -336,15 +306,12 @@ def mtpipe_step(vocab: int, dims: dict, precision: str, compiled: bool, fused_lo
     torch.manual_seed(args.seed)
     model = Transformer(cfg, vocab).train()
     run = mtrain.make_train_step(model, tcfg)
-    loss_fn = fused_label_smoothed_nll if fused_loss else label_smoothed_nll
 
     def step(b: Batch) -> float:
-        mtrain.label_smoothed_nll = loss_fn  # the module global LossModule calls (only --loss fused changes it)
         with plain_kernels(plain):
             return float(run(b.src, b.tgt_in, b.tgt_out))
 
-    how = "mtpipe.train.make_train_step" + (" with the bench's fused loss" if fused_loss else "")
-    how += "".join(f"; {PLAIN[t]}" for t in sorted(plain))
+    how = "mtpipe.train.make_train_step" + "".join(f"; {PLAIN[t]}" for t in sorted(plain))
     return step, how
 
 
@@ -435,7 +402,7 @@ def profile(spec: str, batches: list[Batch], vocab: int, args: argparse.Namespac
     from torch.profiler import profile as torch_profile
 
     config, precision = spec.split(":")
-    step, how = mtpipe_step(vocab, DIMS[config], precision, args.compile == "on", args.loss == "fused", args)
+    step, how = mtpipe_step(vocab, DIMS[config], precision, args.compile == "on", args)
     for b in batches[: args.warmup + args.steps]:  # the profiled batches once untimed too (warm kernel caches)
         step(b)
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -484,8 +451,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="first wait up to this long for other processes to leave the CPUs (< 15 %% busy)")
     ap.add_argument("--compile", choices=["off", "on", "both"], default="off",
                     help="mtpipe with train.compile off, on, or both as separate rows")
-    ap.add_argument("--loss", choices=["train", "fused", "both"], default="train",
-                    help="mtpipe's loss: train.py's own, the bench's fused what-if (FusedSmoothedNLL), or both rows")
     ap.add_argument("--plain", default="", help="comma list of mtpipe CPU tricks to time switched off, one row "
                     "each: " + ", ".join(PLAIN))
     ap.add_argument("--reference-bf16", action="store_true", help="also time the reference under bf16 autocast")
@@ -552,16 +517,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.reference_bf16:
             systems.append(System(c, "reference bf16", "bf16", False, reference_step(vocab, DIMS[c], "bf16", args),
                                   "torch.nn.Transformer, bf16 autocast"))
-        losses = {"train": [False], "fused": [True], "both": [False, True]}[args.loss]
         for comp in compiled:
-            for fused in losses:
-                for p in precisions:
-                    step, step_how = mtpipe_step(vocab, DIMS[c], p, comp, fused, args)
-                    name = f"mtpipe {p}" + (" compiled" if comp else "") + (" +fused loss" if fused else "")
-                    systems.append(System(c, name, p, True, step, step_how))
-                    for trick in plain_rows if not comp and not fused else []:
-                        step, step_how = mtpipe_step(vocab, DIMS[c], p, False, False, args, frozenset([trick]))
-                        systems.append(System(c, f"mtpipe {p} plain {trick}", p, True, step, step_how))
+            for p in precisions:
+                step, step_how = mtpipe_step(vocab, DIMS[c], p, comp, args)
+                name = f"mtpipe {p}" + (" compiled" if comp else "")
+                systems.append(System(c, name, p, True, step, step_how))
+                for trick in plain_rows if not comp else []:
+                    step, step_how = mtpipe_step(vocab, DIMS[c], p, False, args, frozenset([trick]))
+                    systems.append(System(c, f"mtpipe {p} plain {trick}", p, True, step, step_how))
         timed = batches[next_batch : next_batch + steps[c]]
         next_batch += steps[c]
         if len(timed) < steps[c]:

@@ -1,4 +1,5 @@
-"""Label-smoothed cross-entropy (paper section 5.4, "Label Smoothing", epsilon_ls = 0.1).
+"""Label-smoothed cross-entropy (paper section 5.4, "Label Smoothing", epsilon_ls = 0.1) of the pre-softmax
+projection (section 3.4), computed a block of target positions at a time.
 
 Convention: Szegedy et al. (2016), the paper's reference [36]. The smoothed target distribution over the K = V
 vocabulary entries (special ids included) is
@@ -12,6 +13,11 @@ so the loss per target token is
 This is what ``torch.nn.functional.cross_entropy(..., label_smoothing=eps)`` computes. (fairseq and tensor2tensor
 instead spread eps / (V - 1) over the non-target entries only; the two differ by a factor V / (V - 1) ~ 1.0001 on
 the smoothing term, immaterial at V = 37000 but a different number, so it is named here.)
+
+:func:`projected_label_smoothed_nll` is what training runs: the logits ``h W^T + b`` of the decoder states are made,
+turned into the loss and its gradient, and dropped, one block of rows at a time. :func:`reference_label_smoothed_nll`
+(the textbook formula on whole logits, differentiated by autograd) is its definition in the tests and the plain
+formulation ``bench/train_throughput.py --plain loss`` times it against.
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ from torch import Tensor
 
 
 def reference_label_smoothed_nll(logits: Tensor, target: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """The textbook formula, differentiated by autograd: the definition that :func:`label_smoothed_nll` is tested
-    against. Same arguments and returns."""
+    """The textbook formula on the whole ``[N, V]`` logits, differentiated by autograd: the definition that
+    :func:`projected_label_smoothed_nll` is tested against. Returns ``(loss_sum, nll_sum)``, float32."""
     lprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
     nll = -lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # [N, 1] -> [N]
     if eps == 0.0:
@@ -35,45 +41,121 @@ def reference_label_smoothed_nll(logits: Tensor, target: Tensor, eps: float) -> 
     return loss.sum(), nll.sum()
 
 
-class _SmoothedNLL(torch.autograd.Function):
-    """:func:`reference_label_smoothed_nll` with a hand-written backward.
+# The float32 logits of one block stay below this many bytes. On CPU the block size barely matters for speed
+# (2-32 MiB measured within a few % of the whole logits on a 2-core Zen 3, 32 MiB the best: 1,024 rows of an 8k
+# vocabulary); what the blocks save is memory, there and on a GPU (the paper's 25k-token batches over 37k pieces
+# would take 3.7 GB per float32 copy of the whole logits).
+_BLOCK_BYTES = {"cpu": 32 << 20, "other": 1 << 30}
+# CPU rows per block are a multiple of this, and the last block is padded up to one: under CPU bf16 autocast the
+# products run in oneDNN, which compiles a kernel per shape (see mtpipe.kernels.linear), so the shapes must repeat.
+_ROW_MULTIPLE = 128
 
-    Why: autograd of the textbook formula makes about eight passes over the ``[N, V]`` logits (log-softmax and its
-    backward, the mean's expanded gradient, gather's zero-filled scatter, their sum, dtype casts), 20-35 % of a small
-    bf16 training step on CPU. Here: one float32 log-softmax that reads the (bf16) logits directly, and a backward
-    ``(g_loss + g_nll) * softmax(z) - g_loss * eps / V`` computed in place in the saved log-probabilities and written
-    straight in the logits' dtype, then the target term at the N target positions.
+
+def _block_rows(device: torch.device, vocab: int) -> int:
+    budget = _BLOCK_BYTES["cpu" if device.type == "cpu" else "other"]
+    rows = budget // (4 * vocab)
+    return max(_ROW_MULTIPLE, rows - rows % _ROW_MULTIPLE)
+
+
+def _compute_dtype(h: Tensor, weight: Tensor) -> torch.dtype:
+    """The products' dtype: autocast's where it is on (bf16 on CPU), else the inputs' common dtype."""
+    device = h.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(h.dtype, weight.dtype)
+
+
+def _blocks(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, eps: float, want_grad: bool):
+    """The loss, the NLL and (``want_grad``) the gradients of the loss with respect to ``h``, ``weight`` and
+    ``bias``, one block of rows at a time; nothing of size ``[N, V]`` is ever held.
+
+    Per block of logits ``z``: ``l = log_softmax(z)`` (float32), ``nll = -l[y]``, ``smooth = -mean(l)``; and
+    ``dloss/dz = softmax(z) - (1 - eps) onehot(y) - eps / V``, written over ``l`` in place, then ``dh = G W`` and
+    ``dW += G^T h``, ``db += sum G``. The products run in the compute dtype (bf16 under CPU autocast, with the
+    softmax, the loss and the accumulated ``dW`` in float32), as the logits' matmul and its backward would.
     """
+    n, vocab = h.size(0), weight.size(0)
+    cdtype = _compute_dtype(h, weight)
+    w = weight.to(cdtype)
+    b = bias.float() if bias is not None else None
+    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    nll = torch.zeros((), dtype=torch.float32, device=h.device)
+    grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if want_grad else None
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if want_grad else None
+    grad_b = torch.zeros(vocab, dtype=torch.float32, device=h.device) if want_grad and bias is not None else None
+    rows = _block_rows(h.device, vocab)
+    pad_to = _ROW_MULTIPLE if h.device.type == "cpu" and cdtype != torch.float32 else 1
+    for lo in range(0, n, rows):
+        hi = min(n, lo + rows)
+        x = h[lo:hi].to(cdtype)  # [c, D]
+        extra = -(hi - lo) % pad_to
+        if extra:  # zero rows, so that the shapes repeat; sliced off below
+            x = torch.cat([x, x.new_zeros(extra, x.size(1))])  # [c + extra, D]
+        z = torch.mm(x, w.t())[: hi - lo]  # [c, V]
+        if b is not None:
+            z = z + b
+        y = target[lo:hi, None]  # [c, 1]
+        lprobs = torch.log_softmax(z, dim=-1, dtype=torch.float32)  # [c, V] float32, one pass
+        block_nll = -lprobs.gather(1, y).sum()
+        nll += block_nll
+        loss += (1.0 - eps) * block_nll - eps * lprobs.sum() / vocab
+        if not want_grad:
+            continue
+        g = lprobs.exp_().sub_(eps / vocab)  # in place: softmax(z) - eps / V, [c, V] float32
+        g.scatter_add_(1, y, g.new_full(y.shape, -(1.0 - eps)))  # - (1 - eps) at each row's target
+        if grad_b is not None:
+            grad_b += g.sum(0)
+        gc = g.to(cdtype)
+        if extra:
+            gc = torch.cat([gc, gc.new_zeros(extra, vocab)])  # [c + extra, V]: the zero rows add nothing to dW
+        grad_h[lo:hi] = torch.mm(gc, w)[: hi - lo]  # [c, V] x [V, D] -> [c, D]
+        if cdtype == torch.float32:
+            grad_w.addmm_(gc.t(), x)  # [V, c] x [c, D]
+        else:
+            grad_w += torch.mm(gc.t(), x)
+    return loss, nll, grad_h, grad_w, grad_b
+
+
+class _ProjectedSmoothedNLL(torch.autograd.Function):
+    """:func:`projected_label_smoothed_nll` with gradients. The loss is the last node of the graph, so its gradient
+    is known up to the upstream factor already in the forward pass: computed there block by block (no ``[N, V]``
+    tensor is saved for the backward pass, which only scales the saved ``dh``, ``dW``, ``db``)."""
 
     @staticmethod
-    def forward(ctx: Any, logits: Tensor, target: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        lprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [N, V]
-        nll = -lprobs.gather(-1, target[:, None]).sum()  # [N, 1] -> scalar
-        smooth = -lprobs.sum() / lprobs.size(-1)
-        ctx.save_for_backward(lprobs, target)
-        ctx.eps, ctx.dtype = eps, logits.dtype
-        return (1.0 - eps) * nll + eps * smooth, nll
+    def forward(ctx: Any, h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
+                eps: float) -> tuple[Tensor, Tensor]:
+        loss, nll, grad_h, grad_w, grad_b = _blocks(h, weight, bias, target, eps, want_grad=True)
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.mark_non_differentiable(nll)  # reported, never trained on
+        return loss, nll
 
     @staticmethod
-    def backward(ctx: Any, g_loss: Tensor, g_nll: Tensor) -> tuple[Tensor, None, None]:
-        lprobs, target = ctx.saved_tensors
-        eps, n, v = ctx.eps, lprobs.size(0), lprobs.size(-1)
-        # d loss / dz = softmax(z) - ((1 - eps) onehot + eps / V);  d nll / dz = softmax(z) - onehot
-        scaled = lprobs.exp_().mul_(g_loss + g_nll)  # in place: g * softmax(z), [N, V] float32
-        grad = torch.sub(scaled, g_loss * (eps / v), out=torch.empty(scaled.shape, dtype=ctx.dtype,
-                                                                         device=scaled.device))  # cast on write
-        flat = torch.arange(n, device=grad.device) * v + target  # [N] offsets of the targets in grad.view(-1)
-        # index_add_, not scatter_add_: the latter is ~1000x slower on bf16 CPU tensors.
-        grad.view(-1).index_add_(0, flat, (-(g_loss * (1.0 - eps) + g_nll)).to(grad.dtype).expand(n))
-        return grad, None, None
+    def backward(ctx: Any, g_loss: Tensor, g_nll: Tensor) -> tuple[Tensor | None, ...]:
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        h_dtype, w_dtype, b_dtype = ctx.dtypes
+        return ((grad_h * g_loss).to(h_dtype), (grad_w * g_loss).to(w_dtype),
+                None if grad_b is None else (grad_b * g_loss).to(b_dtype), None, None)
 
 
-def label_smoothed_nll(logits: Tensor, target: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """Summed smoothed loss and summed plain NLL over ``N`` target tokens.
+def projected_label_smoothed_nll(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
+                                 eps: float) -> tuple[Tensor, Tensor]:
+    """Summed smoothed loss and summed plain NLL of the logits ``h W^T + b`` (the pre-softmax projection, section
+    3.4) over ``N`` target tokens.
 
-    ``logits``: ``[N, V]`` (pads already removed: every row is a real target token); ``target``: ``[N]`` ids.
-    Computed in float32 whatever the autocast dtype of ``logits`` (a bf16 log-softmax over 37k entries loses the
-    small probabilities that the smoothing term sums); the gradient comes back in the logits' dtype. Returns
-    ``(loss_sum, nll_sum)``, both float32 scalars.
+    ``h``: ``[N, D]`` decoder output states (pads already removed: every row is a real target token); ``weight``:
+    ``[V, D]`` (the shared embedding matrix); ``bias``: ``[V]`` or None; ``target``: ``[N]`` ids. Returns
+    ``(loss_sum, nll_sum)``, float32 scalars; only the loss carries a gradient (the NLL is reported, not trained on).
+
+    Why blocks: the ``[N, V]`` logits are the largest tensors of a training step (V = 8k-37k pieces), and autograd
+    keeps several copies of them (the logits, their log-softmax, their gradient). A block of rows is projected,
+    normalised, turned into its share of the loss and of the gradients of ``h``, ``W`` and ``b``, then dropped: the
+    same values with the same matmul FLOPs, at the same speed on CPU (``bench/train_throughput.py --plain loss``
+    measures it), in a fraction of the memory. Everything but the products is float32, whatever
+    the autocast dtype (a bf16 softmax over 37k entries loses the small probabilities that the smoothing term sums).
     """
-    return _SmoothedNLL.apply(logits, target, eps)
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return _ProjectedSmoothedNLL.apply(h, weight, bias, target, eps)
+    loss, nll, *_ = _blocks(h, weight, bias, target, eps, want_grad=False)
+    return loss, nll

@@ -7,7 +7,8 @@
   train the same global batch. DDP all-reduces gradients once per update (``no_sync`` on earlier micro-batches).
 * Loss (5.4): label-smoothed cross-entropy (:mod:`mtpipe.loss`) summed over the real target tokens of the whole
   update (all micro-batches, all ranks) and divided by their count: the gradient equals the one-process gradient.
-  Logits are computed only for non-pad positions (``model.features`` -> boolean select -> ``model.logits``).
+  Logits are computed only for non-pad positions (``model.features`` -> boolean select -> the shared embedding
+  projection), a block of rows at a time inside the loss, which also makes their gradient there.
 * Optimizer (5.3): Adam(beta1, beta2, eps) with ``lr = lr_scale * d_model^-0.5 * min(step^-0.5, step *
   warmup^-1.5)``, optional gradient-norm clipping. Precision: bf16 autocast (GPU, and CPUs with AMX/AVX512-BF16),
   fp16 autocast + grad scaler (GPU), fp32 (TF32 matmuls on GPU); optional ``torch.compile``.
@@ -53,7 +54,7 @@ from mtpipe.batches import (
 from mtpipe.config import ModelConfig, TrainConfig, to_dict
 from mtpipe.console import console, info, progress, warn
 from mtpipe.errors import MtpipeError
-from mtpipe.loss import label_smoothed_nll
+from mtpipe.loss import projected_label_smoothed_nll
 from mtpipe.metrics import Metrics, TextLog, Throughput, Window
 from mtpipe.resume import (
     TrainState,
@@ -112,8 +113,8 @@ def drophead_rate(step: int, warmup: int, total: int, p_start: float, p_end: flo
 
 
 class LossModule(nn.Module):
-    """Features -> non-pad selection -> shared-embedding logits -> smoothed loss sums, as one module so that DDP's
-    forward (which prepares the gradient all-reduce) sees the whole computation."""
+    """Features -> non-pad selection -> shared-embedding projection and smoothed loss sums, as one module so that
+    DDP's forward (which prepares the gradient all-reduce) sees the whole computation."""
 
     def __init__(self, model: nn.Module, label_smoothing: float, features: Callable | None = None):
         super().__init__()
@@ -124,8 +125,10 @@ class LossModule(nn.Module):
     def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> tuple[Tensor, Tensor]:
         h = (self._features or self.model.features)(src, tgt_in)  # [B, T, D]
         real = tgt_out != PAD_ID  # [B, T]
-        logits = self.model.logits(h[real])  # [N, D] -> [N, V]: the output projection on real positions only
-        return label_smoothed_nll(logits, tgt_out[real], self.eps)
+        # The output projection (3.4) on real positions only, [N, D] -> [N, V], a block of rows at a time inside
+        # the loss (mtpipe.loss): the whole [N, V] logits are never made.
+        return projected_label_smoothed_nll(h[real], self.model.output_embedding(), self.model.out_bias,
+                                            tgt_out[real], self.eps)
 
 
 def _is_oom(e: BaseException) -> bool:

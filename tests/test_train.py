@@ -135,52 +135,85 @@ def test_learning_rate_schedule_is_section_5_3() -> None:
     assert learning_rate(100, d, w, scale=2.0) == pytest.approx(2 * learning_rate(100, d, w), rel=1e-12)
 
 
+def _smoothed(logits: torch.Tensor, target: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training loss of ``logits`` themselves: the projection by an identity matrix (V = D)."""
+    from mtpipe.loss import projected_label_smoothed_nll
+
+    return projected_label_smoothed_nll(logits, torch.eye(logits.size(-1), dtype=logits.dtype), None, target, eps)
+
+
 def test_label_smoothing_is_the_textbook_cross_entropy() -> None:
     """Szegedy et al.'s q'(k) = (1 - eps) [k = y] + eps / V: the loss is H(q', p), computed here by hand."""
-    from mtpipe.loss import label_smoothed_nll
-
     # V = 2, p = (1/4, 3/4), target 1, eps = 0.2: q' = (0.1, 0.9).
     logits = torch.tensor([[0.0, math.log(3.0)]])
-    loss, nll = label_smoothed_nll(logits, torch.tensor([1]), 0.2)
+    loss, nll = _smoothed(logits, torch.tensor([1]), 0.2)
     assert loss.item() == pytest.approx(-(0.1 * math.log(0.25) + 0.9 * math.log(0.75)), rel=1e-6)
     assert nll.item() == pytest.approx(-math.log(0.75), rel=1e-6)
     # A uniform prediction costs log V whatever eps is (q' sums to 1).
-    loss, _ = label_smoothed_nll(torch.zeros(3, 7), torch.tensor([0, 3, 6]), 0.1)
+    loss, _ = _smoothed(torch.zeros(3, 7), torch.tensor([0, 3, 6]), 0.1)
     assert loss.item() == pytest.approx(3 * math.log(7), rel=1e-6)
     # Random case against the explicit distribution, and against torch's own label_smoothing (same convention).
     g = torch.Generator().manual_seed(0)
     logits, target, eps = torch.randn(5, 11, generator=g), torch.randint(0, 11, (5,), generator=g), 0.1
     q = torch.full((5, 11), eps / 11).scatter_add_(1, target[:, None], torch.full((5, 1), 1 - eps))
     want = -(q * torch.log_softmax(logits.double(), -1)).sum()
-    loss, nll = label_smoothed_nll(logits, target, eps)
+    loss, nll = _smoothed(logits, target, eps)
     assert loss.item() == pytest.approx(want.item(), rel=1e-6)
     assert loss.item() == pytest.approx(F.cross_entropy(logits, target, label_smoothing=eps, reduction="sum").item(),
                                         rel=1e-6)
     assert nll.item() == pytest.approx(F.cross_entropy(logits, target, reduction="sum").item(), rel=1e-6)
-    # bf16 logits: the loss is still computed in float32.
-    loss16, _ = label_smoothed_nll(logits.bfloat16(), target, eps)
+    # bf16 states: the loss is still computed in float32.
+    loss16, _ = _smoothed(logits.bfloat16(), target, eps)
     assert loss16.dtype == torch.float32
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_loss_gradient_equals_autograd_of_the_formula(eps: float, dtype: torch.dtype) -> None:
-    """The hand-written backward of label_smoothed_nll equals autograd through the textbook formula, for any mix of
-    upstream gradients on (loss, nll), and comes back in the logits' dtype."""
-    from mtpipe.loss import label_smoothed_nll, reference_label_smoothed_nll
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_blockwise_loss_equals_autograd_of_the_formula(eps: float, bias: bool, precision: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loss made a block of rows at a time, its gradient computed in the forward pass, equals the textbook
+    formula on the whole logits differentiated by autograd: loss, NLL, and the gradients of the states, the
+    projection matrix and its bias, with several blocks and a short last one (bf16: under CPU autocast, as training
+    runs it, against autograd of the same products under autocast). Without gradients it gives the same values."""
+    import mtpipe.loss as ml
 
+    n, vocab, d = 300, 13, 6
+    monkeypatch.setitem(ml._BLOCK_BYTES, "cpu", 4 * vocab * ml._ROW_MULTIPLE)  # blocks of 128 rows: 128, 128, 44
     g = torch.Generator().manual_seed(1)
-    base = (3 * torch.randn(9, 13, generator=g)).to(dtype)
-    target = torch.randint(0, 13, (9,), generator=g)
-    grads = []
-    for fn in (label_smoothed_nll, reference_label_smoothed_nll):
-        logits = base.clone().requires_grad_(True)
-        loss, nll = fn(logits, target, eps)
-        (0.7 * loss + 0.3 * nll).backward()
-        grads.append(logits.grad)
-        assert logits.grad.dtype == dtype
-    tol = 1e-6 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(grads[0].float(), grads[1].float(), atol=tol, rtol=tol)
+    h0, w0 = torch.randn(n, d, generator=g), torch.randn(vocab, d, generator=g)
+    b0 = torch.randn(vocab, generator=g) if bias else None
+    target = torch.randint(0, vocab, (n,), generator=g)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    results = []
+    for blockwise in (True, False):
+        h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        b = b0.clone().requires_grad_(True) if b0 is not None else None
+        with autocast:
+            if blockwise:
+                loss, nll = ml.projected_label_smoothed_nll(h, w, b, target, eps)
+            else:
+                loss, nll = ml.reference_label_smoothed_nll(F.linear(h, w, b), target, eps)
+        (0.7 * loss).backward()
+        results.append((loss.detach(), nll.detach(), h.grad, w.grad, None if b is None else b.grad))
+    tol = 1e-5 if precision == "fp32" else 2e-2
+    for got, want in zip(*results):
+        if want is None:
+            assert got is None
+        else:
+            torch.testing.assert_close(got, want, atol=tol * max(1.0, want.abs().max().item()), rtol=tol)
+    with torch.no_grad(), autocast:
+        loss, nll = ml.projected_label_smoothed_nll(h0, w0, b0, target, eps)
+    torch.testing.assert_close((loss, nll), results[0][:2])
+
+
+def test_blockwise_loss_reports_the_nll_without_a_gradient() -> None:
+    """Only the smoothed loss is trained on: the NLL it also returns carries no gradient."""
+    from mtpipe.loss import projected_label_smoothed_nll
+
+    h = torch.randn(4, 3, requires_grad=True)
+    loss, nll = projected_label_smoothed_nll(h, torch.randn(5, 3), None, torch.tensor([0, 1, 2, 3]), 0.1)
+    assert loss.requires_grad and not nll.requires_grad
 
 
 def test_accumulation_keeps_the_global_batch() -> None:
@@ -345,17 +378,17 @@ def test_nonfinite_loss_skips_the_update_then_stops(data: tuple[Path, Path], tmp
                                                     monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     import mtpipe.train as mt
 
-    real = mt.label_smoothed_nll
+    real = mt.projected_label_smoothed_nll
     calls = {"n": 0, "bad": set()}
 
-    def flaky(logits, target, eps):
+    def flaky(h, weight, bias, target, eps):
         calls["n"] += 1
-        loss, nll = real(logits, target, eps)
+        loss, nll = real(h, weight, bias, target, eps)
         if calls["n"] in calls["bad"]:
             loss = loss * float("nan")
         return loss, nll
 
-    monkeypatch.setattr(mt, "label_smoothed_nll", flaky)
+    monkeypatch.setattr(mt, "projected_label_smoothed_nll", flaky)
     calls["bad"] = {3}  # the first micro-batch of update 2 (2 micro-batches per update)
     s = mt.train_model(mcfg(), tcfg(max_steps=4, valid_every_steps=0, save_every_steps=0), *data, tmp_path / "a")
     assert s["steps"] == 4  # the skipped update does not count
