@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mtpipe.kernels import _ROW_BLOCK
+
 
 def reference_label_smoothed_nll(logits: Tensor, target: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """The textbook formula on the whole ``[N, V]`` logits, differentiated by autograd: the definition that
@@ -46,9 +48,10 @@ def reference_label_smoothed_nll(logits: Tensor, target: Tensor, eps: float) -> 
 # vocabulary); what the blocks save is memory, there and on a GPU (the paper's 25k-token batches over 37k pieces
 # would take 3.7 GB per float32 copy of the whole logits).
 _BLOCK_BYTES = {"cpu": 32 << 20, "other": 1 << 30}
-# CPU rows per block are a multiple of this, and the last block is padded up to one: under CPU bf16 autocast the
-# products run in oneDNN, which compiles a kernel per shape (see mtpipe.kernels.linear), so the shapes must repeat.
-_ROW_MULTIPLE = 128
+# CPU rows per block are a multiple of mtpipe.kernels' row block, and the last block is padded up to one: under CPU
+# bf16 autocast the products run in oneDNN, which compiles a kernel per shape (mtpipe.kernels.linear), so the shapes
+# must repeat.
+_ROW_MULTIPLE = _ROW_BLOCK
 
 
 def _block_rows(device: torch.device, vocab: int) -> int:
