@@ -14,17 +14,15 @@ interleaved in rounds (train, decode, data; train, decode, data; ...) because th
    layers, 4 heads, d_ff 1024) and the paper's ``base`` dims, max tokens 4096 per batch. Measured as fairseq measures
    ``wps``: tokens over the wall time of each interval of updates (data loading included), the first interval
    skipped (warm-up), the median interval reported. fairseq logs target tokens only: converted to src+tgt with the
-   corpus ratio of the spm files (as ``fs_wps.py``). Targets: bf16 >= 3x fairseq (small), >= 4x (base); fp32 >= 1.2x.
-2. **decode** -- beam 4, alpha 0.6, max length source + 50 per sentence, on the first ``--decode-sentences`` of
-   test_2016_flickr: ``fairseq-generate`` (its own timer; batch 64; its |Y|^alpha penalty), mtpipe fp32 and bf16
-   (``mtpipe.decode.translate``, what ``mtpipe decode`` runs; GNMT penalty by default; the exact search, and in bf16
-   also ``decode.stop=finished``, the stopping rule of fairseq-generate and CTranslate2), and CTranslate2 fp32 and
-   int8 on mtpipe's weights (``mtpipe export``; CTranslate2's |Y|^alpha penalty; batch 64; one call, whose length
-   limit is the longest sentence's, unless ``--ct2-limit sentence``). Sentences/s and target tokens/s (hypothesis
-   pieces without EOS), and BLEU so the outputs can be judged. The fairseq and mtpipe models are different models
-   (same dims, different training) and produce outputs of different lengths: target tokens/s normalises for that,
-   sentences/s does not.
-   Targets: mtpipe's best >= 2.5x fairseq-generate and >= 1.0x CTranslate2 fp32.
+   corpus ratio of the spm files (as ``fs_wps.py``). Targets: fp32 >= 1.5x fairseq (the headline); bf16
+   >= 3x, where the CPU has native bf16.
+2. **decode** -- every system on the same weights (fairseq's anchor model: fairseq, mtpipe after ``mtpipe import``,
+   CTranslate2 after ``mtpipe export``; mtpipe's model: mtpipe and CTranslate2), the same search (beam 4, stop once 4
+   hypotheses finished, |Y|^0.6, max length source + 50), the same batches (``--decode-max-tokens`` source tokens),
+   a warm-up for each, on the first ``--decode-sentences`` of test_2016_flickr; mtpipe fp32, bf16 where native, int8.
+   Sentences/s and target tokens/s (hypothesis pieces without EOS), sacreBLEU and output lengths to show the outputs
+   match. Targets: mtpipe fp32 >= 1.0x CTranslate2 fp32, mtpipe's best mode >= 1.0x CTranslate2's best, >= 3x
+   fairseq-generate.
 3. **data** -- ``fairseq-preprocess`` (binarising the already SentencePiece-encoded text, ``--joined-dictionary
    --workers 2``) against ``mtpipe bpe --spm-model`` (encoding the fetch artifact's raw text with the same model) +
    ``mtpipe bucket``, process wall times, at Multi30k size and at ``--data-pairs`` (Multi30k train repeated; fetch
@@ -32,7 +30,9 @@ interleaved in rounds (train, decode, data; train, decode, data; ...) because th
    Target: mtpipe >= 3x.
 4. ``--quality MINUTES`` (its own mode): fairseq and mtpipe (``mtpipe train``, train.precision auto) trained for the
    same wall time, small dims, the same warm-up (400) and peak learning rate (1e-3), then beam 4 on
-   test_2016_flickr and sacreBLEU. Target: mtpipe >= fairseq + 1 BLEU.
+   test_2016_flickr and sacreBLEU. Target: mtpipe >= fairseq + 1 BLEU. ``--quality-run DIR`` instead compares with
+   an existing ``mtpipe train`` run (e.g. the quickstart's): fairseq trains for that run's minutes with the run's
+   settings or its own anchor settings (``--quality-fairseq``), each side's model and alpha chosen on valid.
 
     python bench/anchors.py --smoke --out /tmp/anchors-smoke         # every part, tiny step counts (a few minutes)
     python bench/anchors.py --rounds 2 --out bench/out/anchors        # the comparison (see bench/README.md: time)
@@ -1104,14 +1104,87 @@ torch.save(states[0], out)
 """
 
 
+def fairseq_settings(which: str, mc: dict[str, Any], tc: dict[str, Any], updates: int | None,
+                     every: int) -> tuple[dict[str, Any], list[Any]]:
+    """fairseq-train flags for the quality comparison (appended after ``fs_train.sh``'s own; its argparse keeps the
+    last value) and a summary of them.
+
+    ``run``: the mtpipe run's model and schedule as fairseq can express them: dims, dropouts, label smoothing, norm
+    position (``--*-normalize-before``), warm-up and peak learning rate; the run's ``linear`` schedule (decay to 0
+    where the time budget ends) as fairseq's ``polynomial_decay`` (power 1) to 0 at ``updates``, fairseq's own
+    expected update count in the budget (it has no time-based schedule, so it is given the count up front).
+    ``anchors``: ``fs_train.sh``'s own settings (d256, 3+3 layers, dropout 0.1, lr 1e-3, warm-up 400,
+    inverse square root), only the time budget, the seed and the checkpoint spacing added."""
+    if which == "anchors":
+        return ({"settings": "fairseq's anchor settings (fs_train.sh)", "d_model": 256, "layers": "3+3",
+                 "dropout": 0.1, "peak_lr": 1e-3, "warmup": 400, "schedule": "inverse_sqrt",
+                 "save_every_updates": every}, [])
+    peak = tc["lr_scale"] * mc["d_model"] ** -0.5 * tc["warmup"] ** -0.5
+    flags: list[Any] = ["--encoder-layers", mc["encoder_layers"], "--decoder-layers", mc["decoder_layers"],
+                        "--encoder-embed-dim", mc["d_model"], "--decoder-embed-dim", mc["d_model"],
+                        "--encoder-ffn-embed-dim", mc["d_ff"], "--decoder-ffn-embed-dim", mc["d_ff"],
+                        "--encoder-attention-heads", mc["heads"], "--decoder-attention-heads", mc["heads"],
+                        "--dropout", mc["dropout"], "--attention-dropout", mc["attention_dropout"],
+                        "--activation-dropout", mc["relu_dropout"], "--label-smoothing", tc["label_smoothing"],
+                        "--lr", f"{peak:.6g}", "--warmup-updates", tc["warmup"]]
+    if mc.get("norm_position") == "pre":
+        flags += ["--encoder-normalize-before", "--decoder-normalize-before"]
+    schedule = tc.get("schedule", "inverse_sqrt")
+    if schedule == "linear":
+        if not updates:
+            raise SystemExit("--quality-run: the run's schedule is linear (decay to 0 at the budget's end); give "
+                             "fairseq its expected update count in the budget with --quality-fs-updates N")
+        flags += ["--lr-scheduler", "polynomial_decay", "--total-num-update", updates, "--end-learning-rate", 0,
+                  "--power", 1, "--max-update", updates]
+    elif schedule != "inverse_sqrt":
+        raise SystemExit(f"--quality-run: schedule {schedule!r} has no fairseq counterpart here")
+    return ({"settings": "the mtpipe run's", "d_model": mc["d_model"],
+             "layers": f"{mc['encoder_layers']}+{mc['decoder_layers']}", "norm_position": mc.get("norm_position"),
+             "dropout": mc["dropout"], "peak_lr": peak, "warmup": tc["warmup"],
+             "schedule": "polynomial_decay to 0 at %s updates" % updates if schedule == "linear" else schedule,
+             "save_every_updates": every}, flags)
+
+
+def fs_train_script(e: Env, flags: list[Any]) -> Path:
+    """``fs_train.sh``, or, when ``flags`` set another learning-rate scheduler, a copy of it under the work dir
+    without its inverse-square-root scheduler's options (fairseq refuses ``--warmup-init-lr`` with
+    ``polynomial_decay``); every other setting of the anchor script stays as it is."""
+    script = e.script("fs_train.sh")
+    if "--lr-scheduler" not in flags:
+        return script
+    text = script.read_text()
+    for opt in ("--lr-scheduler inverse_sqrt ", "--warmup-init-lr 1e-7 "):
+        if opt not in text:
+            raise SystemExit(f"{script}: expected '{opt.strip()}' in it, to replace the scheduler")
+        text = text.replace(opt, "")
+    out = e.work / "fs_train_scheduler.sh"
+    out.write_text(text)
+    return out
+
+
+def fairseq_rate_probe(e: Env, flags: list[Any], updates: int = 200) -> float:
+    """fairseq's updates per second with ``flags``: a short ``fs_train.sh`` run (no checkpoints), the rate between
+    its first logged interval (start-up and warm-up excluded) and its last, from the log's cumulative ``wall``."""
+    log = e.logs / "quality_fairseq_rate_probe.log"
+    sh(["bash", fs_train_script(e, flags), updates, e.work / "fs-rate-probe", *flags, "--max-update", updates,
+        "--no-save", "--log-interval", 25], log, e.env)
+    points = [(int(u), float(w)) for u, w in
+              re.findall(r"num_updates=(\d+),.*?\bwall=([\d.]+)", log.read_text(errors="replace"))]
+    if len(points) < 3:
+        raise SystemExit(f"{log}: too few logged intervals to measure fairseq's rate")
+    (u0, w0), (u1, w1) = points[1], points[-1]
+    return (u1 - u0) / max(w1 - w0, 1e-9)
+
+
 def run_quality_vs_run(e: Env, args: argparse.Namespace) -> dict[str, Any]:
     """Quality at an equal budget against an existing ``mtpipe train`` run (``--quality-run DIR``, e.g. the
-    quickstart's ``artifacts/train``): fairseq trains for the run's own training minutes (``train.json``) with the
-    run's model and schedule (dims, dropouts, label smoothing, warm-up, peak learning rate, 4,096-token batches), on
-    the same pieces (``--tokens``' spm model, see :func:`anchors_with_spm`), saving every ``save_every_steps``
-    updates; both sides average their last ``--quality-average`` checkpoints, pick the length-penalty alpha on the
-    valid split from ``--quality-alphas`` (each with its own penalty formula), and decode test_2016_flickr with
-    beam 4. sacreBLEU of both."""
+    quickstart's ``artifacts/train``): fairseq trains for the run's own training minutes (``train.json``), on the
+    same pieces (``--tokens``' spm model, see :func:`anchors_with_spm`), with ``--quality-fairseq`` settings (the
+    run's model and schedule, or fairseq's anchor settings: :func:`fairseq_settings`), saving a checkpoint every
+    ~5 % of its expected updates (``--quality-fs-updates``; else the run's spacing); both sides average their last
+    ``--quality-average`` checkpoints, pick the model (average or last) and the length-penalty alpha on the valid
+    split from ``--quality-alphas`` (each with its own penalty formula), and decode test_2016_flickr with beam 4.
+    sacreBLEU of both."""
     run, tokens = Path(args.quality_run), Path(args.tokens)
     info = json.loads((run / "train.json").read_text())
     ck = latest_checkpoint(run)
@@ -1119,30 +1192,32 @@ def run_quality_vs_run(e: Env, args: argparse.Namespace) -> dict[str, Any]:
     params = json.loads((ck / "manifest.json").read_text())["params"]
     mc, tc = params["model"], params["train"]
     minutes = float(info["train_minutes"])
-    peak = tc["lr_scale"] * mc["d_model"] ** -0.5 * tc["warmup"] ** -0.5
-    every, keep = tc["save_every_steps"] or 133, args.quality_average
-    q = e.work / f"quality-run-{minutes:.1f}min"
+    expected = args.quality_fs_updates
+    if not expected and (args.quality_fairseq == "anchors" or tc.get("schedule") == "linear"):
+        # fairseq's own rate with these settings, from a short run: where its linear schedule ends, and the spacing
+        # of its checkpoints (every ~5 % of its run, as the quickstart saves every 5 % of its budget)
+        _, probe_flags = fairseq_settings(args.quality_fairseq, mc, tc, 10**9, 10**9)
+        expected = fairseq_rate_probe(e, probe_flags + ["--seed", tc["seed"]]) * minutes * 60
+        expected = int(expected)
+        say(f"quality: fairseq's expected updates in {minutes:.1f} min: {expected}")
+    every = (max(1, round(expected / 20)) if expected else tc["save_every_steps"] or 133)
+    keep = args.quality_average
+    settings, fs_flags = fairseq_settings(args.quality_fairseq, mc, tc, expected, every)
+    settings["expected_updates"] = expected
+    q = e.work / f"quality-run-{minutes:.1f}min-{args.quality_fairseq}-seed{tc['seed']}"
     done = q / "fs" / "trained.json"  # a finished fairseq run is reused (e.g. after a failure in the decoding part)
     if not done.exists():
         shutil.rmtree(q, ignore_errors=True)
         q.mkdir(parents=True)
-    say(f"quality: fairseq-train for {minutes:.1f} min, the mtpipe run's settings (dropout {mc['dropout']}, "
-        f"warm-up {tc['warmup']}, peak lr {peak:.3g}, label smoothing {tc['label_smoothing']})")
+    say(f"quality: fairseq-train for {minutes:.1f} min, {settings}")
     fs_log = e.logs / "quality_fairseq_train.log"
-    fs_flags = ["--encoder-layers", mc["encoder_layers"], "--decoder-layers", mc["decoder_layers"],
-                "--encoder-embed-dim", mc["d_model"], "--decoder-embed-dim", mc["d_model"],
-                "--encoder-ffn-embed-dim", mc["d_ff"], "--decoder-ffn-embed-dim", mc["d_ff"],
-                "--encoder-attention-heads", mc["heads"], "--decoder-attention-heads", mc["heads"],
-                "--dropout", mc["dropout"], "--attention-dropout", mc["attention_dropout"],
-                "--activation-dropout", mc["relu_dropout"], "--label-smoothing", tc["label_smoothing"],
-                "--lr", f"{peak:.6g}", "--warmup-updates", tc["warmup"], "--seed", tc["seed"],
-                "--stop-time-hours", minutes / 60, "--save-interval-updates", every,
-                "--keep-interval-updates", keep, "--log-interval", 50]
+    fs_flags += ["--seed", tc["seed"], "--stop-time-hours", minutes / 60, "--save-interval-updates", every,
+                 "--keep-interval-updates", keep, "--log-interval", 50]
     if done.exists():
         say(f"quality: reusing the finished fairseq run in {q / 'fs'}")
         fs_wall, fs_updates = (json.loads(done.read_text())[k] for k in ("wall", "updates"))
     else:
-        fs_wall = sh(["bash", e.script("fs_train.sh"), 10**9, q / "fs", *fs_flags], fs_log, e.env)
+        fs_wall = sh(["bash", fs_train_script(e, fs_flags), 10**9, q / "fs", *fs_flags], fs_log, e.env)
         fs_updates = re.findall(r"num_updates[=: ]+(\d+)", fs_log.read_text(errors="replace"))
         done.write_text(json.dumps({"wall": fs_wall, "updates": fs_updates}))
     fs_ckpts = sorted(q.joinpath("fs").glob("checkpoint_*_*.pt"), key=lambda p: int(p.stem.split("_")[-1]))[-keep:]
@@ -1173,8 +1248,7 @@ def run_quality_vs_run(e: Env, args: argparse.Namespace) -> dict[str, Any]:
         return bleu((out / f"{split}.txt").read_text(encoding="utf-8").split("\n")[:-1], refs[split])
 
     res: dict[str, Any] = {"minutes": minutes, "sentences": len(refs["test"]), "average": keep,
-                           "settings": {"model": mc, "peak_lr": peak, "warmup": tc["warmup"],
-                                        "label_smoothing": tc["label_smoothing"], "save_every_updates": every}}
+                           "fairseq_settings": settings, "mtpipe_settings": {"model": mc, "train": tc}}
     for name, fn, penalty in (("fairseq", fairseq_bleu, "|Y|^alpha"), ("mtpipe", mtpipe_bleu, "((5+|Y|)/6)^alpha")):
         valid = {f"{which} alpha={a:g}": fn("valid", which, a) for which in ("average", "last")
                  for a in args.quality_alphas}
@@ -1203,7 +1277,9 @@ def print_quality(out: Path, meta: dict[str, Any], res: dict[str, Any]) -> None:
                   f"{res[s].get('model', 'last')}, {res[s].get('alpha', 0.6)}",
                   f"{res[s]['bleu']:.2f}")
     con = Console(stderr=True, width=160, highlight=False)
-    con.print(f"quality at equal budget: {res['minutes']:g} min of training each, small dims, beam 4, "
+    if "fairseq_settings" in res:
+        con.print(f"fairseq settings: {res['fairseq_settings']}")
+    con.print(f"quality at equal budget: {res['minutes']:g} min of training each, beam 4, "
               f"{res['sentences']} test_2016_flickr sentences, {meta['date']} UTC, {meta['machine']['cpu_model']}, "
               f"{meta['threads']} threads" + (" (SMOKE: not a measurement)" if meta["smoke"] else ""))
     con.print(t)
@@ -1217,7 +1293,10 @@ def print_quality(out: Path, meta: dict[str, Any], res: dict[str, Any]) -> None:
         + "".join(f"| {s} | {res[s]['updates']} | {res[s]['process_wall_s']:.0f} | "
                   f"{res[s].get('model', 'last')}, {res[s].get('alpha', 0.6)} "
                   f"| {res[s]['bleu']:.2f} |\n" for s in ("fairseq", "mtpipe"))
-        + f"\nmtpipe - fairseq = {res['delta_bleu']:+.2f} BLEU (target >= +1)\n", encoding="utf-8")
+        + f"\nmtpipe - fairseq = {res['delta_bleu']:+.2f} BLEU (target >= +1)\n"
+        + (f"\nfairseq settings: {res['fairseq_settings']}\n" if "fairseq_settings" in res else "")
+        + "".join(f"\n{s} valid BLEU: {res[s]['valid_bleu']}\n" for s in ("fairseq", "mtpipe")
+                  if "valid_bleu" in res[s]), encoding="utf-8")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1248,6 +1327,12 @@ def main(argv: list[str] | None = None) -> int:
                          "`mtpipe train` run (with --tokens: its bpe artifact), then both averaged, alpha picked on "
                          "valid, beam 4 + sacreBLEU on test")
     ap.add_argument("--quality-average", type=int, default=5, help="--quality-run: checkpoints averaged per side")
+    ap.add_argument("--quality-fairseq", choices=("run", "anchors"), default="run",
+                    help="--quality-run: fairseq's settings: the mtpipe run's model and schedule (default), or "
+                         "fairseq's anchor settings (fs_train.sh: d256, 3+3, dropout 0.1, lr 1e-3, warm-up 400)")
+    ap.add_argument("--quality-fs-updates", type=int, default=0,
+                    help="--quality-run: fairseq's expected updates in the budget (measure it with a short run): "
+                         "where its linear schedule ends, and a checkpoint every 1/20 of it")
     ap.add_argument("--quality-alphas", default="0.6,1.0,1.5",
                     help="--quality-run: length-penalty alphas tried on valid, per system")
     ap.add_argument("--spm-model", default=None,
