@@ -1197,8 +1197,7 @@ def run_quality_vs_run(e: Env, args: argparse.Namespace) -> dict[str, Any]:
         # fairseq's own rate with these settings, from a short run: where its linear schedule ends, and the spacing
         # of its checkpoints (every ~5 % of its run, as the quickstart saves every 5 % of its budget)
         _, probe_flags = fairseq_settings(args.quality_fairseq, mc, tc, 10**9, 10**9)
-        expected = fairseq_rate_probe(e, probe_flags + ["--seed", tc["seed"]]) * minutes * 60
-        expected = int(expected)
+        expected = int(fairseq_rate_probe(e, probe_flags + ["--seed", tc["seed"]]) * minutes * 60)
         say(f"quality: fairseq's expected updates in {minutes:.1f} min: {expected}")
     every = (max(1, round(expected / 20)) if expected else tc["save_every_steps"] or 133)
     keep = args.quality_average
