@@ -119,11 +119,17 @@ def batches_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[list[int]
     return batches
 
 
-def precision_context(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """bf16 autocast (matmuls in bf16, softmax/log-softmax in fp32) or nothing for fp32."""
-    if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+@contextlib.contextmanager
+def decoding_context(device: torch.device, precision: str) -> Iterator[None]:
+    """What decoding steps run under: bf16 autocast for precision bf16 (matmuls in bf16, softmax/log-softmax in
+    fp32; nothing for fp32), and on a GPU the attention kernels that suit a step's ever-changing shapes
+    (:func:`mtpipe.kernels.decoding_attention`)."""
+    from mtpipe.kernels import decoding_attention
+
+    autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if precision == "bf16"
+                else contextlib.nullcontext())
+    with autocast, decoding_attention(device):
+        yield
 
 
 def bf16_copy(model: Any) -> Any:
@@ -205,7 +211,7 @@ def translate_batches(model: Any, sources: Sequence[Sequence[int]], rules: Decod
     step = (lambda tokens, state: model.step(tokens, state, lazy=True)) if cache else uncached_step(model)
     if on_done is not None and len(todo) < len(sources):
         on_done(len(sources) - len(todo))
-    with torch.inference_mode(), precision_context(device, precision):
+    with torch.inference_mode(), decoding_context(device, precision):
         for sub in batches_by_tokens([lengths[i] for i in todo], max_tokens):
             batch = [todo[j] for j in sub]
             width = lengths[batch[0]]
@@ -659,7 +665,7 @@ def translate_inputs(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None = 
 
 
 __all__ = ["INPUT_SPLIT", "Inputs", "Model", "MtpipeEngine", "PrefixState", "batches_by_tokens", "bf16_copy",
-           "detokenise", "fit_sources", "open_model", "precision_context", "read_lines", "read_sources",
+           "detokenise", "fit_sources", "open_model", "decoding_context", "read_lines", "read_sources",
            "resolve_inputs", "stdin_fd", "stream_batches", "text_lines", "Totals", "translate", "translate_batches",
            "translate_inputs", "translate_sources", "translate_stream", "uncached_step", "validate",
            "write_hypotheses"]

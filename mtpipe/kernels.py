@@ -1,6 +1,7 @@
-"""CPU speed tricks behind :mod:`mtpipe.model`: how its operations are computed, never what they compute.
+"""Speed choices behind :mod:`mtpipe.model` (CPU tricks, and one GPU kernel choice for decoding): how its operations
+are computed, never what they compute.
 
-Each function here is a drop-in for a plain torch formulation (named in its docstring) that was measurably slow on
+Each CPU function here is a drop-in for a plain torch formulation (named in its docstring) that was measurably slow on
 CPU for this model's shapes; the measurements are in BENCHMARKS.md (``bench/train_throughput.py``,
 ``bench/decode_speed.py``). On GPUs, under ``torch.compile`` and wherever the trick does not apply, each falls back
 to the plain formulation. In fp32 eval under ``no_grad`` (validation, decoding) the outputs are bit-identical to the
@@ -8,6 +9,8 @@ plain formulation; with gradients on, :func:`explicit_attention` differs from th
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -130,6 +133,24 @@ def autocast_activations(x: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------------------------------------
 # Scaled dot-product attention (section 3.2.1) as two matmuls
 # --------------------------------------------------------------------------------------------------------------------
+
+
+def decoding_attention(device: torch.device) -> contextlib.AbstractContextManager:
+    """On a GPU, ``F.scaled_dot_product_attention`` limited to the flash, memory-efficient and math kernels while
+    decoding; elsewhere nothing.
+
+    Why: for bf16 and fp16 on recent GPUs torch may pick cuDNN's attention, which builds an execution graph for every
+    new input shape. A decoding step's keys grow by one position each step and its batch shrinks as sentences
+    finish, so nearly every call is a new shape. Seen on an H200 (torch 2.11, CUDA 13): bf16 beam search of the
+    quickstart model ran at 66-76 sentences/s against fp32's 860-940, with 10.4 of its 13.7 s inside
+    ``scaled_dot_product_attention`` (1,516 calls); fp32 never uses cuDNN's kernel. The other kernels need no
+    per-shape set-up. Training keeps torch's choice: its batch shapes repeat every epoch.
+    """
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def prefer_explicit_attention(q: Tensor) -> bool:

@@ -296,11 +296,11 @@ def _decoding_model(engine: Any) -> Any:
 
 def _translate_prepared(model: Any, engine: Any) -> Callable[[Sequence[Sequence[int]], Any], list[list[Any]]]:
     """``translate(sources, rules)`` over the model :func:`_decoding_model` made: ``mtpipe decode``'s batches."""
-    from mtpipe.decode import precision_context, translate_batches
+    from mtpipe.decode import decoding_context, translate_batches
 
     def translate(sources: Sequence[Sequence[int]], rules: Any) -> list[list[Any]]:
         # bf16: the autocast translate_batches enters for precision bf16, around the ready bf16 copy.
-        with precision_context(engine.device, engine.precision):
+        with decoding_context(engine.device, engine.precision):
             return translate_batches(model, sources, rules, max_tokens=engine.max_tokens, precision="fp32",
                                      device=engine.device)
 
@@ -363,7 +363,7 @@ class StreamLane:
     def poll(self) -> list[tuple[int, Any]]:
         import torch
 
-        from mtpipe.decode import precision_context
+        from mtpipe.decode import decoding_context
 
         finished: list[tuple[int, Any]] = []
         for rules, stream in list(self.streams.items()):
@@ -372,7 +372,7 @@ class StreamLane:
                 continue
             try:
                 # bf16: the autocast translate_batches enters for precision bf16, around the ready bf16 copy.
-                with torch.inference_mode(), precision_context(self.device, self.precision):
+                with torch.inference_mode(), decoding_context(self.device, self.precision):
                     done = stream.step()
             except Exception as e:  # noqa: BLE001 - the stream's requests fail (500); the server goes on
                 error = RuntimeError(f"decoding failed: {_first_line(e)}")

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -398,6 +399,31 @@ def test_bf16_autocast_decodes(model):
     assert len(out) == len(srcs)
     for hyps in out:
         assert math.isfinite(hyps[0].score) and all(4 <= t < 40 or t == UNK_ID for t in hyps[0].tokens)
+
+
+def test_decoding_context_keeps_cudnn_attention_out_on_gpus_only():
+    """On a GPU, decoding runs without cuDNN's attention kernel (a new execution graph per shape, and every step's
+    keys are one longer), with the others allowed; on CPU the backend switches stay as they are; both restored after.
+    The switches are process-wide flags that exist without a GPU, so this runs anywhere (CUDA autocast does not:
+    a CPU-only torch turns it off with a warning, so the bf16 half is checked on CPU)."""
+    from mtpipe.decode import decoding_context
+
+    cuda = torch.backends.cuda
+    before = (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
+              cuda.math_sdp_enabled())
+    assert before[0], "torch's default allows cuDNN attention; this test needs that default"
+    for precision in ("fp32", "bf16"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # CUDA autocast on a CPU-only torch: "disabled"
+            with decoding_context(torch.device("cuda", 0), precision):
+                assert not cuda.cudnn_sdp_enabled()
+                assert cuda.flash_sdp_enabled() and cuda.mem_efficient_sdp_enabled() and cuda.math_sdp_enabled()
+        with decoding_context(torch.device("cpu"), precision):
+            assert cuda.cudnn_sdp_enabled()
+            assert torch.is_autocast_enabled("cpu") == (precision == "bf16")
+        assert (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
+                cuda.math_sdp_enabled()) == before
+        assert not torch.is_autocast_enabled("cpu")
 
 
 # --------------------------------------------------------------------------------------------------------------------
