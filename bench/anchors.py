@@ -33,6 +33,9 @@ interleaved in rounds (train, decode, data; train, decode, data; ...) because th
    test_2016_flickr and sacreBLEU. Target: mtpipe >= fairseq + 1 BLEU. ``--quality-run DIR`` instead compares with
    an existing ``mtpipe train`` run (e.g. the quickstart's): fairseq trains for that run's minutes with the run's
    settings or its own anchor settings (``--quality-fairseq``), each side's model and alpha chosen on valid.
+   ``--quality-equal-updates`` with ``--quality-run`` compares at an equal number of updates instead: the run must
+   have ended at its own ``train.max_steps`` (its schedule ends there), and fairseq trains exactly as many updates,
+   with no time limit.
 
     python bench/anchors.py --smoke --out /tmp/anchors-smoke         # every part, tiny step counts (a few minutes)
     python bench/anchors.py --rounds 2 --out bench/out/anchors        # the comparison (see bench/README.md: time)
@@ -1104,15 +1107,25 @@ torch.save(states[0], out)
 """
 
 
+def linear_crossing(peak: float, warmup: int, total: int) -> tuple[float, int]:
+    """Where mtpipe's ``linear`` schedule (``mtpipe.train.linear_learning_rate``: ``P min(step / w, 1 - step / T)``)
+    peaks for a budget of ``total`` updates: ``(learning rate, update)`` at ``c = w T / (w + T)``."""
+    c = warmup * total / (warmup + total)
+    return peak * c / warmup, max(1, round(c))
+
+
 def fairseq_settings(which: str, mc: dict[str, Any], tc: dict[str, Any], updates: int | None,
                      every: int) -> tuple[dict[str, Any], list[Any]]:
     """fairseq-train flags for the quality comparison (appended after ``fs_train.sh``'s own; its argparse keeps the
     last value) and a summary of them.
 
     ``run``: the mtpipe run's model and schedule as fairseq can express them: dims, dropouts, label smoothing, norm
-    position (``--*-normalize-before``), warm-up and peak learning rate; the run's ``linear`` schedule (decay to 0
-    where the time budget ends) as fairseq's ``polynomial_decay`` (power 1) to 0 at ``updates``, fairseq's own
-    expected update count in the budget (it has no time-based schedule, so it is given the count up front).
+    position (``--*-normalize-before``), warm-up and peak learning rate; the run's ``linear`` schedule as fairseq's
+    ``polynomial_decay`` (power 1) to 0 at ``updates``, fairseq's own expected update count in the budget (it has no
+    time-based schedule, so it is given the count up front). mtpipe's ``linear`` is the lower of the warm-up line
+    (peak P at ``warmup`` w) and a line from P at the start down to 0 at the end (T), so the two cross at
+    ``c = w T / (w + T)``, below P (:func:`linear_crossing`); ``polynomial_decay`` warms up to its ``--lr`` and then
+    decays to 0 at T, so it gets ``--lr P c / w`` and ``--warmup-updates c``: the same two lines.
     ``anchors``: ``fs_train.sh``'s own settings (d256, 3+3 layers, dropout 0.1, lr 1e-3, warm-up 400,
     inverse square root), only the time budget, the seed and the checkpoint spacing added."""
     if which == "anchors":
@@ -1134,6 +1147,9 @@ def fairseq_settings(which: str, mc: dict[str, Any], tc: dict[str, Any], updates
         if not updates:
             raise SystemExit("--quality-run: the run's schedule is linear (decay to 0 at the budget's end); give "
                              "fairseq its expected update count in the budget with --quality-fs-updates N")
+        top, crossing = linear_crossing(peak, tc["warmup"], updates)
+        i = flags.index("--lr")
+        flags[i + 1:i + 4] = [f"{top:.6g}", "--warmup-updates", crossing]
         flags += ["--lr-scheduler", "polynomial_decay", "--total-num-update", updates, "--end-learning-rate", 0,
                   "--power", 1, "--max-update", updates]
     elif schedule != "inverse_sqrt":
@@ -1141,7 +1157,9 @@ def fairseq_settings(which: str, mc: dict[str, Any], tc: dict[str, Any], updates
     return ({"settings": "the mtpipe run's", "d_model": mc["d_model"],
              "layers": f"{mc['encoder_layers']}+{mc['decoder_layers']}", "norm_position": mc.get("norm_position"),
              "dropout": mc["dropout"], "peak_lr": peak, "warmup": tc["warmup"],
-             "schedule": "polynomial_decay to 0 at %s updates" % updates if schedule == "linear" else schedule,
+             "schedule": (f"mtpipe's linear: polynomial_decay from {linear_crossing(peak, tc['warmup'], updates)[0]:.4g}"
+                          f" at update {linear_crossing(peak, tc['warmup'], updates)[1]} to 0 at {updates}"
+                          if schedule == "linear" else schedule),
              "save_every_updates": every}, flags)
 
 
@@ -1193,6 +1211,13 @@ def run_quality_vs_run(e: Env, args: argparse.Namespace) -> dict[str, Any]:
     mc, tc = params["model"], params["train"]
     minutes = float(info["train_minutes"])
     expected = args.quality_fs_updates
+    if args.quality_equal_updates:
+        # Equal updates: the run's schedule must have ended where it stopped (train.max_steps), so that fairseq's
+        # polynomial decay to 0 at the same count is the same schedule; fairseq then gets no time limit.
+        if int(tc.get("max_steps") or 0) != int(info["steps"]):
+            raise SystemExit(f"--quality-equal-updates: {run} stopped at {info['steps']} updates, not at its "
+                             f"train.max_steps ({tc.get('max_steps')}): train it with --max-steps N --max-time 0")
+        expected = int(info["steps"])
     if not expected and (args.quality_fairseq == "anchors" or tc.get("schedule") == "linear"):
         # fairseq's own rate with these settings, from a short run: where its linear schedule ends, and the spacing
         # of its checkpoints (every ~5 % of its run, as the quickstart saves every 5 % of its budget)
@@ -1203,15 +1228,19 @@ def run_quality_vs_run(e: Env, args: argparse.Namespace) -> dict[str, Any]:
     keep = args.quality_average
     settings, fs_flags = fairseq_settings(args.quality_fairseq, mc, tc, expected, every)
     settings["expected_updates"] = expected
-    q = e.work / f"quality-run-{minutes:.1f}min-{args.quality_fairseq}-seed{tc['seed']}"
+    q = e.work / (f"quality-updates-{expected}-{args.quality_fairseq}-seed{tc['seed']}" if args.quality_equal_updates
+                  else f"quality-run-{minutes:.1f}min-{args.quality_fairseq}-seed{tc['seed']}")
     done = q / "fs" / "trained.json"  # a finished fairseq run is reused (e.g. after a failure in the decoding part)
     if not done.exists():
         shutil.rmtree(q, ignore_errors=True)
         q.mkdir(parents=True)
-    say(f"quality: fairseq-train for {minutes:.1f} min, {settings}")
+    say(f"quality: fairseq-train for " + (f"{expected} updates" if args.quality_equal_updates else
+                                          f"{minutes:.1f} min") + f", {settings}")
     fs_log = e.logs / "quality_fairseq_train.log"
-    fs_flags += ["--seed", tc["seed"], "--stop-time-hours", minutes / 60, "--save-interval-updates", every,
-                 "--keep-interval-updates", keep, "--log-interval", 50]
+    fs_flags += ["--seed", tc["seed"], "--save-interval-updates", every, "--keep-interval-updates", keep,
+                 "--log-interval", 50]
+    if not args.quality_equal_updates:
+        fs_flags += ["--stop-time-hours", minutes / 60]
     if done.exists():
         say(f"quality: reusing the finished fairseq run in {q / 'fs'}")
         fs_wall, fs_updates = (json.loads(done.read_text())[k] for k in ("wall", "updates"))
@@ -1247,6 +1276,7 @@ def run_quality_vs_run(e: Env, args: argparse.Namespace) -> dict[str, Any]:
         return bleu((out / f"{split}.txt").read_text(encoding="utf-8").split("\n")[:-1], refs[split])
 
     res: dict[str, Any] = {"minutes": minutes, "sentences": len(refs["test"]), "average": keep,
+                           "equal_updates": expected if args.quality_equal_updates else None,
                            "fairseq_settings": settings, "mtpipe_settings": {"model": mc, "train": tc}}
     for name, fn, penalty in (("fairseq", fairseq_bleu, "|Y|^alpha"), ("mtpipe", mtpipe_bleu, "((5+|Y|)/6)^alpha")):
         valid = {f"{which} alpha={a:g}": fn("valid", which, a) for which in ("average", "last")
@@ -1278,7 +1308,9 @@ def print_quality(out: Path, meta: dict[str, Any], res: dict[str, Any]) -> None:
     con = Console(stderr=True, width=160, highlight=False)
     if "fairseq_settings" in res:
         con.print(f"fairseq settings: {res['fairseq_settings']}")
-    con.print(f"quality at equal budget: {res['minutes']:g} min of training each, beam 4, "
+    budget = (f"{res['equal_updates']} updates each" if res.get("equal_updates")
+              else f"{res['minutes']:g} min of training each")
+    con.print(f"quality at equal budget: {budget}, beam 4, "
               f"{res['sentences']} test_2016_flickr sentences, {meta['date']} UTC, {meta['machine']['cpu_model']}, "
               f"{meta['threads']} threads" + (" (SMOKE: not a measurement)" if meta["smoke"] else ""))
     con.print(t)
@@ -1287,7 +1319,7 @@ def print_quality(out: Path, meta: dict[str, Any], res: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "quality.json").write_text(json.dumps({**meta, "quality": res}, indent=1, default=str), encoding="utf-8")
     (out / "quality.md").write_text(
-        f"# Quality at equal budget ({meta['date']} UTC)\n\n`{meta['command']}`\n\n"
+        f"# Quality at equal budget: {budget} ({meta['date']} UTC)\n\n`{meta['command']}`\n\n"
         "| system | updates | process wall s | model, alpha (on valid) | sacreBLEU |\n|---|---|---|---|---|\n"
         + "".join(f"| {s} | {res[s]['updates']} | {res[s]['process_wall_s']:.0f} | "
                   f"{res[s].get('model', 'last')}, {res[s].get('alpha', 0.6)} "
@@ -1332,6 +1364,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quality-fs-updates", type=int, default=0,
                     help="--quality-run: fairseq's expected updates in the budget (measure it with a short run): "
                          "where its linear schedule ends, and a checkpoint every 1/20 of it")
+    ap.add_argument("--quality-equal-updates", action="store_true",
+                    help="--quality-run: fairseq trains as many updates as the run made (the run must have stopped "
+                         "at its train.max_steps), with no time limit, instead of the run's minutes")
     ap.add_argument("--quality-alphas", default="0.6,1.0,1.5",
                     help="--quality-run: length-penalty alphas tried on valid, per system")
     ap.add_argument("--spm-model", default=None,
@@ -1397,6 +1432,8 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [p for p in parts if p not in ("train", "decode", "data")]:
         ap.error(f"--only: unknown part(s) {bad}")
     args.quality_alphas = [float(a) for a in args.quality_alphas.split(",") if a.strip()]
+    if args.quality_equal_updates and not args.quality_run:
+        ap.error("--quality-equal-updates needs --quality-run")
     if args.quality_run:
         if not args.tokens:
             ap.error("--quality-run needs --tokens (the run's bpe artifact)")
