@@ -1133,34 +1133,32 @@ def fairseq_settings(which: str, mc: dict[str, Any], tc: dict[str, Any], updates
                  "dropout": 0.1, "peak_lr": 1e-3, "warmup": 400, "schedule": "inverse_sqrt",
                  "save_every_updates": every}, [])
     peak = tc["lr_scale"] * mc["d_model"] ** -0.5 * tc["warmup"] ** -0.5
+    schedule = tc.get("schedule", "inverse_sqrt")
+    lr, warmup, scheduler = peak, tc["warmup"], []
+    if schedule == "linear":
+        if not updates:
+            raise SystemExit("--quality-run: the run's schedule is linear (decay to 0 at the budget's end); give "
+                             "fairseq its expected update count in the budget with --quality-fs-updates N")
+        lr, warmup = linear_crossing(peak, tc["warmup"], updates)
+        scheduler = ["--lr-scheduler", "polynomial_decay", "--total-num-update", updates, "--end-learning-rate", 0,
+                     "--power", 1, "--max-update", updates]
+    elif schedule != "inverse_sqrt":
+        raise SystemExit(f"--quality-run: schedule {schedule!r} has no fairseq counterpart here")
     flags: list[Any] = ["--encoder-layers", mc["encoder_layers"], "--decoder-layers", mc["decoder_layers"],
                         "--encoder-embed-dim", mc["d_model"], "--decoder-embed-dim", mc["d_model"],
                         "--encoder-ffn-embed-dim", mc["d_ff"], "--decoder-ffn-embed-dim", mc["d_ff"],
                         "--encoder-attention-heads", mc["heads"], "--decoder-attention-heads", mc["heads"],
                         "--dropout", mc["dropout"], "--attention-dropout", mc["attention_dropout"],
                         "--activation-dropout", mc["relu_dropout"], "--label-smoothing", tc["label_smoothing"],
-                        "--lr", f"{peak:.6g}", "--warmup-updates", tc["warmup"]]
+                        "--lr", f"{lr:.6g}", "--warmup-updates", warmup]
     if mc.get("norm_position") == "pre":
         flags += ["--encoder-normalize-before", "--decoder-normalize-before"]
-    schedule = tc.get("schedule", "inverse_sqrt")
-    if schedule == "linear":
-        if not updates:
-            raise SystemExit("--quality-run: the run's schedule is linear (decay to 0 at the budget's end); give "
-                             "fairseq its expected update count in the budget with --quality-fs-updates N")
-        top, crossing = linear_crossing(peak, tc["warmup"], updates)
-        i = flags.index("--lr")
-        flags[i + 1:i + 4] = [f"{top:.6g}", "--warmup-updates", crossing]
-        flags += ["--lr-scheduler", "polynomial_decay", "--total-num-update", updates, "--end-learning-rate", 0,
-                  "--power", 1, "--max-update", updates]
-    elif schedule != "inverse_sqrt":
-        raise SystemExit(f"--quality-run: schedule {schedule!r} has no fairseq counterpart here")
     return ({"settings": "the mtpipe run's", "d_model": mc["d_model"],
              "layers": f"{mc['encoder_layers']}+{mc['decoder_layers']}", "norm_position": mc.get("norm_position"),
              "dropout": mc["dropout"], "peak_lr": peak, "warmup": tc["warmup"],
-             "schedule": (f"mtpipe's linear: polynomial_decay from {linear_crossing(peak, tc['warmup'], updates)[0]:.4g}"
-                          f" at update {linear_crossing(peak, tc['warmup'], updates)[1]} to 0 at {updates}"
+             "schedule": (f"mtpipe's linear: polynomial_decay from {lr:.4g} at update {warmup} to 0 at {updates}"
                           if schedule == "linear" else schedule),
-             "save_every_updates": every}, flags)
+             "save_every_updates": every}, flags + scheduler)
 
 
 def fs_train_script(e: Env, flags: list[Any]) -> Path:
