@@ -153,6 +153,11 @@ class ModelConfig(Section):
                            "to keep pieces the original vocabulary lacks out of the softmax).", default=False)
     decoder_start: str = _h("The decoder's first input token: bos (<s>, mtpipe's) or eos (</s>, as fairseq and "
                             "Marian start decoding).", default="bos", choices=("bos", "eos"))
+    init: str = _h("Weight initialisation. xavier: every projection matrix Xavier-uniform over its whole shape, "
+                   "biases 0 (mtpipe's default). fairseq: as fairseq 0.12's transformer, each query, key and value "
+                   "matrix Xavier-uniform with gain 1/sqrt(2), their biases and the feed-forward layers PyTorch's "
+                   "nn.Linear default U(+-1/sqrt(fan_in)): smaller feed-forward weights. Embeddings are "
+                   "N(0, d_model^-0.5) either way.", default="xavier", choices=("xavier", "fairseq"))
     layerdrop: float = _h("LayerDrop p (Fan et al. 2019): in training each encoder and decoder layer is skipped with "
                           "probability p (paper: 0.2); `--prune` removes layers at inference.", default=0.0, ge=0, lt=1)
     attention_window: int = _h("Restricted self-attention (paper section 4): r > 0 lets each position attend only to "

@@ -168,6 +168,21 @@ class MultiHeadAttention(nn.Module):
             self.kv = Linear(d_model, heads * (d_k + d_v))
         self.out = Linear(heads * d_v, d_model)
 
+    def fairseq_init(self) -> None:
+        """``model.init=fairseq``: each query, key and value matrix Xavier-uniform with gain 1/sqrt(2) (bound
+        sqrt(3 / (d_model + h d_k)), as fairseq initialises them, per matrix, not over the fused shape), their biases
+        U(+-1/sqrt(d_model)) (nn.Linear's default); W^O Xavier-uniform, its bias 0."""
+        with torch.no_grad():
+            hk, hv = self.heads * self.d_k, self.heads * self.d_v
+            parts = [(self.qkv, [hk, hk, hv])] if self.self_attention else [(self.q, [hk]), (self.kv, [hk, hv])]
+            for lin, sizes in parts:
+                fan_in = lin.weight.size(1)
+                for w in lin.weight.split(sizes, dim=0):  # views [h*d, D] of the fused matrix: W^Q, W^K, W^V
+                    nn.init.xavier_uniform_(w, gain=2**-0.5)
+                nn.init.uniform_(lin.bias, -(fan_in**-0.5), fan_in**-0.5)
+            nn.init.xavier_uniform_(self.out.weight)
+            nn.init.zeros_(self.out.bias)
+
     def _split(self, x: Tensor, d: int) -> Tensor:
         b, length, _ = x.shape
         return x.view(b, length, self.heads, d).transpose(1, 2)  # [B, L, h*d] -> [B, L, h, d] -> [B, h, L, d]
@@ -270,6 +285,11 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w1, self.w2 = Linear(d_model, d_ff), Linear(d_ff, d_model)
         self.relu_dropout = relu_dropout
+
+    def fairseq_init(self) -> None:
+        """``model.init=fairseq``: nn.Linear's default for both layers, weights and biases U(+-1/sqrt(fan_in))."""
+        for lin in (self.w1, self.w2):
+            nn.Linear.reset_parameters(lin)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(dropout(F.relu(self.w1(x)), self.relu_dropout, self.training))
@@ -409,7 +429,8 @@ class Transformer(nn.Module):
         """Xavier-uniform projections and N(0, d_model^-0.5) embeddings (as tensor2tensor initialised the paper's
         models): with the sqrt(d_model) scale the embedded inputs start at unit variance, like the positions.
         Learned positions start at N(0, d_model^-0.5) (fairseq's choice); ScaleNorm's and FixNorm's g at
-        sqrt(d_model) (Nguyen & Salazar 2019)."""
+        sqrt(d_model) (Nguyen & Salazar 2019). ``model.init=fairseq`` then re-draws the attention and feed-forward
+        layers as fairseq does (:meth:`MultiHeadAttention.fairseq_init`, :meth:`FeedForward.fairseq_init`)."""
         tables = ("embed.weight", "embed_tgt.weight", "out_proj", "positions", "tgt_positions")
         for name, p in self.named_parameters():
             if p.dim() == 2 and name not in tables:
@@ -428,6 +449,8 @@ class Transformer(nn.Module):
         for m in self.modules():
             if isinstance(m, ScaleNorm):
                 m.reset_parameters()
+            elif self.cfg.init == "fairseq" and isinstance(m, (MultiHeadAttention, FeedForward)):
+                m.fairseq_init()
 
     # -- 3.4 / 3.5 embeddings --------------------------------------------------------------------------------------
 

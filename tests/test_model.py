@@ -154,3 +154,31 @@ def test_training_mode_uses_dropout_and_eval_does_not() -> None:
     m.eval()
     with torch.no_grad():
         torch.testing.assert_close(m(src, tgt), m(src, tgt), rtol=0, atol=0)
+
+
+def test_fairseq_init_draws_each_projection_as_fairseq_does() -> None:
+    """``model.init=fairseq``: W^Q, W^K, W^V each within Xavier's bound with gain 1/sqrt(2) for its own [h d_k, D]
+    shape (not the fused matrix's), filling it (uniform draws reach near the bound); their biases U(+-1/sqrt(D));
+    the feed-forward layers nn.Linear's U(+-1/sqrt(fan_in)), which the default Xavier init exceeds."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(preset="tiny", d_model=64, d_ff=256, heads=4)
+    m = build_model(ModelConfig(**{**cfg.__dict__, "init": "fairseq"}), V)
+    d = m.cfg.d_model
+    qkv_bound = 2**-0.5 * (6 / (d + d)) ** 0.5  # Xavier, gain 1/sqrt(2), fan_in = fan_out = D
+    for layer in list(m.encoder) + list(m.decoder):
+        blocks = list(layer.self_attn.qkv.weight.split(d, 0))
+        biases = [layer.self_attn.qkv.bias]
+        if hasattr(layer, "cross_attn"):
+            blocks += [layer.cross_attn.q.weight, *layer.cross_attn.kv.weight.split(d, 0)]
+            biases += [layer.cross_attn.q.bias, layer.cross_attn.kv.bias]
+        for w in blocks:
+            assert 0.95 * qkv_bound < w.abs().max() <= qkv_bound
+        for b in biases:
+            assert 0.9 * d**-0.5 < b.abs().max() <= d**-0.5
+        assert layer.self_attn.out.bias.abs().max() == 0
+        for lin in (layer.ffn.w1, layer.ffn.w2):
+            bound = lin.weight.size(1) ** -0.5
+            assert 0.95 * bound < lin.weight.abs().max() <= bound and 0 < lin.bias.abs().max() <= bound
+    default = build_model(cfg, V)
+    assert default.encoder[0].ffn.w2.weight.abs().max() > 1.5 * 256**-0.5  # Xavier's bound is ~2x larger here
+    assert default.encoder[0].self_attn.qkv.bias.abs().max() == 0
