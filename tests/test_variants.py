@@ -278,7 +278,7 @@ def test_checkpoint_configs_from_before_the_variants_compare_equal() -> None:
     """A checkpoint written before these fields existed is the paper's model: resume and average accept it."""
     new = to_dict(cfg().resolved())
     old = {k: v for k, v in new.items() if k not in ("norm_position", "norm", "fixnorm", "positions", "layerdrop",
-                                                         "share_embeddings", "output_bias", "decoder_start")}
+                                                         "share_embeddings", "output_bias", "decoder_start", "init")}
     assert with_model_defaults(old) == new
     assert build_model(old, V).cfg == cfg().resolved()
 
@@ -424,7 +424,7 @@ VERBS = [("sees", "sieht"), ("likes", "mag"), ("eats", "isst"), ("finds", "finde
 OBJECTS = [("an apple", "einen apfel"), ("a ball", "einen ball"), ("the house", "das haus"), ("a book", "ein buch")]
 TRAINED = dict(preset="tiny", encoder_layers=4, decoder_layers=4, d_model=32, d_ff=64, heads=4, max_positions=48,
                norm_position="pre", norm="scale", fixnorm=True, positions="learned", layerdrop=0.25,
-               attention_window=2)
+               attention_window=2, init="fairseq")
 
 
 def tcfg(**kw) -> TrainConfig:
@@ -438,7 +438,7 @@ def tcfg(**kw) -> TrainConfig:
 def run(tmp_path_factory) -> dict:
     """A bpe artifact with a real SentencePiece model, its bucket artifact, and a short training run of a model with
     every variant (pre-norm + ScaleNorm + FixNorm + learned positions + LayerDrop + restricted self-attention r = 2,
-    DropHead in training)."""
+    fairseq's initialisation, DropHead in training)."""
     from mtpipe import bucket, train
 
     threads = torch.get_num_threads()
@@ -477,8 +477,9 @@ def test_variant_training_resumes_bitwise_and_logs_the_drophead_schedule(run) ->
     out = run["out"]
     assert run["summary"]["steps"] == 8
     ck = artifacts.load_checkpoint(out / "checkpoints" / "step_00000008")
-    assert {k: ck.model_config[k] for k in ("norm_position", "norm", "fixnorm", "positions", "layerdrop")} == {
-        "norm_position": "pre", "norm": "scale", "fixnorm": True, "positions": "learned", "layerdrop": 0.25}
+    keys = ("norm_position", "norm", "fixnorm", "positions", "layerdrop", "init")
+    assert {k: ck.model_config[k] for k in keys} == {"norm_position": "pre", "norm": "scale", "fixnorm": True,
+                                                    "positions": "learned", "layerdrop": 0.25, "init": "fairseq"}
     rates = dict((int(a), float(b)) for a, b in (ln.split("\t") for ln in (
         out / "live" / "plots" / "metrics" / "train" / "drophead.tsv").read_text().splitlines()[1:]))
     assert rates[1] == pytest.approx(0.15) and rates[4] == 0.0 and rates[8] == pytest.approx(0.1)
