@@ -1228,10 +1228,6 @@ def run_quality_vs_run(e: Env, args: argparse.Namespace) -> dict[str, Any]:
     settings["expected_updates"] = expected
     q = e.work / (f"quality-updates-{expected}-{args.quality_fairseq}-seed{tc['seed']}" if args.quality_equal_updates
                   else f"quality-run-{minutes:.1f}min-{args.quality_fairseq}-seed{tc['seed']}")
-    done = q / "fs" / "trained.json"  # a finished fairseq run is reused (e.g. after a failure in the decoding part)
-    if not done.exists():
-        shutil.rmtree(q, ignore_errors=True)
-        q.mkdir(parents=True)
     say(f"quality: fairseq-train for " + (f"{expected} updates" if args.quality_equal_updates else
                                           f"{minutes:.1f} min") + f", {settings}")
     fs_log = e.logs / "quality_fairseq_train.log"
@@ -1239,13 +1235,22 @@ def run_quality_vs_run(e: Env, args: argparse.Namespace) -> dict[str, Any]:
                  "--log-interval", 50]
     if not args.quality_equal_updates:
         fs_flags += ["--stop-time-hours", minutes / 60]
-    if done.exists():
-        say(f"quality: reusing the finished fairseq run in {q / 'fs'}")
-        fs_wall, fs_updates = (json.loads(done.read_text())[k] for k in ("wall", "updates"))
-    else:
+    # A finished fairseq run is reused (e.g. after a failure in the decoding part), but only one trained with these
+    # very flags: a run from before a change of the settings mapping is trained again, not silently compared.
+    done = q / "fs" / "trained.json"
+    record = json.loads(done.read_text()) if done.exists() else None
+    if record is not None and record.get("flags") != [str(f) for f in fs_flags]:
+        say(f"quality: the finished fairseq run in {q / 'fs'} ran other flags: training it again")
+        record = None
+    if record is None:
+        shutil.rmtree(q, ignore_errors=True)
+        q.mkdir(parents=True)
         fs_wall = sh(["bash", fs_train_script(e, fs_flags), 10**9, q / "fs", *fs_flags], fs_log, e.env)
         fs_updates = re.findall(r"num_updates[=: ]+(\d+)", fs_log.read_text(errors="replace"))
-        done.write_text(json.dumps({"wall": fs_wall, "updates": fs_updates}))
+        done.write_text(json.dumps({"wall": fs_wall, "updates": fs_updates, "flags": [str(f) for f in fs_flags]}))
+    else:
+        say(f"quality: reusing the finished fairseq run in {q / 'fs'}")
+        fs_wall, fs_updates = record["wall"], record["updates"]
     fs_ckpts = sorted(q.joinpath("fs").glob("checkpoint_*_*.pt"), key=lambda p: int(p.stem.split("_")[-1]))[-keep:]
     fs_avg = q / "fs" / "averaged.pt"
     sh([e.fs_py, "-c", FS_AVERAGE, *fs_ckpts, fs_avg], e.logs / "quality_fairseq_average.log", e.env)

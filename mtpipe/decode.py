@@ -665,7 +665,7 @@ def translate_inputs(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None = 
 
 
 __all__ = ["INPUT_SPLIT", "Inputs", "Model", "MtpipeEngine", "PrefixState", "batches_by_tokens", "bf16_copy",
-           "detokenise", "fit_sources", "open_model", "decoding_context", "read_lines", "read_sources",
+           "decoding_context", "detokenise", "fit_sources", "open_model", "read_lines", "read_sources",
            "resolve_inputs", "stdin_fd", "stream_batches", "text_lines", "Totals", "translate", "translate_batches",
            "translate_inputs", "translate_sources", "translate_stream", "uncached_step", "validate",
            "write_hypotheses"]

@@ -171,7 +171,7 @@ class MultiHeadAttention(nn.Module):
     def fairseq_init(self) -> None:
         """``model.init=fairseq``: each query, key and value matrix Xavier-uniform with gain 1/sqrt(2) (bound
         sqrt(3 / (d_model + h d_k)), as fairseq initialises them, per matrix, not over the fused shape), their biases
-        U(+-1/sqrt(d_model)) (nn.Linear's default); W^O Xavier-uniform, its bias 0."""
+        U(+-1/sqrt(d_model)) (nn.Linear's default). W^O keeps its Xavier-uniform weight and zero bias, as in fairseq."""
         with torch.no_grad():
             hk, hv = self.heads * self.d_k, self.heads * self.d_v
             parts = [(self.qkv, [hk, hk, hv])] if self.self_attention else [(self.q, [hk]), (self.kv, [hk, hv])]
@@ -180,8 +180,6 @@ class MultiHeadAttention(nn.Module):
                 for w in lin.weight.split(sizes, dim=0):  # views [h*d, D] of the fused matrix: W^Q, W^K, W^V
                     nn.init.xavier_uniform_(w, gain=2**-0.5)
                 nn.init.uniform_(lin.bias, -(fan_in**-0.5), fan_in**-0.5)
-            nn.init.xavier_uniform_(self.out.weight)
-            nn.init.zeros_(self.out.bias)
 
     def _split(self, x: Tensor, d: int) -> Tensor:
         b, length, _ = x.shape
