@@ -27,11 +27,17 @@ Its BLEU is printed so the lengths of its outputs can be judged; a few minutes o
     python bench/decode_speed.py --checkpoint artifacts/average --tokens artifacts/bpe
     python bench/decode_speed.py --sentences 200 --markdown /tmp/table.md
     python bench/decode_speed.py --profile                        # torch.profiler table of mtpipe's decode
+    python bench/decode_speed.py --checkpoint ... --tokens ... --no-naive --plain ranking,projection --precisions fp32
+
+``--plain ranking,projection`` adds a row per decoding trick with that trick switched off (:data:`PLAIN`), decoded
+in the same interleaved batches, with mtpipe's speed over that row's per round: each trick's worth on this CPU.
+``--no-naive`` leaves the naive decoder out (it re-decodes every prefix, the slowest by far).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gzip
 import math
@@ -60,6 +66,29 @@ from mtpipe.console import console, fmt, progress, table  # noqa: E402
 from mtpipe.decode import batches_by_tokens, translate  # noqa: E402
 from mtpipe.model import Transformer, build_model  # noqa: E402
 from mtpipe.search import Hypothesis  # noqa: E402
+
+# Decoding tricks --plain can switch off for one row each: what each is replaced with.
+PLAIN = {
+    "ranking": "one top-k over every sentence's k x V extensions instead of mtpipe.search.top_candidates' chunks",
+    "projection": "F.linear on the [V, D] matrix instead of Transformer.decoding_logits' [D, V] copy",
+}
+
+
+@contextlib.contextmanager
+def plain_decoding(model: Transformer, tricks: frozenset[str]):
+    """mtpipe's decoding with the named tricks (:data:`PLAIN`) switched off, for the length of one batch."""
+    import mtpipe.search as search
+
+    chunk = search._CHUNK
+    if "ranking" in tricks:
+        search._CHUNK = 1 << 40  # no vocabulary has 4 chunks of this width: top_candidates takes one top-k
+    if "projection" in tricks:
+        object.__setattr__(model, "decoding_logits", model.logits)  # shadows the method on this model only
+    try:
+        yield
+    finally:
+        search._CHUNK = chunk
+        model.__dict__.pop("decoding_logits", None)
 
 DATA = Path(os.environ.get("MTPIPE_MULTI30K", REPO / "data" / "multi30k"))  # {split}.{en,de}.gz
 
@@ -216,7 +245,8 @@ def train_small(workdir: Path, tokens: Path, minutes: float, threads: int, batch
 
 
 def interleaved(model: Transformer, sources: list[list[int]], cfgs: dict[str, DecodeConfig], rounds: int,
-                clock: str) -> tuple[dict[tuple[str, str], list[float]], dict[tuple[str, str], list[list[Hypothesis]]]]:
+                clock: str, names: list[str]
+                ) -> tuple[dict[tuple[str, str], list[float]], dict[tuple[str, str], list[list[Hypothesis]]]]:
     """Seconds per round and outputs of every (decoder, precision), interleaved batch by batch.
 
     ``clock``: ``wall`` (elapsed time) or ``cpu`` (this process's CPU time, all threads: less sensitive to other
@@ -227,7 +257,7 @@ def interleaved(model: Transformer, sources: list[list[int]], cfgs: dict[str, De
     drift fall on all of them alike instead of on whichever ran during a slow minute.
     """
     precisions = list(cfgs)
-    keys = [(name, p) for p in precisions for name in ("naive", "mtpipe")]
+    keys = [(name, p) for p in precisions for name in names]
     max_tokens = cfgs[precisions[0]].max_tokens
     batches = batches_by_tokens([len(s) + 1 for s in sources], max_tokens)
     seconds = {key: [0.0] * rounds for key in keys}
@@ -241,7 +271,9 @@ def interleaved(model: Transformer, sources: list[list[int]], cfgs: dict[str, De
                     sub = [sources[i] for i in batch]
                     now = time.perf_counter if clock == "wall" else own_cpu
                     start = now()
-                    out = translate(model, sub, cfgs[p], "cpu", cache=name == "mtpipe")
+                    tricks = frozenset(t for t in PLAIN if name == f"mtpipe, plain {t}")
+                    with plain_decoding(model, tricks):
+                        out = translate(model, sub, cfgs[p], "cpu", cache=name != "naive")
                     seconds[(name, p)][r] += now() - start
                     for i, hyps in zip(batch, out):
                         outputs[(name, p)][i] = hyps
@@ -285,7 +317,15 @@ def main() -> None:
                     help="First wait up to this long for other processes to leave the CPUs (< 15%% busy).")
     ap.add_argument("--markdown", type=Path, help="Also write the result table as Markdown here.")
     ap.add_argument("--profile", action="store_true", help="Profile mtpipe's fp32 decode instead of benchmarking.")
+    ap.add_argument("--plain", default="", help="comma list of decoding tricks to time switched off, one row each: "
+                    + "; ".join(f"{k}: {v}" for k, v in PLAIN.items()))
+    ap.add_argument("--no-naive", action="store_true", help="Leave the (slow) naive decoder out.")
     args = ap.parse_args()
+    plain_rows = [t for t in args.plain.split(",") if t]
+    for t in plain_rows:
+        if t not in PLAIN:
+            ap.error(f"--plain: unknown {t!r} (choose from {', '.join(PLAIN)})")
+    names = ([] if args.no_naive else ["naive"]) + ["mtpipe"] + [f"mtpipe, plain {t}" for t in plain_rows]
 
     import sentencepiece as spm
 
@@ -325,7 +365,7 @@ def main() -> None:
     ticks0, own0 = cpu_ticks(), own_cpu()
     for p in precisions:  # warm-up: allocator, oneDNN kernels, autocast
         translate(model, sources[:48], cfgs[p], "cpu")
-    runs, outputs = interleaved(model, sources, cfgs, args.rounds, args.clock)
+    runs, outputs = interleaved(model, sources, cfgs, args.rounds, args.clock, names)
     others = others_share(ticks0, own0)
     console.print(f"other processes used {100 * others:.0f} % of the machine's CPU time during the run")
 
@@ -335,27 +375,34 @@ def main() -> None:
     rows, md_rows = [], []
     ref_tokens = best(("mtpipe", precisions[0]))
     for p in precisions:
-        naive_s = sum(runs[("naive", p)]) / args.rounds
-        for name in ("naive", "mtpipe"):
+        naive_s = sum(runs[("naive", p)]) / args.rounds if "naive" in names else None
+        mtpipe_rounds = runs[("mtpipe", p)]
+        for name in names:
             secs = sum(runs[(name, p)]) / args.rounds
             hyps = best((name, p))
             ntok = sum(len(h) for h in hyps)
-            same_naive = sum(a == b for a, b in zip(hyps, best(("naive", p)))) / len(hyps)
+            same_naive = (sum(a == b for a, b in zip(hyps, best(("naive", p)))) / len(hyps)
+                          if naive_s is not None else None)
             same_ref = sum(a == b for a, b in zip(hyps, ref_tokens)) / len(hyps)
+            # mtpipe's speed over this row's, per round (the rounds interleave, so each pair shares its minutes)
+            per_round = sorted(o / m for m, o in zip(mtpipe_rounds, runs[(name, p)]))
             bleu = ""
             if refs is not None:
                 import sacrebleu
 
                 bleu = f"{sacrebleu.corpus_bleu(sp.decode(hyps), [refs]).score:.1f}"
-            row = [name, p, round(secs, 1), len(hyps) / secs, ntok / secs, f"{naive_s / secs:.2f}x",
-                   f"{100 * same_naive:.1f}%", f"{100 * same_ref:.1f}%", bleu]
+            row = [name, p, round(secs, 1), len(hyps) / secs, ntok / secs,
+                   f"{naive_s / secs:.2f}x" if naive_s is not None else "-",
+                   f"{per_round[len(per_round) // 2]:.2f}x ({per_round[0]:.2f}-{per_round[-1]:.2f})",
+                   f"{100 * same_naive:.1f}%" if same_naive is not None else "-", f"{100 * same_ref:.1f}%", bleu]
             rows.append(row)
             md_rows.append([fmt(v) for v in row])
-    header = ["decoder", "precision", "seconds", "sentences/s", "tgt tokens/s", "vs naive", "same as naive",
+    header = ["decoder", "precision", "seconds", "sentences/s", "tgt tokens/s", "vs naive",
+              "mtpipe's speed / this row's, per round: median (min-max)", "same as naive",
               f"same as mtpipe {precisions[0]}", "BLEU"]
     table(f"decode speed: beam {args.beam}, alpha {args.alpha}, {len(sources):,} sentences, {args.threads} threads",
           header, rows)
-    fp32 = [float(r[5][:-1]) for r in rows if r[0] == "mtpipe" and r[1] == "fp32"]
+    fp32 = [float(r[5][:-1]) for r in rows if r[0] == "mtpipe" and r[1] == "fp32" and r[5] != "-"]
     if fp32:
         verdict = "met" if fp32[0] >= 4.0 else "MISSED"
         console.print(f"target mtpipe >= 4x naive at fp32: {fp32[0]:.2f}x, {verdict}")

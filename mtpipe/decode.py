@@ -175,6 +175,7 @@ def int8_copy(model: Any) -> Any:
         projection = _int8_linear(model.output_embedding(), model.out_bias)
     # An instance attribute set past nn.Module's registry shadows the ``logits`` method for this copy only.
     object.__setattr__(twin, "logits", projection)
+    object.__setattr__(twin, "decoding_logits", projection)
     return twin
 
 

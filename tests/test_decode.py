@@ -232,8 +232,9 @@ def test_stop_finished_stops_once_enough_hypotheses_finished():
 
 def fairseq_search(table, max_len: int, beam: int, penalty: LengthPenalty, stop_after: int, nbest: int):
     """fairseq's beam search written plainly for one sentence: the 2 x beam best extensions of the live hypotheses;
-    those among the top `beam` that end in EOS finish, the best `beam` that do not are the next live beam; stop
-    once `stop_after` have finished (or nothing is live). EOS only after max_len tokens. Returns (n-best, steps)."""
+    those among the top `beam` that end in EOS finish (in rank order, until `stop_after` have: fairseq 0.12's
+    finalize_hypos keeps no more than that), the best `beam` that do not are the next live beam; stop once
+    `stop_after` have finished (or nothing is live). EOS only after max_len tokens. Returns (n-best, steps)."""
     live, finished, steps = [((), 0.0)], [], 0
     while True:
         steps += 1
@@ -246,13 +247,30 @@ def fairseq_search(table, max_len: int, beam: int, penalty: LengthPenalty, stop_
         nxt = []
         for rank, (score, prefix, tok) in enumerate(cands):
             if tok == EOS_ID:
-                if rank < beam:
+                if rank < beam and len(finished) < stop_after:  # fairseq keeps the first stop_after, by rank
                     finished.append((score / penalty(len(prefix) + 1), prefix))
             elif len(nxt) < beam:
                 nxt.append((prefix + (tok,), score))
         if len(finished) >= stop_after or not nxt:
             return sorted(finished, key=lambda f: -f[0])[:nbest], steps
         live = nxt
+
+
+def test_stop_finished_keeps_the_first_to_finish_as_fairseq_does():
+    # Step 1 finishes the empty output (EOS ranks 3rd of 6, inside beam 3); at step 2 all three live hypotheses end
+    # in EOS, one more than stop_after 3 allows. fairseq keeps the first two by rank, (4) and (5); the third, (6),
+    # would have outscored the empty output under the length penalty, but it is dropped, not pooled.
+    def table(p):
+        if p == ():
+            return {4: 0.45, 5: 0.44, EOS_ID: 0.06, 6: 0.05}
+        return {EOS_ID: 1.0} if p == (6,) else {EOS_ID: 0.99, 4: 0.01}
+
+    lp = LengthPenalty("gnmt", 2.0)
+    assert math.log(0.05) / lp(2) > math.log(0.06) / lp(1)  # (6) would have beaten the empty output
+    want, _ = fairseq_search(table, 10, 3, lp, 3, 3)
+    got = beam_search(table_step(table), start(1), [10], 3, lp, nbest=3, stop_after=3)[0]
+    assert [tuple(h.tokens) for h in got] == [p for _, p in want]
+    assert sorted(tuple(h.tokens) for h in got) == [(), (4,), (5,)]
 
 
 @pytest.mark.parametrize("beam", [1, 2, 3])
@@ -357,6 +375,49 @@ def test_ranking_in_blocks_of_rows_gives_the_same_search(model, monkeypatch, blo
     for a, b in zip(whole, blocked):
         assert [h.tokens for h in a] == [h.tokens for h in b]
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-5)
+
+
+def test_top_candidates_equal_a_top_k_over_every_extension():
+    """The chunked ranking (chunk maxima first) returns what one top-k over all k x V extensions returns, also with
+    empty beams (-inf scores), banned tokens, rows where only EOS may follow, and a vocabulary that is not a
+    multiple of the chunk width."""
+    from mtpipe.search import top_candidates
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(60):
+        vocab, n, k, m = 512 + 37 * trial, 1 + trial % 5, 1 + trial % 4, 1 + trial % 9
+        logp = F.log_softmax(torch.randn(n * k, vocab, generator=g) * 3, dim=-1)
+        logp[:, [PAD_ID, BOS_ID]] = float("-inf")
+        scores = torch.randn(n, k, generator=g) - 5
+        if trial % 3 == 0:
+            scores[:, 1:] = float("-inf")  # a sentence that just joined: one live beam
+        if trial % 4 == 0:
+            logp[: k] = float("-inf")  # the first sentence at its length limit: only EOS
+            logp[: k, EOS_ID] = -0.5
+        want_v, want_i = (logp.view(n, k, vocab) + scores.unsqueeze(2)).view(n, k * vocab).topk(m, dim=1)
+        got_v, got_i = top_candidates(logp, scores, m)
+        assert torch.equal(got_v, want_v)
+        finite = torch.isfinite(want_v)
+        assert torch.equal(got_i[finite], want_i[finite])
+
+
+@pytest.mark.parametrize("chunk", [4, 7])
+@pytest.mark.parametrize("stop", ["bound", "finished"])
+def test_chunked_ranking_gives_the_same_search(model, monkeypatch, chunk, stop):
+    """Beam search (beam 4 and greedy) with the vocabulary ranked in chunks (as it is for real vocabularies) finds
+    exactly what one top-k over every extension finds."""
+    import mtpipe.search as md
+
+    srcs = sources(9, seed=12)
+    for beam in (1, 4):
+        cfg = DecodeConfig(beam=beam, max_len_b=6, nbest=min(beam, 2), stop=stop)
+        whole = translate(model, srcs, cfg)
+        monkeypatch.setattr(md, "_CHUNK", chunk)  # the 40-token vocabulary in 10 or 6 chunks
+        chunked = translate(model, srcs, cfg)
+        monkeypatch.undo()
+        for a, b in zip(whole, chunked):
+            assert [h.tokens for h in a] == [h.tokens for h in b]
+            assert [h.score for h in a] == [h.score for h in b]
 
 
 def test_batches_by_tokens_respects_the_budget_and_covers_every_sentence():

@@ -116,6 +116,26 @@ def test_incremental_decoding_equals_full_forward(model: Transformer) -> None:
     assert_steps_match_forward(model, src, tgt, reorder=torch.tensor([2, 0]))
 
 
+@pytest.mark.parametrize("variant", [{}, {"share_embeddings": "decoder"}, {"share_embeddings": "none"},
+                                     {"fixnorm": True, "output_bias": True}])
+def test_decoding_projection_equals_logits_and_follows_the_weights(variant: dict) -> None:
+    """A decoding step's projection (the matrix kept transposed) gives :meth:`Transformer.logits`, for every way the
+    pre-softmax matrix is tied, with FixNorm and an output bias, and again after the weights change in place (as in
+    training, between validations)."""
+    torch.manual_seed(2)
+    m = build_model(ModelConfig(**{**CFG.__dict__, **variant}), V).eval()
+    h = torch.randn(5, CFG.d_model)
+    with torch.inference_mode():
+        assert torch.allclose(m.decoding_logits(h), m.logits(h), atol=1e-5)
+    matrix = m.out_proj if m.out_proj is not None else (m.embed_tgt or m.embed).weight
+    with torch.no_grad():
+        matrix.mul_(-2.0)
+        if m.out_bias is not None:
+            m.out_bias.add_(1.0)
+    with torch.inference_mode():
+        assert torch.allclose(m.decoding_logits(h), m.logits(h), atol=1e-5)
+
+
 def test_sinusoids_match_section_3_5() -> None:
     pe = sinusoids(50, 16)
     assert pe.shape == (50, 16)
