@@ -504,8 +504,8 @@ class DecodeSetup:
            e.logs / "setup_import_export.log", e.env)
         dm = DecodeModel("fairseq-model", d / "ck", d / "bpe", d / "ct2", self.fs_ckpt)
         say("decode: greedy outputs of fairseq and of mtpipe on the imported weights")
-        # min_len 0: fairseq may end at the first step, as mtpipe may (fairseq-generate's default forbids it)
-        fs = fairseq_decode(e, self, dm, 1, e.logs / "setup_greedy_fairseq.log", min_len=0)
+        # fairseq-generate's default --min-len 1 and mtpipe's decode.min_len 1 (mtpipe_decode): the same search
+        fs = fairseq_decode(e, self, dm, 1, e.logs / "setup_greedy_fairseq.log")
         mt = mtpipe_decode(e, self, dm, "fp32", "fairseq", "finished", e.logs / "setup_greedy_mtpipe.log", beam=1)
         same = sum(a == b for a, b in zip(fs["pieces"], mt["pieces"]))
         # fairseq's length limit is per batch (a x the batch's widest source + b), mtpipe's per sentence; outputs
@@ -602,13 +602,13 @@ def fairseq_generate(e: Env, ckpt: Path, data_bin: Path, n: int, log: Path, subs
     return {"seconds": secs, "sentences": len(det), "hyp_tokens": ntok, "hyps": hyps, "process_wall_s": wall}
 
 
-def fairseq_decode(e: Env, s: DecodeSetup, dm: DecodeModel, beam: int, log: Path, min_len: int = 1) -> dict[str, Any]:
+def fairseq_decode(e: Env, s: DecodeSetup, dm: DecodeModel, beam: int, log: Path) -> dict[str, Any]:
     """fairseq's SequenceGenerator through bench/fairseq_decode.py: fairseq's own batches of ``--max-tokens``
     source tokens (the budget every system gets), a warm-up, beam ``beam``, |Y|^0.6, max length source + 50."""
     js, txt, pcs = log.with_suffix(".json"), log.with_suffix(".txt"), log.with_suffix(".pieces")
     sh([e.fs_py, REPO / "bench" / "fairseq_decode.py", "--checkpoint", dm.fs_ckpt, "--data", s.fs_bin,
         "--max-tokens", s.max_tokens, "--beam", beam, "--alpha", 0.6, "--warmup", warmup_count(s.n),
-        "--min-len", min_len, "--threads", e.threads, "--json", js, "--hyps", txt, "--pieces", pcs], log, e.env)
+        "--min-len", 1, "--threads", e.threads, "--json", js, "--hyps", txt, "--pieces", pcs], log, e.env)
     res = json.loads(js.read_text())
     res["hyps"] = txt.read_text(encoding="utf-8").split("\n")[:-1]
     res["pieces"] = pcs.read_text(encoding="utf-8").split("\n")[:-1]
@@ -655,8 +655,9 @@ def worker_mtpipe_decode(argv: list[str]) -> None:
     model.eval()
     sp = spm.SentencePieceProcessor(model_file=a.spm)
     sources = [s[: model.cfg.max_positions - 1] for s in sp.encode(read_raw(Path(a.src)))]
+    # min_len 1: fairseq-generate's --min-len and CTranslate2's min_decoding_length default (never an empty output)
     cfg = DecodeConfig(beam=a.beam, alpha=0.6, length_penalty=a.penalty, max_len_a=1.0, max_len_b=50,
-                       precision=a.precision, stop=a.stop, max_tokens=a.max_tokens)
+                       precision=a.precision, stop=a.stop, max_tokens=a.max_tokens, min_len=1)
     translate(model, sources[: warmup_count(len(sources))], cfg, "cpu")  # warm-up: allocator, oneDNN kernels
     t0 = time.perf_counter()
     results = translate(model, sources, cfg, "cpu")

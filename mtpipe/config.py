@@ -348,6 +348,13 @@ class DecodeConfig(Section):
         default=1.0,
         ge=1,
     )
+    min_len: int = _h(
+        "Fewest pieces before EOS: 0 lets an empty output finish (the paper's search); 1 never ends a hypothesis at "
+        "the first step, as fairseq (--min-len 1) and CTranslate2 (min_decoding_length 1) do by default: set 1 to "
+        "decode exactly as they do.",
+        default=0,
+        ge=0,
+    )
 
 
 @dataclass(frozen=True)

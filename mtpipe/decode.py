@@ -227,7 +227,7 @@ def translate_batches(model: Any, sources: Sequence[Sequence[int]], rules: Decod
                 state = PrefixState(memory, src_mask, torch.zeros(len(batch), 0, dtype=torch.long, device=device))
             max_lens = [rules.max_output_len(lengths[i] - 1, max_positions) for i in batch]
             hyps = beam_search(step, state, max_lens, rules.beam, rules.penalty, rules.nbest, device, on_done,
-                               rules.stop_after, start_id=model.start_id)
+                               rules.stop_after, start_id=model.start_id, min_len=rules.min_len)
             for i, h in zip(batch, hyps):
                 results[i] = h
     return results

@@ -187,7 +187,7 @@ def _search(m: Ct2Model, pieces: list[list[str]], rules: DecodeRules,
             continue
         out = m.translator.translate_batch(
             [pieces[i] for i in idx], beam_size=rules.beam, patience=rules.patience, num_hypotheses=rules.beam,
-            length_penalty=rules.penalty.alpha, max_decoding_length=lim, min_decoding_length=0,
+            length_penalty=rules.penalty.alpha, max_decoding_length=lim, min_decoding_length=min(rules.min_len, lim),
             return_end_token=True, return_scores=True,
             suppress_sequences=[[m.pieces[PAD_ID]], [m.pieces[BOS_ID]]], **common)
         for i, r in zip(idx, out):

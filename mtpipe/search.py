@@ -32,6 +32,9 @@ The search (:func:`beam_search`), per sentence:
   dropped). It takes fewer decoder steps and keeps no empty beam slots, but can miss a better, longer
   hypothesis under a length penalty: the opt-in fast mode, and the rule to compare those tools under
   (BENCHMARKS.md gives speed and BLEU of both rules on the same model).
+* ``decode.min_len`` (0 by default): the fewest tokens before EOS. fairseq and CTranslate2 use 1 by default (an
+  output is never empty); under ``stop=finished`` an empty output that finishes at the first step fills one of the
+  finished places, so the two tools' output needs ``min_len`` 1 to be reproduced exactly.
 * **beam 1 is greedy search**: the single best extension is taken each step, and when it is EOS the beam is empty.
 
 The search works on any ``step(tokens [N], state) -> (log_probs [N, V], state)`` whose state has
@@ -118,6 +121,7 @@ class DecodeRules:
     max_len_b: int = 50
     stop: str = "bound"  # "bound": the exact early stop; "finished": fairseq's and CTranslate2's quota
     patience: float = 1.0
+    min_len: int = 0  # fewest tokens before EOS (fairseq's and CTranslate2's default: 1)
 
     def __post_init__(self) -> None:
         if self.beam < 1:
@@ -133,12 +137,15 @@ class DecodeRules:
         if not (math.isfinite(self.patience) and self.patience >= 1):
             raise MtpipeError(f"decode.patience: {self.patience} must be >= 1 (a sentence stops once beam x "
                               "patience hypotheses have finished)")
+        if self.min_len < 0:
+            raise MtpipeError(f"decode.min_len: {self.min_len} is not >= 0")
 
     @classmethod
     def from_config(cls, cfg: DecodeConfig, stop: str | None = None) -> "DecodeRules":
         """The rules of ``cfg``; ``stop`` overrides ``cfg.stop`` (CTranslate2 always stops by ``finished``)."""
         return cls(beam=cfg.beam, nbest=cfg.nbest, penalty=LengthPenalty(cfg.length_penalty, cfg.alpha),
-                   max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b, stop=stop or cfg.stop, patience=cfg.patience)
+                   max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b, stop=stop or cfg.stop, patience=cfg.patience,
+                   min_len=cfg.min_len)
 
     def max_output_len(self, src_len: int, max_positions: int) -> int:
         """``floor(max_len_a * S + max_len_b)`` tokens before EOS (S without EOS; the paper: S + 50), capped so that
@@ -255,13 +262,14 @@ class BeamSearch:
     """
 
     def __init__(self, step: StepFn, beam: int, penalty: LengthPenalty, nbest: int = 1,
-                 device: torch.device | str = "cpu", stop_after: int | None = None, start_id: int = BOS_ID) -> None:
+                 device: torch.device | str = "cpu", stop_after: int | None = None, start_id: int = BOS_ID,
+                 min_len: int = 0) -> None:
         if stop_after is not None and stop_after < nbest:
             raise MtpipeError(f"beam search: stop_after {stop_after} is below nbest {nbest}")
         if beam < 1:
             raise MtpipeError(f"decode.beam: {beam} is not >= 1")
         self.step_fn, self.beam, self.penalty, self.nbest = step, beam, penalty, nbest
-        self.device, self.stop_after, self.start_id = device, stop_after, start_id
+        self.device, self.stop_after, self.start_id, self.min_len = device, stop_after, start_id, min_len
         self._banned = torch.tensor([PAD_ID, BOS_ID], device=device)  # never generated
         self.state: Any = None
         self.keys: list[Any] = []  # the sentences in the batch, in the order of their row blocks
@@ -327,6 +335,9 @@ class BeamSearch:
         n = len(self.keys)
         forced = self.limits == self.steps  # [n] sentences at their length limit: only EOS may follow
         any_forced = bool(forced.any())
+        # [n] sentences with fewer than min_len tokens: EOS may not follow yet (unless the length limit forces it)
+        early = (self.steps < self.min_len) & ~forced if self.min_len > 0 else None
+        any_early = early is not None and bool(early.any())
         # Rank the candidates a block of sentences at a time: each block's log-probabilities are made, masked,
         # added to the hypotheses' scores and ranked while they are in the CPU's cache.
         block = max(1, _BLOCK_ROWS // k)  # sentences per block
@@ -340,6 +351,8 @@ class BeamSearch:
                 f = forced[lo:hi].repeat_interleave(k)[:, None]  # [c*k, 1]
                 eos = logp[:, EOS_ID].clone()
                 logp.masked_fill_(f, neg_inf)[:, EOS_ID] = eos
+            if any_early:
+                logp[:, EOS_ID].masked_fill_(early[lo:hi].repeat_interleave(k), neg_inf)  # [c*k]
             top, idx = top_candidates(logp, self.scores[lo:hi], candidates)  # [c, candidates], best first
             tops.append(top)
             idxs.append(idx)
@@ -425,7 +438,7 @@ class BeamSearch:
 def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, penalty: LengthPenalty,
                 nbest: int = 1, device: torch.device | str = "cpu",
                 on_done: Callable[[int], None] | None = None,
-                stop_after: int | None = None, start_id: int = BOS_ID) -> list[list[Hypothesis]]:
+                stop_after: int | None = None, start_id: int = BOS_ID, min_len: int = 0) -> list[list[Hypothesis]]:
     """Beam search for ``len(max_lens)`` sentences at once (:class:`BeamSearch` over one batch); returns each
     sentence's ``nbest`` best, best first.
 
@@ -438,9 +451,10 @@ def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, 
     batch. ``stop_after=None`` stops a sentence by the exact bound, ``stop_after=m`` once m of its hypotheses have
     finished (fairseq's and CTranslate2's rule, ``decode.stop=finished``; m >= nbest). See the module docstring for
     the search rules. ``start_id``: the decoder's first input (the model's ``start_id``: BOS, or EOS for
-    ``model.decoder_start=eos``).
+    ``model.decoder_start=eos``). ``min_len``: EOS may not follow fewer tokens than this (``decode.min_len``), unless
+    the length limit forces it.
     """
-    search = BeamSearch(step, beam, penalty, nbest, device, stop_after, start_id)
+    search = BeamSearch(step, beam, penalty, nbest, device, stop_after, start_id, min_len)
     results: list[list[Hypothesis]] = [[] for _ in max_lens]
     search.admit(range(len(max_lens)), state, max_lens)
     while len(search):

@@ -40,7 +40,8 @@ class StreamDecoder:
     def __init__(self, model: Any, rules: DecodeRules, max_tokens: int, device: torch.device | str = "cpu") -> None:
         self.model, self.rules, self.max_tokens, self.device = model, rules, max_tokens, torch.device(device)
         self.search = BeamSearch(lambda tokens, state: model.step(tokens, state, lazy=True), rules.beam,
-                                 rules.penalty, rules.nbest, self.device, rules.stop_after, start_id=model.start_id)
+                                 rules.penalty, rules.nbest, self.device, rules.stop_after, start_id=model.start_id,
+                                 min_len=rules.min_len)
         self.waiting: collections.deque[tuple[Hashable, list[int]]] = collections.deque()
         self.tokens: dict[Hashable, int] = {}  # source tokens (with EOS) of each sentence in the batch
         self.ready: list[tuple[Hashable, list[Hypothesis]]] = []  # empty sources: answered at the next step

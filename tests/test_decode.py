@@ -230,18 +230,21 @@ def test_stop_finished_stops_once_enough_hypotheses_finished():
         beam_search(table_step(long_wins), start(1), [10], 2, lp, nbest=2, stop_after=1)
 
 
-def fairseq_search(table, max_len: int, beam: int, penalty: LengthPenalty, stop_after: int, nbest: int):
+def fairseq_search(table, max_len: int, beam: int, penalty: LengthPenalty, stop_after: int, nbest: int,
+                   min_len: int = 0):
     """fairseq's beam search written plainly for one sentence: the 2 x beam best extensions of the live hypotheses;
     those among the top `beam` that end in EOS finish (in rank order, until `stop_after` have: fairseq 0.12's
     finalize_hypos keeps no more than that), the best `beam` that do not are the next live beam; stop once
-    `stop_after` have finished (or nothing is live). EOS only after max_len tokens. Returns (n-best, steps)."""
+    `stop_after` have finished (or nothing is live). EOS only after max_len tokens, and never before min_len (fairseq's
+    --min-len). Returns (n-best, steps)."""
     live, finished, steps = [((), 0.0)], [], 0
     while True:
         steps += 1
         cands = []
         for prefix, score in live:
             for tok, prob in table(prefix).items():
-                if len(prefix) < max_len or tok == EOS_ID:
+                if (len(prefix) < max_len or tok == EOS_ID) and (tok != EOS_ID or len(prefix) >= min_len
+                                                                  or len(prefix) == max_len):
                     cands.append((score + math.log(prob), prefix, tok))
         cands = sorted(cands, key=lambda c: -c[0])[: 2 * beam]
         nxt = []
@@ -293,6 +296,27 @@ def test_stop_finished_is_fairseqs_search(beam):
             exact_state = start(1)
             exact = beam_search(table_step(table), exact_state, [7], 1, lp)[0]
             assert [h.tokens for h in exact] == [h.tokens for h in got] and exact_state.calls == state.calls
+
+
+@pytest.mark.parametrize("stop", ["bound", "finished"])
+def test_min_len_1_never_ends_at_the_first_step_as_fairseq(stop):
+    # decode.min_len 1 (fairseq's --min-len and CTranslate2's min_decoding_length default): on long_wins the empty
+    # output (EOS first, 0.6) cannot finish, so stop=finished fills its places with longer hypotheses; against the
+    # plain re-implementation of fairseq's search on random tables too. A length limit of 0 still forces EOS.
+    lp = LengthPenalty("gnmt", 0.0)
+    stop_after = 2 if stop == "finished" else None
+    hyps = beam_search(table_step(long_wins), start(1), [10], 2, lp, nbest=2, stop_after=stop_after, min_len=1)[0]
+    assert all(h.tokens for h in hyps)
+    assert beam_search(table_step(long_wins), start(1), [10], 2, lp, stop_after=stop_after)[0][0].tokens == []
+    assert beam_search(table_step(long_wins), start(1), [0], 2, lp, stop_after=stop_after, min_len=1)[0][0].tokens == []
+    if stop == "finished":
+        for seed in range(12):
+            table = random_table(seed)
+            want, want_steps = fairseq_search(table, 7, 3, lp, 3, 2, min_len=1)
+            state = start(1)
+            got = beam_search(table_step(table), state, [7], 3, lp, nbest=2, stop_after=3, min_len=1)[0]
+            assert [tuple(h.tokens) for h in got] == [p for _, p in want]
+            assert len(state.calls) == want_steps
 
 
 def test_early_stopping_stops_before_the_length_limit():
@@ -600,6 +624,15 @@ def test_cli_stop_finished(trained):
     lines = (out / "test.txt").read_text(encoding="utf-8").splitlines()
     refs = [tgt for _, tgt in trained["pairs"]]
     assert sum(h == ref for h, ref in zip(lines, refs)) >= 0.9 * len(refs)
+
+
+def test_cli_min_len(trained):
+    # --min-len 1 (fairseq's and CTranslate2's default), reachable from the CLI and recorded in the manifest.
+    out = trained["root"] / "out_min_len"
+    r = cli(trained, *decode_args(trained, out, "--split", "test", "--stop", "finished", "--min-len", "1"))
+    assert r.exit_code == 0, r.output
+    assert artifacts.read_manifest(out, "hypotheses").extra["decode"]["min_len"] == 1
+    assert all((out / "test.txt").read_text(encoding="utf-8").splitlines())
 
 
 def test_cli_input_file_and_stdin(trained, tmp_path, monkeypatch):
