@@ -616,11 +616,12 @@ def fairseq_decode(e: Env, s: DecodeSetup, dm: DecodeModel, beam: int, log: Path
 
 
 def mtpipe_decode(e: Env, s: DecodeSetup, dm: DecodeModel, precision: str, penalty: str, stop: str, log: Path,
-                  beam: int = 4) -> dict[str, Any]:
+                  beam: int = 4, compile: bool = False) -> dict[str, Any]:
     js, txt, pcs = log.with_suffix(".json"), log.with_suffix(".txt"), log.with_suffix(".pieces")
     sh(e.worker(PY, "_mtpipe-decode", "--checkpoint", dm.ckpt, "--spm", dm.spm, "--src", s.src_raw,
                 "--precision", precision, "--penalty", penalty, "--stop", stop, "--threads", e.threads, "--json", js,
-                "--hyps", txt, "--pieces", pcs, "--max-tokens", s.max_tokens, "--beam", beam),
+                "--hyps", txt, "--pieces", pcs, "--max-tokens", s.max_tokens, "--beam", beam,
+                *(["--compile"] if compile else [])),
        log, e.env)
     res = json.loads(js.read_text())
     res["hyps"] = txt.read_text(encoding="utf-8").split("\n")[:-1]
@@ -638,6 +639,7 @@ def worker_mtpipe_decode(argv: list[str]) -> None:
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--max-tokens", type=int, required=True)
     ap.add_argument("--beam", type=int, required=True)
+    ap.add_argument("--compile", action="store_true", help="decode.compile (built in the warm-up)")
     a = ap.parse_args(argv)
     import sentencepiece as spm
     import torch
@@ -657,8 +659,10 @@ def worker_mtpipe_decode(argv: list[str]) -> None:
     sources = [s[: model.cfg.max_positions - 1] for s in sp.encode(read_raw(Path(a.src)))]
     # min_len 1: fairseq-generate's --min-len and CTranslate2's min_decoding_length default (never an empty output)
     cfg = DecodeConfig(beam=a.beam, alpha=0.6, length_penalty=a.penalty, max_len_a=1.0, max_len_b=50,
-                       precision=a.precision, stop=a.stop, max_tokens=a.max_tokens, min_len=1)
+                       precision=a.precision, stop=a.stop, max_tokens=a.max_tokens, min_len=1, compile=a.compile)
     translate(model, sources[: warmup_count(len(sources))], cfg, "cpu")  # warm-up: allocator, oneDNN kernels
+    if a.compile:  # and the graph for one sentence alone (a batch's tail), which the line above may not need
+        translate(model, sources[:1], cfg, "cpu")
     t0 = time.perf_counter()
     results = translate(model, sources, cfg, "cpu")
     secs = time.perf_counter() - t0
@@ -844,6 +848,11 @@ def run_rounds(e: Env, args: argparse.Namespace, parts: list[str]) -> dict[str, 
                         row[f"mtpipe {p}"] = decode_result(
                             mtpipe_decode(e, dec, dm, p, "fairseq", "finished", e.logs / f"{tag}_mtpipe_{p}.log"),
                             dec.refs)
+                    if args.decode_compile:
+                        say(f"round {r}: decode {dm.key}: mtpipe fp32, decode.compile")
+                        row["mtpipe fp32 compiled"] = decode_result(
+                            mtpipe_decode(e, dec, dm, "fp32", "fairseq", "finished",
+                                          e.logs / f"{tag}_mtpipe_fp32_compiled.log", compile=True), dec.refs)
                     for ct in ("float32", "int8"):
                         say(f"round {r}: decode {dm.key}: CTranslate2 {ct}")
                         row[f"CTranslate2 {ct}"] = decode_result(
@@ -950,6 +959,11 @@ def decode_verdict(rows: list[dict[str, Any]], rounds: list[dict[str, Any]] | No
             continue
         ct = fp32["median_ratios"].get("ct2 fp32", float("nan"))
         parts = [f"{g}: mtpipe fp32 = {ct:.2f}x CTranslate2 fp32 (>= 1.0x: {'pass' if ct >= 1.0 else 'MISSED'})"]
+        compiled = next((r for r in rows if r["group"] == g and r["system"] == "mtpipe fp32 compiled"
+                         and r["unit"] == "tgt tok/s"), None)
+        if compiled is not None:  # --decode-compile
+            cc = compiled["median_ratios"].get("ct2 fp32", float("nan"))
+            parts.append(f"with decode.compile {cc:.2f}x (>= 1.0x: {'pass' if cc >= 1.0 else 'MISSED'})")
         if rounds:
             best = []
             for rd in rounds:
@@ -1405,6 +1419,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-max-tokens", type=int, default=8000,
                     help="source tokens per decoding batch, the same budget for every system (mtpipe's "
                          "decode.max_tokens, fairseq's --max-tokens, CTranslate2's max_batch_size in tokens)")
+    ap.add_argument("--decode-compile", action="store_true",
+                    help="also decode with mtpipe fp32 and decode.compile (its graphs built in the warm-up)")
     ap.add_argument("--isa", choices=["native", "avx2"], default="native",
                     help="avx2: restrict every library to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, "
                          "CT2_FORCE_CPU_ISA, MKL_ENABLE_INSTRUCTIONS), as most users' CPUs are; the ISA probe "

@@ -31,13 +31,17 @@ Its BLEU is printed so the lengths of its outputs can be judged; a few minutes o
 
 ``--plain ranking,projection`` adds a row per decoding trick with that trick switched off (:data:`PLAIN`), decoded
 in the same interleaved batches, with mtpipe's speed over that row's per round: each trick's worth on this CPU.
-``--no-naive`` leaves the naive decoder out (it re-decodes every prefix, the slowest by far).
+``--no-naive`` leaves the naive decoder out (it re-decodes every prefix, the slowest by far). ``--compiled`` adds a
+row decoded with ``decode.compile`` (the step through ``torch.compile``, built during the warm-up, before the timed
+rounds), on a copy of the same weights, in the same interleaved batches.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import dataclasses
 import datetime
 import gzip
 import math
@@ -66,6 +70,8 @@ from mtpipe.console import console, fmt, progress, table  # noqa: E402
 from mtpipe.decode import batches_by_tokens, translate  # noqa: E402
 from mtpipe.model import Transformer, build_model  # noqa: E402
 from mtpipe.search import Hypothesis  # noqa: E402
+
+COMPILED = "mtpipe, decode.compile"  # the --compiled row
 
 # Decoding tricks --plain can switch off for one row each: what each is replaced with.
 PLAIN = {
@@ -245,7 +251,7 @@ def train_small(workdir: Path, tokens: Path, minutes: float, threads: int, batch
 
 
 def interleaved(model: Transformer, sources: list[list[int]], cfgs: dict[str, DecodeConfig], rounds: int,
-                clock: str, names: list[str]
+                clock: str, names: list[str], compiled: Transformer | None = None
                 ) -> tuple[dict[tuple[str, str], list[float]], dict[tuple[str, str], list[list[Hypothesis]]]]:
     """Seconds per round and outputs of every (decoder, precision), interleaved batch by batch.
 
@@ -272,8 +278,11 @@ def interleaved(model: Transformer, sources: list[list[int]], cfgs: dict[str, De
                     now = time.perf_counter if clock == "wall" else own_cpu
                     start = now()
                     tricks = frozenset(t for t in PLAIN if name == f"mtpipe, plain {t}")
-                    with plain_decoding(model, tricks):
-                        out = translate(model, sub, cfgs[p], "cpu", cache=name != "naive")
+                    if name == COMPILED:
+                        out = translate(compiled, sub, dataclasses.replace(cfgs[p], compile=True), "cpu")
+                    else:
+                        with plain_decoding(model, tricks):
+                            out = translate(model, sub, cfgs[p], "cpu", cache=name != "naive")
                     seconds[(name, p)][r] += now() - start
                     for i, hyps in zip(batch, out):
                         outputs[(name, p)][i] = hyps
@@ -320,12 +329,14 @@ def main() -> None:
     ap.add_argument("--plain", default="", help="comma list of decoding tricks to time switched off, one row each: "
                     + "; ".join(f"{k}: {v}" for k, v in PLAIN.items()))
     ap.add_argument("--no-naive", action="store_true", help="Leave the (slow) naive decoder out.")
+    ap.add_argument("--compiled", action="store_true", help="Add a row decoded with decode.compile.")
     args = ap.parse_args()
     plain_rows = [t for t in args.plain.split(",") if t]
     for t in plain_rows:
         if t not in PLAIN:
             ap.error(f"--plain: unknown {t!r} (choose from {', '.join(PLAIN)})")
     names = ([] if args.no_naive else ["naive"]) + ["mtpipe"] + [f"mtpipe, plain {t}" for t in plain_rows]
+    names += [COMPILED] if args.compiled else []
 
     import sentencepiece as spm
 
@@ -363,9 +374,13 @@ def main() -> None:
         console.print(f"other processes' CPU share now {100 * wait_quiet(args.wait_quiet):.0f} %")
     load_before = os.getloadavg()[0]
     ticks0, own0 = cpu_ticks(), own_cpu()
-    for p in precisions:  # warm-up: allocator, oneDNN kernels, autocast
+    compiled = copy.deepcopy(model) if args.compiled else None
+    for p in precisions:  # warm-up: allocator, oneDNN kernels, autocast; decode.compile's graphs
         translate(model, sources[:48], cfgs[p], "cpu")
-    runs, outputs = interleaved(model, sources, cfgs, args.rounds, args.clock, names)
+        if compiled is not None:
+            for n in (48, 1):  # several sentences, then one alone: the two graphs torch builds
+                translate(compiled, sources[:n], dataclasses.replace(cfgs[p], compile=True), "cpu")
+    runs, outputs = interleaved(model, sources, cfgs, args.rounds, args.clock, names, compiled)
     others = others_share(ticks0, own0)
     console.print(f"other processes used {100 * others:.0f} % of the machine's CPU time during the run")
 

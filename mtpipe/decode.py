@@ -10,7 +10,8 @@ Speed: sentences are sorted by length and packed into batches of at most ``max_t
 encoder runs once per batch and its keys/values are projected once (:meth:`Transformer.start`) and kept once per
 sentence, its beams attending to them together; each step computes the new position only (self-attention cache
 written in place, :meth:`Transformer.step`); sentences that are done leave the batch at once (``state.select``);
-``torch.inference_mode`` and optional bf16 autocast (CPU and GPU).
+``torch.inference_mode`` and optional bf16 autocast (CPU and GPU); ``decode.compile``: the decoder's step through
+``torch.compile`` (:meth:`~mtpipe.model.Transformer.compile_step`).
 
 Text from stdin (``--input -``) is translated as it arrives (:func:`stream_batches`): a line, with whatever else is
 already waiting, is translated and its output flushed before more input is read, so typed input and a program that
@@ -190,13 +191,15 @@ def translate(model: Any, sources: Sequence[Sequence[int]], cfg: DecodeConfig, d
     (:func:`uncached_step`; for tests and the benchmark).
     """
     return translate_batches(model, sources, DecodeRules.from_config(cfg), max_tokens=cfg.max_tokens,
-                             precision=cfg.precision, device=device, cache=cache, on_done=on_done)
+                             precision=cfg.precision, device=device, cache=cache, on_done=on_done,
+                             compile=cfg.compile)
 
 
 def translate_batches(model: Any, sources: Sequence[Sequence[int]], rules: DecodeRules, *, max_tokens: int,
                       precision: str = "fp32", device: torch.device | str = "cpu", cache: bool = True,
-                      on_done: Callable[[int], None] | None = None) -> list[list[Hypothesis]]:
-    """:func:`translate` with the rules given as :class:`~mtpipe.search.DecodeRules`."""
+                      on_done: Callable[[int], None] | None = None, compile: bool = False) -> list[list[Hypothesis]]:
+    """:func:`translate` with the rules given as :class:`~mtpipe.search.DecodeRules`; ``compile``: ``decode.compile``
+    (:meth:`~mtpipe.model.Transformer.compile_step`)."""
     device = torch.device(device)
     max_positions = model.cfg.max_positions
     lengths = [len(s) + 1 for s in sources]  # + EOS
@@ -209,6 +212,10 @@ def translate_batches(model: Any, sources: Sequence[Sequence[int]], rules: Decod
         model = bf16_copy(model)
     elif precision == "int8":
         model = int8_copy(model)
+    if compile:
+        if precision == "int8" or not cache:
+            raise MtpipeError("decode.compile: applies to the cached fp32 and bf16 step, not to int8 decoding")
+        model.compile_step()
     step = (lambda tokens, state: model.step(tokens, state, lazy=True)) if cache else uncached_step(model)
     if on_done is not None and len(todo) < len(sources):
         on_done(len(sources) - len(todo))
@@ -243,6 +250,7 @@ class MtpipeEngine:
     max_tokens: int
     threads: int = 0  # torch's CPU threads while translating (0: leave them)
     plan: Any = None  # the mtpipe.pruning.PrunePlan applied (decode.prune), or None
+    compile: bool = False  # decode.compile
 
     @classmethod
     def open(cls, model: Any, cfg: DecodeConfig) -> "MtpipeEngine":
@@ -258,7 +266,7 @@ class MtpipeEngine:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if device.type == "cpu":
             runtime.tune_cpu_allocator()
-        return cls(model.to(device), device, cfg.precision, cfg.max_tokens, cfg.threads, plan)
+        return cls(model.to(device), device, cfg.precision, cfg.max_tokens, cfg.threads, plan, cfg.compile)
 
     @property
     def max_positions(self) -> int:
@@ -283,7 +291,8 @@ class MtpipeEngine:
             torch.set_num_threads(self.threads)
         try:
             return translate_batches(self.model, sources, rules, max_tokens=self.max_tokens,
-                                     precision=self.precision, device=self.device, on_done=on_done)
+                                     precision=self.precision, device=self.device, on_done=on_done,
+                                     compile=self.compile)
         finally:
             torch.set_num_threads(threads_before)  # may be called in-process (tests, notebooks)
 
@@ -304,6 +313,11 @@ def validate(cfg: DecodeConfig) -> DecodeRules:
         if cfg.prune:
             raise MtpipeError("decode.prune: not available with engine ctranslate2; write a pruned checkpoint with "
                               "`mtpipe average --prune` and decode (or export) that")
+        if cfg.compile:
+            raise MtpipeError("decode.compile: applies to engine mtpipe (CTranslate2 runs its own compiled code)")
+    elif cfg.compile and cfg.precision == "int8":
+        raise MtpipeError("decode.compile: applies to precision fp32 and bf16, not int8 (its quantised linear "
+                          "layers are torch.ao modules that torch.compile does not fuse)")
     return rules
 
 

@@ -190,6 +190,41 @@ def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cau
     return torch.matmul(dropout(weights, p, True).to(v.dtype), v)  # [B, h, Lq, Lk] x [B, h, Lk, d_v]
 
 
+def cached_attention(q: Tensor, k: Tensor, v: Tensor, k_prev: Tensor, v_prev: Tensor, prev_mask: Tensor | None,
+                     record: list[Tensor] | None = None) -> Tensor:
+    """Incremental decoding's self-attention (section 3.2.1 for one new position): ``softmax(q [K_prev; k]^T /
+    sqrt(d_k)) [V_prev; v]`` with the queries ``q`` ``[R, h, 1, d_k]``, the earlier positions ``k_prev`` / ``v_prev``
+    ``[R, h, t, d]`` (``prev_mask`` ``[R, 1, 1, t]``, True = may attend, or None) and the new position's own ``k`` /
+    ``v`` ``[R, h, 1, d]``; returns ``[R, h, 1, d_v]``. The weights ``[R, h, 1, t+1]`` are appended to ``record``
+    when it is a list (``mtpipe attention``).
+
+    Two forms of the same sums. Eagerly, batched matmuls (one small product per row and head). Under
+    ``torch.compile`` (``decode.compile``), element-wise products summed over ``d`` and over ``t``: the compiler
+    fuses each into one pass over the cache, which ran 2.7-3.5x faster than the matmuls (32 and 1,260 rows, an AVX2
+    core), while eagerly the same products, materialised, ran 2.5x slower than the matmuls for 1,260 rows."""
+    t = k_prev.size(2)
+    fused = torch.compiler.is_compiling()
+    q = q * q.size(-1) ** -0.5  # scaled once, for both scores
+    if fused:
+        s_prev = (q * k_prev).sum(dim=-1)[:, :, None, :]  # [R, h, 1, d] * [R, h, t, d] -> [R, h, t] -> [R, h, 1, t]
+    else:
+        s_prev = torch.matmul(q, k_prev.transpose(-1, -2))  # [R, h, 1, d] x [R, h, d, t] -> [R, h, 1, t]
+    if prev_mask is not None:
+        s_prev = s_prev.masked_fill(~prev_mask, float("-inf"))
+    s_new = (q * k).sum(dim=-1, keepdim=True)  # [R, h, 1, 1]
+    # Every row keeps its own position, so no row is all -inf.
+    weights = torch.softmax(torch.cat([s_prev, s_new], dim=-1), dim=-1)  # [R, h, 1, t+1]
+    if record is not None:
+        record.append(weights.detach().float())
+    weights = weights.to(v.dtype)
+    w_prev, w_new = weights[..., :t], weights[..., t:]  # [R, h, 1, t], [R, h, 1, 1]
+    if fused:
+        o = (w_prev.transpose(-1, -2) * v_prev).sum(dim=2, keepdim=True)  # [R, h, t, 1] * [R, h, t, d] -> [R, h, 1, d]
+    else:
+        o = torch.matmul(w_prev, v_prev)  # [R, h, 1, t] x [R, h, t, d] -> [R, h, 1, d]
+    return torch.addcmul(o, w_new, v)  # + the new position's share of its own value
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Restricted self-attention (section 4): each query sees the keys within r positions
 # --------------------------------------------------------------------------------------------------------------------

@@ -14,10 +14,11 @@ Tensors are batch-first: ``src`` is ``[B, S]`` token ids, ``tgt`` is ``[B, T]``;
 Padding is on the right and uses :data:`mtpipe.artifacts.PAD_ID`.
 
 Decoding: :meth:`Transformer.encode` runs the encoder once, :meth:`Transformer.start` projects each decoder layer's
-cross-attention keys/values once per sentence, and :meth:`Transformer.step` runs the decoder layers (the same
-:meth:`DecoderLayer.forward` as training) on the newest position only, its self-attention keys/values cached
-(:class:`DecoderState`, whose ``select`` reorders or shrinks the batch in beam search, and whose ``admit`` lets new
-sentences join a running batch: continuous batching, :mod:`mtpipe.streaming`).
+cross-attention keys/values once per sentence, and :meth:`Transformer.step` runs the decoder layers
+(:meth:`Transformer.step_layers`: the same :meth:`DecoderLayer.forward` as training; ``decode.compile`` runs it through
+``torch.compile``) on the newest position only, its self-attention keys/values cached (:class:`DecoderState`,
+whose ``select`` reorders or shrinks the batch in beam search, and whose ``admit`` lets new sentences join a running
+batch: continuous batching, :mod:`mtpipe.streaming`).
 
 Variants (``model`` params, saved in the checkpoint's model config, so decoding rebuilds them; each off by default,
 and the default model runs exactly the code above -- every choice is made when the model is built):
@@ -48,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -61,7 +61,8 @@ from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID
 from mtpipe.config import ModelConfig
 from mtpipe.errors import MtpipeError
 from mtpipe.kernels import Linear, attention_weights, autocast_activations, banded_attention, banded_min_length
-from mtpipe.kernels import dropout, explicit_attention, linear, prefer_explicit_attention, residual, window_mask
+from mtpipe.kernels import cached_attention, dropout, explicit_attention, linear, prefer_explicit_attention, residual
+from mtpipe.kernels import window_mask
 
 # --------------------------------------------------------------------------------------------------------------------
 # 3.4 Embeddings and 3.5 positional encoding
@@ -106,8 +107,9 @@ def unit_rows(w: Tensor) -> Tensor:
 # 3.2 Attention
 # --------------------------------------------------------------------------------------------------------------------
 
-# One layer's self-attention cache (DecoderState.append): new keys/values [R, h, 1, d] -> all so far [R, h, t+1, d],
-# and the keys' mask [R, 1, 1, t+1] (True = may attend) where rows started at different steps, else None.
+# One layer's self-attention cache in incremental decoding (Transformer.step_layers): given the newest position's
+# keys/values [R, h, 1, d] (kept, to be written after the step), the earlier positions' [R, h, t, d] and their mask
+# [R, 1, 1, t] (True = may attend) where rows started at different steps, else None.
 KVCache = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, "Tensor | None"]]
 
 
@@ -222,10 +224,10 @@ class MultiHeadAttention(nn.Module):
         """Self-attention of ``x`` ``[B, L, D]`` -> ``[B, L, D]`` (section 3.2.3): the encoder's (``mask``: the
         source padding) or the decoder's (``causal``).
 
-        With ``cache`` (incremental decoding), ``x`` is the newest position ``[R, 1, D]``: its key/value is appended
-        to the cache and its query attends to every position so far (no causal mask: later positions do not exist
-        yet; a row that joined the batch later masks the cache slots from before its start), or, restricted
-        (``window`` r), to the last r + 1 of them.
+        With ``cache`` (incremental decoding), ``x`` is the newest position ``[R, 1, D]``: its query attends to the
+        cached positions and to itself (:meth:`attend_step`; no causal mask: later positions do not exist yet; a row
+        that joined the batch later masks the cache slots from before its start), or, restricted (``window`` r), to
+        itself and the r positions before it.
 
         Restricted self-attention (section 4) over a whole sequence: a band mask ``|i - j| <= r`` (causal:
         ``0 <= i - j <= r``) joins the padding mask, or, from :func:`mtpipe.kernels.banded_min_length` on, only the
@@ -233,17 +235,32 @@ class MultiHeadAttention(nn.Module):
         """
         q, k, v = self.project_qkv(x)  # each [B, h, L, d]
         if cache is not None:
-            k, v, key_mask = cache(k, v)  # [R, h, 1, d] -> [R, h, t+1, d]; mask [R, 1, 1, t+1] or None
-            if self.window:
-                k, v = k[:, :, -(self.window + 1):], v[:, :, -(self.window + 1):]  # [R, h, <= r+1, d]
-                key_mask = key_mask[..., -(self.window + 1):] if key_mask is not None else None
-            return self.attend(q, k, v, key_mask)
+            k_prev, v_prev, prev_mask = cache(k, v)  # earlier positions [R, h, t, d]; mask [R, 1, 1, t] or None
+            if self.window:  # itself and the r before it
+                k_prev, v_prev = k_prev[:, :, -self.window:], v_prev[:, :, -self.window:]  # [R, h, <= r, d]
+                prev_mask = prev_mask[..., -self.window:] if prev_mask is not None else None
+            return self.attend_step(q, k, v, k_prev, v_prev, prev_mask)
         length = x.size(1)
         if self.window and length > self.window + 1:  # shorter: every pair is within r anyway
             if length >= banded_min_length(self.window):
                 return self.attend(q, k, v, mask, causal, banded=True)
             return self.attend(q, k, v, self._window_mask(length, mask, causal))
         return self.attend(q, k, v, mask, causal)
+
+    def attend_step(self, q: Tensor, k: Tensor, v: Tensor, k_prev: Tensor, v_prev: Tensor,
+                    prev_mask: Tensor | None) -> Tensor:
+        """Incremental self-attention: the newest position's queries ``q`` ``[R, h, 1, d_k]`` attend to the earlier
+        positions ``k_prev``/``v_prev`` ``[R, h, t, d]`` (``prev_mask`` ``[R, 1, 1, t]``, True = may attend, or None)
+        and to their own key/value ``k``/``v`` ``[R, h, 1, d]``; then W^O: ``[R, 1, D]``.
+
+        The same ``softmax(q [K_prev; k]^T / sqrt(d_k)) [V_prev; v]`` as :meth:`attend` (section 3.2.1) over the
+        t + 1 positions, with the new position's score and value taken apart instead of first written into the
+        cache: a step then reads the cache and writes it once, after all layers (:meth:`Transformer.step`), and
+        the step is a pure function of its inputs, which is what ``torch.compile`` needs (``decode.compile``).
+        Inference only: no dropout, no DropHead."""
+        o = cached_attention(q, k, v, k_prev, v_prev, prev_mask, self.record)  # [R, h, 1, d_v]
+        b = o.size(0)
+        return self.out(o.transpose(1, 2).reshape(b, 1, self.heads * self.d_v))  # [R, 1, h*d_v] -> [R, 1, D]
 
     def _window_mask(self, length: int, key_mask: Tensor | None, causal: bool) -> Tensor:
         """The restricted self-attention mask (True = may attend) over ``length`` positions joined with the keys'
@@ -423,6 +440,7 @@ class Transformer(nn.Module):
         self.decoder_norm = make_norm(cfg) if pre else None
         # Incremental decoding's copy of the pre-softmax matrix, transposed ((weight version, [D, V]); decoding_logits)
         self._decoding_matrix: tuple[tuple, Tensor] | None = None
+        self._compiled_step: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None  # compile_step
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -599,19 +617,22 @@ class Transformer(nn.Module):
     def step(self, tokens: Tensor, state: DecoderState, lazy: bool = False) -> tuple[Any, DecoderState]:
         """Log-probabilities ``[R, V]`` of the token after ``tokens [R]`` (the last decoded position of each row).
 
-        Only the new position is computed (:meth:`DecoderLayer.forward` with the cache); earlier positions'
-        self-attention keys/values come from ``state``. ``lazy``: return instead a function ``log_probs(lo, hi)``
-        giving rows ``lo:hi`` only, so that beam search can project, normalise and rank a few hundred rows at a time
-        while they are in the CPU's cache, rather than stream a ``[R, V]`` float32 matrix through memory four times.
+        Only the new position is computed (:meth:`step_layers`); earlier positions' self-attention keys/values come
+        from ``state``, and the new ones are written into it once the layers are done. ``lazy``: return instead a
+        function ``log_probs(lo, hi)`` giving rows ``lo:hi`` only, so that beam search can project, normalise and
+        rank a few hundred rows at a time while they are in the CPU's cache, rather than stream a ``[R, V]`` float32
+        matrix through memory four times.
         """
         # Each row's own position: the step count, less the cache slot it started at when it joined later.
         offset = state.length if state.start is None else state.length - state.start[:, None]  # int or [R, 1]
         x = self.embed_tokens(tokens[:, None], offset=offset, target=True)  # [R] -> [R, 1] -> [R, 1, D]
-        for i, layer in enumerate(self.decoder):
-            x = layer(x, state.cross[i], state.src_mask, cache=functools.partial(state.append, i))
-        if self.decoder_norm is not None:
-            x = self.decoder_norm(x)
-        h = x[:, 0]  # [R, 1, D] -> [R, D]
+        k_prev, v_prev, prev_mask = state.prefix(x, len(self.decoder), self.cfg.heads, self.cfg.d_k, self.cfg.d_v)
+        layers = self.step_layers
+        if self._compiled_step is not None and state.length >= 2 and not self._recording():
+            layers = self._compiled_step
+            mark_step_dynamic(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask)
+        h, k_new, v_new = layers(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask)
+        state.write(k_new, v_new)
 
         def log_probs(lo: int, hi: int) -> Tensor:
             # float32 straight from (bf16) logits: one pass, no separate cast of the logits
@@ -619,6 +640,58 @@ class Transformer(nn.Module):
 
         new_state = dataclasses.replace(state, length=state.length + 1)
         return (log_probs if lazy else log_probs(0, h.size(0))), new_state
+
+    def step_layers(self, x: Tensor, k_prev: Tensor, v_prev: Tensor, prev_mask: Tensor | None,
+                    cross: list[tuple[Tensor, Tensor]], src_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The decoder stack on the newest position ``x`` ``[R, 1, D]`` (the same :meth:`DecoderLayer.forward` as
+        training, with a cache): the earlier positions' keys/values ``k_prev``/``v_prev`` ``[t, layers, R, h, d]``
+        (masked by ``prev_mask`` ``[R, 1, 1, t]`` or None), each layer's encoder-decoder keys/values ``cross``, the
+        source mask ``[n, 1, 1, S]``. Returns the top of the stack ``[R, D]`` and the new position's keys/values
+        ``[layers, R, h, d]``, for :meth:`DecoderState.write`.
+
+        A pure function of its inputs (nothing written in place): ``decode.compile`` runs it through
+        ``torch.compile`` (:meth:`compile_step`)."""
+        new_k: list[Tensor] = []
+        new_v: list[Tensor] = []
+        for i, layer in enumerate(self.decoder):
+            def cache(k: Tensor, v: Tensor, i: int = i) -> tuple[Tensor, Tensor, Tensor | None]:
+                new_k.append(k[:, :, 0])  # [R, h, 1, d] -> [R, h, d]
+                new_v.append(v[:, :, 0])
+                # [t, R, h, d] -> [R, h, t, d] (strides only)
+                return k_prev[:, i].permute(1, 2, 0, 3), v_prev[:, i].permute(1, 2, 0, 3), prev_mask
+
+            x = layer(x, cross[i], src_mask, cache=cache)
+        if self.decoder_norm is not None:
+            x = self.decoder_norm(x)
+        return x[:, 0], torch.stack(new_k), torch.stack(new_v)  # [R, 1, D] -> [R, D]; [layers, R, h, d]
+
+    def compile_step(self) -> None:
+        """``decode.compile``: run :meth:`step_layers` through ``torch.compile`` from the third step of a batch on
+        (the first two, with 0 and 1 cached positions, would each need a graph of their own).
+
+        Why: a step for a few sentences (a server's batch, interactive input) is ~35 small operations per layer whose
+        fixed cost of dispatch dominates; compiled, the element-wise ones are fused into a few generated kernels.
+        Dimensions are marked dynamic (rows, cached positions, sentences, source length), so one graph serves every
+        batch; a new one is built only for the few shapes torch specialises (e.g. one sentence alone). Building a
+        graph takes tens of seconds on a small CPU, once per process (torch caches the generated code on disk)."""
+        if self._compiled_step is None:
+            self._compiled_step = torch.compile(self.step_layers, dynamic=True)
+
+    def _recording(self) -> bool:
+        return any(layer.self_attn.record is not None or layer.cross_attn.record is not None for layer in self.decoder)
+
+
+def mark_step_dynamic(x: Tensor, k_prev: Tensor, v_prev: Tensor, prev_mask: Tensor | None,
+                      cross: list[tuple[Tensor, Tensor]], src_mask: Tensor) -> None:
+    """Tell ``torch.compile`` which dimensions of :meth:`Transformer.step_layers`' inputs vary from call to call
+    (rows R, cached positions t, sentences n, source length S), so that it builds one graph for all of them rather
+    than one per shape."""
+    dims = [(x, 0), (k_prev, 0), (k_prev, 2), (v_prev, 0), (v_prev, 2), (src_mask, 0), (src_mask, 3)]
+    dims += [(kv, d) for pair in cross for kv in pair for d in (0, 2)]  # [n, h, S, d]
+    if prev_mask is not None:
+        dims += [(prev_mask, 0), (prev_mask, 3)]  # [R, 1, 1, t]
+    for tensor, dim in dims:
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 def build_model(model_config: dict | ModelConfig, vocab_size: int) -> Transformer:
@@ -679,9 +752,9 @@ class DecoderState:
 
     :meth:`select` gathers rows into ``spare`` storages, which then hold the new state's cache while this state's
     storages become its spare: one copy per step into memory that is already mapped. Contract:
-    :meth:`Transformer.step` writes position ``length`` of this state's cache and returns a state that shares it;
-    :meth:`select` never changes this state's cache, but the returned state reuses this state's storages as its
-    spare, so only the newest state may be selected from or stepped after that.
+    :meth:`Transformer.step` writes position ``length`` of this state's cache (:meth:`write`) and returns a state that
+    shares it; :meth:`select` never changes this state's cache, but the returned state reuses this state's storages
+    as its spare, so only the newest state may be selected from or stepped after that.
     """
 
     src_mask: Tensor
@@ -692,35 +765,40 @@ class DecoderState:
     beams: int = 1  # rows per sentence: 1 until the first select widens the beam
     # Continuous batching (:meth:`admit`): each row's first cache slot ``[R]``, its position 0; None = all rows 0.
     start: Tensor | None = None
-    _key_mask: Tensor | None = dataclasses.field(default=None, repr=False)  # this step's, made by the first layer
 
-    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Write layer ``layer``'s keys/values ``[R, h, 1, d]`` of position ``length``; return positions
-        ``0..length`` of that layer, ``[R, h, length+1, d]``, and the keys' mask ``[R, 1, 1, length+1]`` (False:
-        the slots before a row's ``start``) or None when every row started at slot 0 (the :data:`KVCache` of that
-        layer)."""
+    def prefix(self, like: Tensor, layers: int, heads: int, d_k: int, d_v: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The self-attention keys/values of the ``length`` positions decoded so far, ``[t, layers, R, h, d]`` (views
+        of the cache; empty, in ``like``'s dtype, before the first step), and their mask ``[R, 1, 1, t]`` (False: the
+        slots before a row's ``start``), or None when every row started at slot 0."""
+        t = self.length
+        if self.cache is None or t == 0:
+            rows = like.size(0)
+            keys, values = like.new_empty(0, layers, rows, heads, d_k), like.new_empty(0, layers, rows, heads, d_v)
+        else:
+            keys, values = self.cache.keys[:t], self.cache.values[:t]  # [t, layers, R, h, d]
+        mask = None
+        if self.start is not None:
+            slots = torch.arange(t, device=self.start.device)
+            mask = (slots[None, :] >= self.start[:, None])[:, None, None, :]  # [R, t] -> [R, 1, 1, t]
+        return keys, values, mask
+
+    def write(self, k: Tensor, v: Tensor) -> None:
+        """Write every layer's keys/values ``[layers, R, h, d]`` of position ``length`` into the cache (in place)."""
         t = self.length
         if self.cache is None or self.cache.keys.size(0) <= t:
             self._grow(k, v)
         assert self.cache is not None
-        self.cache.keys[t, layer] = k[:, :, 0]  # [R, h, 1, d] -> [R, h, d]
-        self.cache.values[t, layer] = v[:, :, 0]
-        keys, values = self.cache.keys[: t + 1, layer], self.cache.values[: t + 1, layer]  # [t+1, R, h, d]
-        if self.start is not None and (self._key_mask is None or self._key_mask.size(-1) != t + 1):
-            slots = torch.arange(t + 1, device=self.start.device)
-            self._key_mask = (slots[None, :] >= self.start[:, None])[:, None, None, :]  # [R, t+1] -> [R, 1, 1, t+1]
-        # [t+1, R, h, d] -> [R, h, t+1, d] (strides only)
-        return keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3), self._key_mask
+        self.cache.keys[t] = k
+        self.cache.values[t] = v
 
     def _grow(self, k: Tensor, v: Tensor) -> None:
         """Allocate the cache at the first step (16 positions, enough for most sentences); double it when full."""
-        t, rows, heads = self.length, k.size(0), k.size(1)
+        t, (layers, rows, heads) = self.length, k.shape[:3]
         capacity = 16 if self.cache is None else 2 * self.cache.keys.size(0)
         # In the keys' own dtype (bf16 when decoding in bf16): with attention as two matmuls (mtpipe.kernels) a bf16
         # cache is faster than a float32 one, which would cast every new key/value and every query.
         like = k.new_empty(0)
-        grown = SelfAttentionCache.allocate(like, (capacity, len(self.cross), rows, heads), k.size(-1), v.size(-1),
-                                            self.spare)
+        grown = SelfAttentionCache.allocate(like, (capacity, layers, rows, heads), k.size(-1), v.size(-1), self.spare)
         if self.cache is not None:
             grown.keys[:t] = self.cache.keys[:t]  # contiguous prefixes: one block copy each
             grown.values[:t] = self.cache.values[:t]

@@ -221,13 +221,16 @@ class ServedModel:
                    int(description["max_positions"]), dict(description["info"]))
 
     def warm_up(self, rules: Any) -> None:
-        """Decode one sentence: the first decoding of a process pays for kernel selection; no request should."""
+        """Decode one sentence, then three together: the first decoding of a process pays for kernel selection (and
+        with ``decode.compile`` for building the step for one sentence and for several); no request should."""
         lane = self.lane()
-        lane.add(0, [self.sp.encode("Warm up.", out_type=int)[: self.max_positions - 1]], rules)
-        while lane.busy():
-            for _, result in lane.poll():
-                if isinstance(result, Exception):
-                    raise result
+        texts = [["Warm up."], ["Warm up a batch.", "Of sentences of several lengths, together.", "One more."]]
+        for key, group in enumerate(texts):
+            lane.add(key, [self.sp.encode(t, out_type=int)[: self.max_positions - 1] for t in group], rules)
+            while lane.busy():
+                for _, result in lane.poll():
+                    if isinstance(result, Exception):
+                        raise result
 
 
 def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, batching: str = "batch") -> ServedModel:
@@ -291,6 +294,8 @@ def _decoding_model(engine: Any) -> Any:
         model = int8_copy(model)
     if engine.threads > 0:
         torch.set_num_threads(engine.threads)  # the process serves one model: set once, not around every batch
+    if engine.compile:
+        model.compile_step()  # built by warm_up's decoding, before the first request
     return model.eval()
 
 

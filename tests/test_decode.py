@@ -3,6 +3,8 @@ incremental path against full re-decoding, batching and order, and the CLI end t
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 import json
 import math
@@ -27,7 +29,7 @@ from mtpipe import artifacts, writing
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mtpipe.cli import app
 from mtpipe.config import DecodeConfig, ModelConfig, to_dict
-from mtpipe.decode import batches_by_tokens, translate, translate_batches
+from mtpipe.decode import batches_by_tokens, translate, translate_batches, validate
 from mtpipe.errors import MtpipeError
 from mtpipe.kernels import Linear
 from mtpipe.model import Transformer
@@ -486,6 +488,32 @@ def test_bf16_autocast_decodes(model):
         assert math.isfinite(hyps[0].score) and all(4 <= t < 40 or t == UNK_ID for t in hyps[0].tokens)
 
 
+def test_compiled_step_decodes_what_the_eager_step_decodes(model):
+    # decode.compile: Transformer.step_layers through torch.compile from the third step on. Sentences of mixed
+    # lengths finish at different steps, so the batch runs with several sentences and then with one alone (the
+    # two graphs torch builds); the beam search must find the same hypotheses with the same scores.
+    srcs = sources(6, seed=11, lo=2, hi=16)
+    cfg = DecodeConfig(beam=3, max_len_b=10, max_tokens=1000, nbest=3)
+    eager = translate(model, srcs, cfg)
+    compiled = copy.deepcopy(model)
+    compiled.compile_step()
+    inner, calls = compiled._compiled_step, []
+    compiled._compiled_step = lambda *args: calls.append(args[0].size(0)) or inner(*args)  # rows of each call
+    out = translate(compiled, srcs, dataclasses.replace(cfg, compile=True))
+    assert model._compiled_step is None
+    assert max(calls) == 6 * 3 and min(calls) < 6 * 3  # the compiled step ran, on the whole batch and as it shrank
+    for a, b in zip(eager, out):
+        assert [h.tokens for h in a] == [h.tokens for h in b]
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
+
+
+def test_compile_is_refused_where_it_does_not_apply():
+    with pytest.raises(MtpipeError, match="decode.compile: applies to precision fp32 and bf16"):
+        validate(DecodeConfig(compile=True, precision="int8"))
+    with pytest.raises(MtpipeError, match="decode.compile: applies to engine mtpipe"):
+        validate(DecodeConfig(compile=True, engine="ctranslate2"))
+
+
 def test_decoding_context_keeps_cudnn_attention_out_on_gpus_only():
     """On a GPU, decoding runs without cuDNN's attention kernel (a new execution graph per shape, and every step's
     keys are one longer), with the others allowed; on CPU the backend switches stay as they are; both restored after.
@@ -633,6 +661,16 @@ def test_cli_min_len(trained):
     assert r.exit_code == 0, r.output
     assert artifacts.read_manifest(out, "hypotheses").extra["decode"]["min_len"] == 1
     assert all((out / "test.txt").read_text(encoding="utf-8").splitlines())
+
+
+def test_cli_compile(trained):
+    # --compile from the CLI: the same translations as the eager step, and the setting in the manifest.
+    eager, compiled = trained["root"] / "out_eager", trained["root"] / "out_compiled"
+    for out, extra in ((eager, ()), (compiled, ("--compile",))):
+        r = cli(trained, *decode_args(trained, out, "--split", "test", *extra))
+        assert r.exit_code == 0, r.output
+    assert artifacts.read_manifest(compiled, "hypotheses").extra["decode"]["compile"] is True
+    assert (compiled / "test.txt").read_text(encoding="utf-8") == (eager / "test.txt").read_text(encoding="utf-8")
 
 
 def test_cli_input_file_and_stdin(trained, tmp_path, monkeypatch):

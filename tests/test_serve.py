@@ -258,6 +258,7 @@ def test_a_request_joins_the_running_batch_and_a_short_one_is_answered_first(mod
             loop.run_until_complete(asyncio.sleep(0.005))
             if long_job.future.done() and short_job.future.done():
                 break
+        loop.run_until_complete(asyncio.sleep(0.005))  # run the done callbacks of the last future settled
     finally:
         batcher.close()
         batcher.join(10)
