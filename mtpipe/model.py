@@ -627,11 +627,16 @@ class Transformer(nn.Module):
         offset = state.length if state.start is None else state.length - state.start[:, None]  # int or [R, 1]
         x = self.embed_tokens(tokens[:, None], offset=offset, target=True)  # [R] -> [R, 1] -> [R, 1, D]
         k_prev, v_prev, prev_mask = state.prefix(x, len(self.decoder), self.cfg.heads, self.cfg.d_k, self.cfg.d_v)
-        layers = self.step_layers
         if self._compiled_step is not None and state.length >= 2 and not self._recording():
-            layers = self._compiled_step
             mark_step_dynamic(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask)
-        h, k_new, v_new = layers(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask)
+            try:
+                h, k_new, v_new = self._compiled_step(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask)
+            except torch._dynamo.exc.TorchDynamoException as e:  # building the graph failed (e.g. no C++ compiler)
+                first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+                raise MtpipeError(f"decode.compile: torch.compile could not build the decoder step ({first.strip()}); "
+                                  "decode without --compile") from e
+        else:
+            h, k_new, v_new = self.step_layers(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask)
         state.write(k_new, v_new)
 
         def log_probs(lo: int, hi: int) -> Tensor:

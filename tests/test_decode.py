@@ -507,6 +507,21 @@ def test_compiled_step_decodes_what_the_eager_step_decodes(model):
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
 
 
+def test_a_failed_compile_is_one_clear_error(model):
+    # What a machine without a C++ compiler gets from torch.compile (an InductorError, a TorchDynamoException) becomes
+    # an MtpipeError that says what failed and what to do: the CLI prints one line and exits non-zero.
+    broken = copy.deepcopy(model)
+    broken.compile_step()
+
+    def no_compiler(*args):
+        raise torch._dynamo.exc.TorchDynamoException("InvalidCxxCompiler: No working C++ compiler found\nmore")
+
+    broken._compiled_step = no_compiler
+    with pytest.raises(MtpipeError, match=r"decode.compile: torch.compile could not build the decoder step "
+                                          r"\(InvalidCxxCompiler: No working C\+\+ compiler found\); decode without"):
+        translate(broken, sources(2, seed=3, lo=4, hi=8), DecodeConfig(beam=2, max_len_b=6, compile=True))
+
+
 def test_compile_is_refused_where_it_does_not_apply():
     with pytest.raises(MtpipeError, match="decode.compile: applies to precision fp32 and bf16"):
         validate(DecodeConfig(compile=True, precision="int8"))
