@@ -211,7 +211,10 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, k_prev: Tensor, v_prev: Te
         s_prev = torch.matmul(q, k_prev.transpose(-1, -2))  # [R, h, 1, d] x [R, h, d, t] -> [R, h, 1, t]
     if prev_mask is not None:
         s_prev = s_prev.masked_fill(~prev_mask, float("-inf"))
-    s_new = (q * k).sum(dim=-1, keepdim=True)  # [R, h, 1, 1]
+    if fused:
+        s_new = (q * k).sum(dim=-1, keepdim=True)  # [R, h, 1, 1]
+    else:
+        s_new = torch.matmul(q, k.transpose(-1, -2))  # [R, h, 1, d] x [R, h, d, 1] -> [R, h, 1, 1]: one operation
     # Every row keeps its own position, so no row is all -inf.
     weights = torch.softmax(torch.cat([s_prev, s_new], dim=-1), dim=-1)  # [R, h, 1, t+1]
     if record is not None:
