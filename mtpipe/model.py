@@ -440,7 +440,10 @@ class Transformer(nn.Module):
         self.decoder_norm = make_norm(cfg) if pre else None
         # Incremental decoding's copy of the pre-softmax matrix, transposed ((weight version, [D, V]); decoding_logits)
         self._decoding_matrix: tuple[tuple, Tensor] | None = None
-        self._compiled_step: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None  # compile_step
+        # compile_step's function and the id of the model it compiled: a copy (bf16_copy, prune) inherits both, and
+        # must not run its original's weights, so it uses its own or none.
+        self._compiled_step: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None
+        self._compiled_for = 0
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -627,7 +630,7 @@ class Transformer(nn.Module):
         offset = state.length if state.start is None else state.length - state.start[:, None]  # int or [R, 1]
         x = self.embed_tokens(tokens[:, None], offset=offset, target=True)  # [R] -> [R, 1] -> [R, 1, D]
         k_prev, v_prev, prev_mask = state.prefix(x, len(self.decoder), self.cfg.heads, self.cfg.d_k, self.cfg.d_v)
-        if self._compiled_step is not None and state.length >= 2 and not self._recording():
+        if self._compiled() and state.length >= 2 and not self._recording():
             mark_step_dynamic(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask)
             try:
                 h, k_new, v_new = self._compiled_step(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask)
@@ -679,8 +682,12 @@ class Transformer(nn.Module):
         Dimensions are marked dynamic (rows, cached positions, sentences, source length), so one graph serves every
         batch; a new one is built only for the few shapes torch specialises (e.g. one sentence alone). Building a
         graph takes tens of seconds on a small CPU, once per process (torch caches the generated code on disk)."""
-        if self._compiled_step is None:
+        if not self._compiled():
             self._compiled_step = torch.compile(self.step_layers, dynamic=True)
+            self._compiled_for = id(self)
+
+    def _compiled(self) -> bool:
+        return self._compiled_step is not None and self._compiled_for == id(self)
 
     def _recording(self) -> bool:
         return any(layer.self_attn.record is not None or layer.cross_attn.record is not None for layer in self.decoder)

@@ -502,6 +502,9 @@ def test_compiled_step_decodes_what_the_eager_step_decodes(model):
     out = translate(compiled, srcs, dataclasses.replace(cfg, compile=True))
     assert model._compiled_step is None
     assert max(calls) == 6 * 3 and min(calls) < 6 * 3  # the compiled step ran, on the whole batch and as it shrank
+    # A copy (bf16_copy and prune make them) never runs its original's compiled step, which holds the original weights.
+    twin, ran = copy.deepcopy(compiled), len(calls)
+    assert translate(twin, srcs[:2], cfg)[0][0].tokens == eager[0][0].tokens and len(calls) == ran
     for a, b in zip(eager, out):
         assert [h.tokens for h in a] == [h.tokens for h in b]
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
