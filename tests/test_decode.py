@@ -688,6 +688,7 @@ def test_cli_compile(trained):
         r = cli(trained, *decode_args(trained, out, "--split", "test", *extra))
         assert r.exit_code == 0, r.output
     assert artifacts.read_manifest(compiled, "hypotheses").extra["decode"]["compile"] is True
+    assert "compile seconds (before decoding)" in r.output  # graphs built first, outside the decoding seconds
     assert (compiled / "test.txt").read_text(encoding="utf-8") == (eager / "test.txt").read_text(encoding="utf-8")
 
 
