@@ -207,14 +207,12 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, k_prev: Tensor, v_prev: Te
     q = q * q.size(-1) ** -0.5  # scaled once, for both scores
     if fused:
         s_prev = (q * k_prev).sum(dim=-1)[:, :, None, :]  # [R, h, 1, d] * [R, h, t, d] -> [R, h, t] -> [R, h, 1, t]
-    else:
-        s_prev = torch.matmul(q, k_prev.transpose(-1, -2))  # [R, h, 1, d] x [R, h, d, t] -> [R, h, 1, t]
-    if prev_mask is not None:
-        s_prev = s_prev.masked_fill(~prev_mask, float("-inf"))
-    if fused:
         s_new = (q * k).sum(dim=-1, keepdim=True)  # [R, h, 1, 1]
     else:
+        s_prev = torch.matmul(q, k_prev.transpose(-1, -2))  # [R, h, 1, d] x [R, h, d, t] -> [R, h, 1, t]
         s_new = torch.matmul(q, k.transpose(-1, -2))  # [R, h, 1, d] x [R, h, d, 1] -> [R, h, 1, 1]: one operation
+    if prev_mask is not None:
+        s_prev = s_prev.masked_fill(~prev_mask, float("-inf"))
     # Every row keeps its own position, so no row is all -inf.
     weights = torch.softmax(torch.cat([s_prev, s_new], dim=-1), dim=-1)  # [R, h, 1, t+1]
     if record is not None:

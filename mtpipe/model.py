@@ -503,9 +503,13 @@ class Transformer(nn.Module):
         of the last norm -- sets the softmax temperature, as the fixed-norm output layer of Nguyen & Chiang (2018)
         intends.
         """
-        w = (self.out_proj if self.out_proj is not None
-             else self.embed_tgt.weight if self.embed_tgt is not None else self.embed.weight)
+        w = self._projection_weight()
         return unit_rows(w) if self.cfg.fixnorm else w
+
+    def _projection_weight(self) -> Tensor:
+        """The stored ``[V, D]`` matrix behind :meth:`output_embedding` (before FixNorm's normalisation)."""
+        return (self.out_proj if self.out_proj is not None
+                else self.embed_tgt.weight if self.embed_tgt is not None else self.embed.weight)
 
     def logits(self, h: Tensor) -> Tensor:
         """Pre-softmax projection with the shared embedding matrix (3.4): ``[..., D] -> [..., V]``."""
@@ -520,8 +524,7 @@ class Transformer(nn.Module):
         ``[D, V]`` layout it ran 1.2-1.6x faster than ``F.linear`` on the ``[V, D]`` matrix for 4-16 rows on an AVX2
         core and no slower for 256 rows (a microbenchmark), and decoding 3-5 % faster (BENCHMARKS.md, "Decoding
         steps"). bf16 and GPUs keep :meth:`logits` (not measured there)."""
-        w = (self.out_proj if self.out_proj is not None
-             else self.embed_tgt.weight if self.embed_tgt is not None else self.embed.weight)
+        w = self._projection_weight()
         if h.device.type != "cpu" or h.dtype != torch.float32 or w.dtype != torch.float32 or w.is_inference():
             return self.logits(h)
         key = (w.data_ptr(), w._version, w.device)
