@@ -76,24 +76,28 @@ COMPILED = "mtpipe, decode.compile"  # the --compiled row
 # Decoding tricks --plain can switch off for one row each: what each is replaced with.
 PLAIN = {
     "ranking": "one top-k over every sentence's k x V extensions instead of mtpipe.search.top_candidates' chunks",
-    "projection": "F.linear on the [V, D] matrix instead of Transformer.decoding_logits' [D, V] copy",
+    "projection": "F.linear on the [V, D] matrix instead of Transformer.decoding_logits' kept copy",
+    "packing": "Transformer.decoding_logits' [D, V] copy and addmm instead of oneDNN's packed copy",
 }
 
 
 @contextlib.contextmanager
 def plain_decoding(model: Transformer, tricks: frozenset[str]):
     """mtpipe's decoding with the named tricks (:data:`PLAIN`) switched off, for the length of one batch."""
+    import mtpipe.kernels as kernels
     import mtpipe.search as search
 
-    chunk = search._CHUNK
+    chunk, pack = search._CHUNK, kernels.PACK_DECODING_PROJECTION
     if "ranking" in tricks:
         search._CHUNK = 1 << 40  # no vocabulary has 4 chunks of this width: top_candidates takes one top-k
     if "projection" in tricks:
         object.__setattr__(model, "decoding_logits", model.logits)  # shadows the method on this model only
+    if "packing" in tricks:
+        kernels.PACK_DECODING_PROJECTION = False  # the kept copy is remade as [D, V] (and packed again after)
     try:
         yield
     finally:
-        search._CHUNK = chunk
+        search._CHUNK, kernels.PACK_DECODING_PROJECTION = chunk, pack
         model.__dict__.pop("decoding_logits", None)
 
 DATA = Path(os.environ.get("MTPIPE_MULTI30K", REPO / "data" / "multi30k"))  # {split}.{en,de}.gz

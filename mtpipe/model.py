@@ -60,9 +60,9 @@ from torch import Tensor, nn
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID
 from mtpipe.config import ModelConfig
 from mtpipe.errors import MtpipeError
-from mtpipe.kernels import Linear, attention_weights, autocast_activations, banded_attention, banded_min_length
-from mtpipe.kernels import cached_attention, dropout, explicit_attention, linear, prefer_explicit_attention, residual
-from mtpipe.kernels import window_mask
+from mtpipe.kernels import DecodingProjection, Linear, attention_weights, autocast_activations, banded_attention
+from mtpipe.kernels import banded_min_length, cached_attention, dropout, explicit_attention, linear
+from mtpipe.kernels import prefer_explicit_attention, residual, window_mask
 
 # --------------------------------------------------------------------------------------------------------------------
 # 3.4 Embeddings and 3.5 positional encoding
@@ -438,8 +438,8 @@ class Transformer(nn.Module):
         pre = cfg.norm_position == "pre"
         self.encoder_norm = make_norm(cfg) if pre else None
         self.decoder_norm = make_norm(cfg) if pre else None
-        # Incremental decoding's copy of the pre-softmax matrix, transposed ((weight version, [D, V]); decoding_logits)
-        self._decoding_matrix: tuple[tuple, Tensor] | None = None
+        # Incremental decoding's copy of the pre-softmax matrix (decoding_logits)
+        self._decoding_projection = DecodingProjection()
         # compile_step's function and the id of the model it compiled: a copy (bf16_copy, prune) inherits both, and
         # must not run its original's weights, so it uses its own or none.
         self._compiled_step: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None
@@ -516,23 +516,13 @@ class Transformer(nn.Module):
         return linear(h, self.output_embedding(), self.out_bias)
 
     def decoding_logits(self, h: Tensor) -> Tensor:
-        """:meth:`logits` of a decoding step's rows ``[R, D] -> [R, V]``: on CPU in float32, the same product with
-        the matrix transposed once into ``[D, V]`` (a second copy, kept until the weight changes; FixNorm's unit
-        rows with it).
-
-        Why: a step projects a few rows, and then the product's cost is streaming the whole ``V x D`` matrix; in the
-        ``[D, V]`` layout it ran 1.2-1.6x faster than ``F.linear`` on the ``[V, D]`` matrix for 4-16 rows on an AVX2
-        core and no slower for 256 rows (a microbenchmark), and decoding 3-5 % faster (BENCHMARKS.md, "Decoding
-        steps"). bf16 and GPUs keep :meth:`logits` (not measured there)."""
+        """:meth:`logits` of a decoding step's rows ``[R, D] -> [R, V]``: on CPU in float32 through
+        :class:`mtpipe.kernels.DecodingProjection`, which keeps a copy of the matrix (FixNorm's unit rows with it) in
+        the layout fastest for a few rows, made again when the weights change. bf16 and GPUs keep :meth:`logits`."""
         w = self._projection_weight()
         if h.device.type != "cpu" or h.dtype != torch.float32 or w.dtype != torch.float32 or w.is_inference():
             return self.logits(h)
-        key = (w.data_ptr(), w._version, w.device)
-        if self._decoding_matrix is None or self._decoding_matrix[0] != key:
-            with torch.no_grad():
-                self._decoding_matrix = (key, self.output_embedding().t().contiguous())  # [V, D] -> [D, V]
-        w_t = self._decoding_matrix[1]
-        return h @ w_t if self.out_bias is None else torch.addmm(self.out_bias, h, w_t)  # [R, D] x [D, V]
+        return self._decoding_projection(h, (w.data_ptr(), w._version, w.device), self.output_embedding, self.out_bias)
 
     # -- 3.1 the stacks, training ----------------------------------------------------------------------------------
 

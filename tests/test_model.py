@@ -136,6 +136,32 @@ def test_decoding_projection_equals_logits_and_follows_the_weights(variant: dict
         assert torch.allclose(m.decoding_logits(h), m.logits(h), atol=1e-5)
 
 
+@pytest.mark.parametrize("packing", [True, False])
+def test_decoding_projection_survives_a_deep_copy_and_each_copy_projects_its_own_weights(packing: bool,
+                                                                                       monkeypatch) -> None:
+    """With oneDNN's packed copy of the matrix (opaque, not copyable) and with the plain ``[D, V]`` copy: a model
+    that has decoded can be deep-copied (as bf16 / int8 decoding and pruning do), and the copy, its weights then
+    changed, projects with its own weights while the original keeps its own."""
+    import copy
+
+    from mtpipe import kernels
+
+    monkeypatch.setattr(kernels, "PACK_DECODING_PROJECTION", packing)
+    torch.manual_seed(3)
+    m = build_model(CFG, V).eval()
+    h = torch.randn(7, CFG.d_model)
+    with torch.inference_mode():
+        before = m.decoding_logits(h)
+        assert torch.allclose(before, m.logits(h), atol=1e-5)
+    twin = copy.deepcopy(m)
+    with torch.no_grad():
+        twin.embed.weight.mul_(0.5)
+    with torch.inference_mode():
+        assert torch.allclose(twin.decoding_logits(h), twin.logits(h), atol=1e-5)
+        assert torch.allclose(twin.decoding_logits(h), 0.5 * before, atol=1e-5)
+        assert torch.equal(m.decoding_logits(h), before)
+
+
 def test_sinusoids_match_section_3_5() -> None:
     pe = sinusoids(50, 16)
     assert pe.shape == (50, 16)
