@@ -64,6 +64,7 @@ from mtpipe import (
     artifacts,  # noqa: E402
     writing,
 )
+from bench.machine import cpu_ticks, own_cpu  # noqa: E402
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: E402
 from mtpipe.config import DecodeConfig, ModelConfig, to_dict  # noqa: E402
 from mtpipe.console import console, fmt, progress, table  # noqa: E402
@@ -108,17 +109,6 @@ def read_gz(path: Path) -> list[str]:
         return [unicodedata.normalize("NFC", line.rstrip("\n")).strip() for line in f]
 
 
-def cpu_ticks() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine so far, from the first line of /proc/stat (0, 0 if absent)."""
-    try:
-        values = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return 0.0, 0.0
-    hz = os.sysconf("SC_CLK_TCK")
-    idle = values[3] + (values[4] if len(values) > 4 else 0.0)  # idle + iowait
-    return (sum(values) - idle) / hz, sum(values) / hz
-
-
 def others_share(since: tuple[float, float], own_since: float) -> float:
     """Share of the machine's CPU time used by *other* processes since ``since`` (``cpu_ticks()``) and
     ``own_since`` (``own_cpu()``)."""
@@ -126,11 +116,6 @@ def others_share(since: tuple[float, float], own_since: float) -> float:
     if total <= since[1]:
         return 0.0
     return max(0.0, (busy - since[0]) - (own_cpu() - own_since)) / (total - since[1])
-
-
-def own_cpu() -> float:
-    t = os.times()
-    return t.user + t.system
 
 
 def wait_quiet(max_seconds: float, share: float = 0.15, window: float = 3.0) -> float:

@@ -8,9 +8,10 @@ same-round ratios mean anything). Each round:
 * **offline**: `mtpipe decode --input FILE` over the sentences in its own process; its throughput is the sentences
   over the decoding seconds it reports itself (model loading and start-up excluded: that is the fair baseline for a
   server, which loads once);
-* **server**: ``--clients`` threads (default 8), each with its own keep-alive connection, sending the sentences one
-  per request (``{"text": [sentence]}``) until all are translated; throughput is the sentences over the wall time,
-  latency is each request's round trip.
+* **server**: ``--clients`` concurrent clients (default 8; one asyncio event loop), each with its own keep-alive
+  connection, sending the sentences one per request (``{"text": [sentence]}``) until all are translated; throughput is the sentences over the wall time,
+  latency is each request's round trip. The clients run on the same machine as the server (loopback), so the table
+also gives their share of the machine's CPU time during the load, which the offline decode does not pay.
 
 Reported (a rich table, and a markdown table under ``--out``, default ``bench/out/serve``): sentences/s of both, the
 server's ratio to offline, p50 / p99 latency, failed (non-200) and lost (no answer: a connection error or timeout)
@@ -29,7 +30,6 @@ import datetime
 import gzip
 import os
 import platform
-import queue
 import re
 import shlex
 import signal
@@ -44,6 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.machine import cpu_ticks, own_cpu  # noqa: E402
 from mtpipe.console import console, fmt, table  # noqa: E402
 
 
@@ -120,48 +121,66 @@ def offline(args: argparse.Namespace, infile: Path, n: int) -> tuple[float, list
 
 
 def load(url: str, sentences: list[str], clients: int, timeout: float) -> dict:
-    """``clients`` threads sending the sentences one per request: throughput, latencies, failures, answers."""
-    import httpx
+    """``clients`` concurrent clients, each on its own keep-alive connection, sending the sentences one per request:
+    throughput, latencies, failures, answers.
 
-    todo: queue.Queue[int] = queue.Queue()
-    for i in range(len(sentences)):
-        todo.put(i)
+    Why asyncio and hand-written HTTP/1.1 rather than an HTTP library in threads: the clients share the machine with
+    the server, and 128 threads of httpx took ~26 % of this 2-core machine's CPU time (~7 ms per request), which the
+    server then lacked. One event loop writing prepared requests and reading ``Content-Length`` bodies costs a small
+    fraction of that; the table reports the clients' share either way."""
+    import asyncio
+    import json
+
+    host, port = url.split("://", 1)[1].rstrip("/").rsplit(":", 1)
     answers: list[str | None] = [None] * len(sentences)
     latencies: list[float] = []
     failed, lost, batches = [0], [0], []
-    lock = threading.Lock()
+    todo = iter(range(len(sentences)))
 
-    def client() -> None:
-        with httpx.Client(base_url=url, timeout=timeout) as c:
-            while True:
-                try:
-                    i = todo.get_nowait()
-                except queue.Empty:
-                    return
+    async def request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, i: int) -> tuple[int, dict]:
+        body = json.dumps({"text": [sentences[i]]}).encode()
+        writer.write(b"POST /translate HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
+        head = await reader.readuntil(b"\r\n\r\n")  # status line and headers
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = dict(line.split(":", 1) for line in lines[1:] if ":" in line)
+        length = {k.strip().lower(): v.strip() for k, v in headers.items()}.get("content-length")
+        if length is None:
+            raise ConnectionError("response without Content-Length")
+        return status, json.loads(await reader.readexactly(int(length)))
+
+    async def client() -> None:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            for i in todo:  # the shared iterator hands each sentence to one client
                 t0 = time.perf_counter()
                 try:
-                    r = c.post("/translate", json={"text": [sentences[i]]})
-                except httpx.HTTPError:
-                    with lock:
-                        lost[0] += 1
+                    status, body = await asyncio.wait_for(request(reader, writer, i), timeout)
+                except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
+                    lost[0] += 1
+                    writer.close()  # the connection's state is unknown: start a new one
+                    reader, writer = await asyncio.open_connection(host, int(port))
                     continue
-                dt = time.perf_counter() - t0
-                with lock:
-                    if r.status_code != 200:
-                        failed[0] += 1
-                        continue
-                    latencies.append(dt)
-                    body = r.json()
-                    answers[i] = body["translations"][0]
-                    batches.append(body["batch"]["requests"])
+                if status != 200:
+                    failed[0] += 1
+                    continue
+                latencies.append(time.perf_counter() - t0)
+                answers[i] = body["translations"][0]
+                batches.append(body["batch"]["requests"])
+        finally:
+            writer.close()
 
-    threads = [threading.Thread(target=client) for _ in range(clients)]
+    async def run() -> None:
+        await asyncio.gather(*(client() for _ in range(clients)))
+
+    busy0, total0 = cpu_ticks()
+    own0 = own_cpu()
     start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    asyncio.run(run())
     wall = time.perf_counter() - start
+    busy, total = (a - b for a, b in zip(cpu_ticks(), (busy0, total0)))
+    own = own_cpu() - own0
     latencies.sort()
 
     def pct(q: float) -> float:
@@ -169,7 +188,10 @@ def load(url: str, sentences: list[str], clients: int, timeout: float) -> dict:
 
     ok = sum(a is not None for a in answers)
     return {"sent_s": ok / wall, "p50_ms": 1000 * pct(0.50), "p99_ms": 1000 * pct(0.99), "failed": failed[0],
-            "lost": lost[0], "answers": answers, "mean_batch": statistics.mean(batches) if batches else 0.0}
+            "lost": lost[0], "answers": answers, "mean_batch": statistics.mean(batches) if batches else 0.0,
+            # shares of the machine's CPU time during the load: the clients' (this process) and everyone else's
+            "clients_cpu": own / total if total > 0 else float("nan"),
+            "others_cpu": (busy - own) / total if total > 0 else float("nan")}
 
 
 def spread(values: list[float]) -> str:
@@ -224,7 +246,9 @@ def main() -> None:
 
     keys = [("offline sentences/s", "offline"), ("server sentences/s", "sent_s"), ("server / offline", "ratio"),
             ("p50 latency (ms)", "p50_ms"), ("p99 latency (ms)", "p99_ms"), ("mean requests decoded together", "mean_batch"),
-            ("failed requests", "failed"), ("lost requests", "lost"), ("answers differing from offline", "differ")]
+            ("failed requests", "failed"), ("lost requests", "lost"), ("answers differing from offline", "differ"),
+            ("machine CPU share: the load generator's clients", "clients_cpu"),
+            ("machine CPU share: the server and everything else", "others_cpu")]
     header = ["", *[f"round {row['round']}" for row in rows], "min / median / max"]
     body = [[name, *[row[k] for row in rows], spread([row[k] for row in rows])] for name, k in keys]
     table("mtpipe serve vs mtpipe decode", header, body)

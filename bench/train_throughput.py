@@ -49,6 +49,7 @@ from torch import Tensor, nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.machine import cpu_ticks  # noqa: E402
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 from mtpipe.config import ModelConfig  # noqa: E402
 from mtpipe.console import console  # noqa: E402
@@ -360,17 +361,6 @@ class System:
     tgt: list[int] = field(default_factory=list)
     flops: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
-
-
-def cpu_ticks() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat (0, 0 where unavailable)."""
-    try:
-        fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return 0.0, 0.0
-    hz = os.sysconf("SC_CLK_TCK")
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
-    return (sum(fields) - idle) / hz, sum(fields) / hz
 
 
 def cpu_model() -> str:

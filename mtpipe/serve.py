@@ -654,7 +654,8 @@ class Batcher:
     def _take(self, worker: int, held: int, last_end: float, continuous: bool = True) -> list[Job] | None:
         """Requests for ``worker``'s lane, which decodes ``held`` source tokens. An idle lane waits for a request,
         then until the oldest has waited ``wait_s`` (from the later of its arrival and ``last_end``, the end of the
-        lane's last work) or the waiting requests fill ``batch_tokens``, and takes at least one; a busy lane takes,
+        lane's last work) or the waiting requests fill ``batch_tokens``, and takes at least one, and no more than its
+        share of what waits when other lanes are idle too; a busy lane takes,
         without waiting, the oldest that fit, while it holds no more than the least busy of the other lanes (so
         that with several workers the load is shared, not taken by whichever asks first). None once closed and
         drained. A lane that is not ``continuous`` takes nothing while it is busy."""
@@ -685,8 +686,13 @@ class Batcher:
                 if left <= 0:
                     break
                 self._cond.wait(left)
+            # Idle lanes share what is waiting: each takes its part of it, so that after a burst (closed-loop
+            # clients answered together send again together) every worker decodes at once rather than one taking
+            # the whole burst while the others wait for the next one.
+            idle = 1 + sum(1 for w, t in self._held.items() if w != worker and t == 0)
+            share = min(room, -(-sum(j.tokens for j in self._jobs) // idle))
             taken, tokens = [], 0
-            while self._jobs and (not taken or tokens + self._jobs[0].tokens <= room):
+            while self._jobs and (not taken or tokens + self._jobs[0].tokens <= share):
                 tokens += self._jobs[0].tokens
                 taken.append(self._jobs.popleft())
             self._held[worker] = tokens

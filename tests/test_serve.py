@@ -515,6 +515,39 @@ def test_a_batch_waits_from_the_end_of_the_last_one():
     assert sizes == [1, 2]
 
 
+def test_idle_workers_share_a_burst_of_requests():
+    """Several idle workers split a burst of requests (closed-loop clients answered together send again together)
+    between them, rather than the first awake taking it all while the others wait for the next burst."""
+    import asyncio
+
+    from mtpipe.search import Hypothesis
+    from mtpipe.serve import BatchLane, Batcher, Job
+
+    loop = asyncio.new_event_loop()
+    sizes: dict[int, list[int]] = {0: [], 1: []}
+
+    def lane(worker: int) -> BatchLane:
+        def translate(sources, rules):
+            sizes[worker].append(len(sources))
+            time.sleep(0.3)  # decoding takes a while: the other worker takes its share meanwhile
+            return [[Hypothesis(list(s), 0.0, 0.0)] for s in sources]
+        return BatchLane(translate)
+
+    batcher = Batcher(lambda tokens: ["x"] * len(tokens), max_queue=8, wait_s=0.3, batch_tokens=10_000)
+    batcher.start(lane(0), worker=0)
+    batcher.start(lane(1), worker=1)
+    try:
+        time.sleep(0.2)  # both idle, waiting for requests
+        for _ in range(4):
+            batcher.submit(Job([[5, 6]], "rules", loop.create_future(), loop, time.monotonic()))
+        time.sleep(1.0)
+    finally:
+        batcher.close()
+        batcher.join(10)
+        loop.close()
+    assert sizes == {0: [2], 1: [2]}
+
+
 def test_a_server_with_worker_processes_holds_the_vocabulary_not_the_weights(model):
     """With serve.workers > 1 the server process rebuilds the model from worker 0's description: the same
     SentencePiece model and /info facts, and no lane (no weights) of its own."""
