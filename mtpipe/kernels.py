@@ -5,7 +5,8 @@ Each CPU function here is a drop-in for a plain torch formulation (named in its 
 CPU for this model's shapes; the measurements are in BENCHMARKS.md (``bench/train_throughput.py``,
 ``bench/decode_speed.py``). On GPUs, under ``torch.compile`` and wherever the trick does not apply, each falls back
 to the plain formulation. In fp32 eval under ``no_grad`` (validation, decoding) the outputs are bit-identical to the
-plain formulation; with gradients on, :func:`explicit_attention` differs from the fused kernel by float rounding only.
+plain formulation, except :class:`DecodingProjection`'s product (float rounding); with gradients on,
+:func:`explicit_attention` differs from the fused kernel by float rounding only.
 """
 
 from __future__ import annotations
@@ -128,9 +129,10 @@ class DecodingProjection:
     Why: a step projects a few hundred rows at most, and then the product's cost is streaming the whole ``V x D``
     matrix. Where torch has oneDNN (x86 and aarch64 builds), the copy is oneDNN's pre-packed, blocked layout and the
     product oneDNN's linear kernel (the one ``torch.compile`` uses for frozen weights): for 4-256 rows x 128 x 8k on
-    one AVX2 core it ran 1.3-2.1x faster than ``addmm`` on a ``[D, V]`` copy, which in turn ran 1.2-1.6x faster than
-    ``F.linear`` on the ``[V, D]`` matrix for 4-16 rows (microbenchmarks; BENCHMARKS.md, "Decoding steps"). Without
-    oneDNN the ``[D, V]`` copy is used. Results equal ``F.linear``'s up to float rounding.
+    one AVX2 core it ran 1.1-2.1x faster than ``addmm`` on a ``[D, V]`` copy, which in turn ran 1.2-1.6x faster than
+    ``F.linear`` on the ``[V, D]`` matrix for 4-16 rows; whole decoding 1.06x (BENCHMARKS.md, "The output projection
+    through oneDNN"). Without oneDNN the ``[D, V]`` copy is used. Results equal ``F.linear``'s up to float rounding
+    (the same hypotheses on every sentence measured).
 
     A deep copy (the model's, for bf16 / int8 / pruning) starts empty: oneDNN's packed tensors are opaque and cannot
     be copied, and the copy's weights may differ anyway.

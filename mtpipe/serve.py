@@ -655,9 +655,9 @@ class Batcher:
         """Requests for ``worker``'s lane, which decodes ``held`` source tokens. An idle lane waits for a request,
         then until the oldest has waited ``wait_s`` (from the later of its arrival and ``last_end``, the end of the
         lane's last work) or the waiting requests fill ``batch_tokens``, and takes at least one, and no more than its
-        share of what waits when other lanes are idle too; a busy lane takes,
-        without waiting, the oldest that fit, while it holds no more than the least busy of the other lanes (so
-        that with several workers the load is shared, not taken by whichever asks first). None once closed and
+        share of what waits when other lanes are idle too; a busy lane takes, without waiting, the oldest that fit,
+        while it holds no more than the least busy of the other lanes (so that with several workers the load is
+        shared, not taken by whichever asks first). None once closed and
         drained. A lane that is not ``continuous`` takes nothing while it is busy."""
         room = self.batch_tokens - held
         with self._cond:
