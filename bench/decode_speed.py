@@ -60,11 +60,11 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.machine import cpu_ticks, own_cpu  # noqa: E402
 from mtpipe import (
     artifacts,  # noqa: E402
     writing,
 )
-from bench.machine import cpu_ticks, own_cpu  # noqa: E402
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: E402
 from mtpipe.config import DecodeConfig, ModelConfig, to_dict  # noqa: E402
 from mtpipe.console import console, fmt, progress, table  # noqa: E402

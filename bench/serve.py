@@ -140,7 +140,7 @@ def load(url: str, sentences: list[str], clients: int, timeout: float) -> dict:
     async def request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, i: int) -> tuple[int, dict]:
         body = json.dumps({"text": [sentences[i]]}).encode()
         writer.write(b"POST /translate HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
+                     b"Content-Length: %d\r\n\r\n%s" % (f"{host}:{port}".encode(), len(body), body))
         head = await reader.readuntil(b"\r\n\r\n")  # status line and headers
         lines = head.decode("latin-1").split("\r\n")
         status = int(lines[0].split()[1])

@@ -657,8 +657,8 @@ class Batcher:
         lane's last work) or the waiting requests fill ``batch_tokens``, and takes at least one, and no more than its
         share of what waits when other lanes are idle too; a busy lane takes, without waiting, the oldest that fit,
         while it holds no more than the least busy of the other lanes (so that with several workers the load is
-        shared, not taken by whichever asks first). None once closed and
-        drained. A lane that is not ``continuous`` takes nothing while it is busy."""
+        shared, not taken by whichever asks first). None once closed and drained. A lane that is not
+        ``continuous`` takes nothing while it is busy."""
         room = self.batch_tokens - held
         with self._cond:
             self._held[worker] = held
