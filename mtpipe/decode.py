@@ -124,12 +124,12 @@ def batches_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[list[int]
 def decoding_context(device: torch.device, precision: str) -> Iterator[None]:
     """What decoding steps run under: bf16 autocast for precision bf16 (matmuls in bf16, softmax/log-softmax in
     fp32; nothing for fp32), and on a GPU the attention kernels that suit a step's ever-changing shapes
-    (:func:`mtpipe.kernels.decoding_attention`)."""
-    from mtpipe.kernels import decoding_attention
+    (:func:`mtpipe.kernels.attention_kernels`)."""
+    from mtpipe.kernels import attention_kernels
 
     autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if precision == "bf16"
                 else contextlib.nullcontext())
-    with autocast, decoding_attention(device):
+    with autocast, attention_kernels(device):
         yield
 
 

@@ -54,6 +54,7 @@ from mtpipe.batches import (
 from mtpipe.config import ModelConfig, TrainConfig, to_dict
 from mtpipe.console import console, info, progress, warn
 from mtpipe.errors import MtpipeError
+from mtpipe.kernels import attention_kernels
 from mtpipe.loss import projected_label_smoothed_nll
 from mtpipe.metrics import Metrics, TextLog, Throughput, Window
 from mtpipe.resume import (
@@ -170,7 +171,7 @@ class Updater:
         Returns the detached ``[loss_sum, nll_sum]`` (float32, on the device; no host sync).
         """
         with distributed.no_sync(self.module, skip=not sync):
-            with runtime.autocast(self.device, self.precision):
+            with runtime.autocast(self.device, self.precision), attention_kernels(self.device):
                 loss, nll = self.module(src, tgt_in, tgt_out)
             scaled = loss * scale
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
@@ -421,7 +422,7 @@ class Trainer:
         with torch.no_grad():
             for i in range(self.rank, len(valid), self.world):
                 batch = to_device(self.device, collate(valid_tokens, valid.batch(i), self.model.start_id))
-                with runtime.autocast(self.device, self.precision):
+                with runtime.autocast(self.device, self.precision), attention_kernels(self.device):
                     loss, nll = self.updater.loss_module(*batch)
                 sums += torch.stack([loss, nll]).double()
         distributed.all_reduce_sum(sums)

@@ -457,6 +457,41 @@ def test_bf16_autocast_and_epoch_stop(data: tuple[Path, Path], tmp_path: Path) -
     assert all(t.dtype == torch.float32 for t in ck.state_dict.values())
 
 
+def test_training_forward_passes_choose_their_attention_kernels(data: tuple[Path, Path], tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every training and validation forward runs under :func:`mtpipe.kernels.attention_kernels` for the run's
+    device (on a GPU: no cuDNN attention, which sets itself up anew for each of the buckets' shapes; what the
+    context switches is checked in test_decode), and the loss itself is computed inside it."""
+    import contextlib
+
+    from mtpipe import train
+
+    entered: list[str] = []
+    inside = [False]
+
+    @contextlib.contextmanager
+    def recording(device: torch.device):
+        entered.append(device.type)
+        inside[0] = True
+        try:
+            yield
+        finally:
+            inside[0] = False
+
+    calls = {"in": 0, "out": 0}
+    forward = train.LossModule.forward
+
+    def checked(self, *args, **kw):
+        calls["in" if inside[0] else "out"] += 1
+        return forward(self, *args, **kw)
+
+    monkeypatch.setattr(train, "attention_kernels", recording)
+    monkeypatch.setattr(train.LossModule, "forward", checked)
+    s = train.train_model(mcfg(), tcfg(max_steps=3, valid_every_steps=2), *data, tmp_path / "o")
+    assert s["steps"] == 3 and math.isfinite(s["valid_loss"])
+    assert calls["out"] == 0 and calls["in"] == len(entered) > 3 and set(entered) == {"cpu"}
+
+
 def test_no_dvc_side_effects_inside_a_git_checkout(data: tuple[Path, Path], tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """dvclive alone would `dvc init` (and `git add`) a git checkout that has no DVC repository: training must
