@@ -1,7 +1,8 @@
 #!/bin/bash
 # mtpipe's GPU paths in one short run on the visible GPU: bf16 training and its throughput, average, beam-search
-# decoding in fp32 and bf16 (sentences/s and sacreBLEU on valid and test), fp16 training with the grad scaler,
-# torch.compile, and exact resume (one run of N updates against N/2 then resumed; the weights compared bitwise).
+# decoding in fp32 and bf16 (sentences/s and sacreBLEU on valid and test), `mtpipe serve` under 8 concurrent clients
+# against offline decoding (bench/serve.py; needs the serve extra: fastapi, uvicorn), fp16 training with the grad
+# scaler, torch.compile, and exact resume (one run of N updates against N/2 then resumed; the weights compared bitwise).
 #
 #   bash bench/gpu_check.sh ARTIFACTS [UPDATES] [MINUTES]
 #
@@ -49,6 +50,13 @@ for split in valid test; do
     el "decode $split $prec rc=$rc: $(stats "$OUT/decode-$split-$prec.log" | tr '\n' ' ') BLEU $bleu"
   done
 done
+
+el "serve: 8 clients, the test sentences one per request, against offline decode (fp32, 2 rounds)"
+$PY -c "import pyarrow.parquet as pq; print('\\n'.join(pq.read_table('$ART/fetch/test.parquet').column('src').to_pylist()))" \
+  > "$W/test.src"
+$PY bench/serve.py --checkpoint "$W/average" --tokens "$ART/bpe" --sentences "$W/test.src" --clients 8 --rounds 2 \
+  --out "$OUT/serve" > "$OUT/serve.log" 2>&1; echo "rc=$?"
+grep -E "^(round|server / offline)" "$OUT/serve.log"
 
 el "fp16 + grad scaler, $SHORT updates"
 train --out "$W/fp16" --max-steps "$SHORT" --max-time 0 --precision fp16 > "$OUT/fp16.log" 2>&1; echo "rc=$?"
