@@ -824,7 +824,7 @@ def run_rounds(e: Env, args: argparse.Namespace, parts: list[str]) -> dict[str, 
                             say(f"round {r}: train {dims}: {label}")
                             row[label] = ref_train(e, py, max(10, n // 2), e.logs / f"r{r}_train_{dims}_ref_{tag}.log")
                     for p in ("fp32", "bf16"):
-                        if p == "bf16" and not e.probe.get("bf16"):
+                        if p == "bf16" and not e.probe["native_bf16"]:
                             continue  # no native bf16 on this CPU (or --isa avx2): emulated bf16 is not a mode
                         say(f"round {r}: train {dims}: mtpipe {p}, {n} updates")
                         row[f"mtpipe {p}"] = mtpipe_train(e, m30k, dims, p, n, iv, args.dropout,
@@ -842,7 +842,7 @@ def run_rounds(e: Env, args: argparse.Namespace, parts: list[str]) -> dict[str, 
                         row["fairseq fp32"] = decode_result(
                             fairseq_decode(e, dec, dm, 4, e.logs / f"{tag}_fairseq.log"), dec.refs)
                     for p in MTPIPE_DECODE_PRECISIONS:
-                        if p == "bf16" and not e.probe.get("bf16"):
+                        if p == "bf16" and not e.probe["native_bf16"]:
                             continue  # no native bf16: emulated, minutes per matmul
                         say(f"round {r}: decode {dm.key}: mtpipe {p}")
                         row[f"mtpipe {p}"] = decode_result(
