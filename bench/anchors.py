@@ -88,7 +88,7 @@ M30K_TRAIN = 29000
 SAME_FOR_ALL = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "2147483647", "MKL_DEBUG_CPU_TYPE": "5"}
 # --isa avx2: what most users' CPUs have, on a CPU with more (each library's own switch; the ISA probe shows it took).
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "CT2_FORCE_CPU_ISA": "AVX2",
-             "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
 # mtpipe's decoding precisions measured (bf16 only where the CPU has it natively), all with fairseq's and
 # CTranslate2's search: decode.stop=finished, decode.length_penalty=fairseq.
 MTPIPE_DECODE_PRECISIONS = ["fp32", "bf16", "int8"]
@@ -1019,6 +1019,11 @@ def print_and_write(out: Path, meta: dict[str, Any], result: dict[str, Any]) -> 
           f"CPU {meta['machine']['cpu_model']} ({meta['machine']['nproc']} CPUs), {meta['threads']} threads; "
           f"versions {json.dumps(meta['versions'])}; load average at start {meta['machine']['load_average'][0]:.2f}."
           + (" **Smoke run: tiny step counts, not a measurement.**" if meta["smoke"] else ""), "",
+          f"ISA ({meta['isa']}), probed under the run's environment: torch dispatch "
+          f"{meta['isa_probe'].get('torch_capability')}, native bf16 {meta['isa_probe'].get('native_bf16')}, matmul "
+          f"fp32 {meta['isa_probe'].get('fp32_gflops')} / bf16 {meta['isa_probe'].get('bf16_gflops')} GFLOP/s, "
+          f"int8 decoding layer {meta['isa_probe'].get('int8_gops')} GOP/s; CTranslate2's own choice is in each of "
+          "its rows' logs.", "",
           "Cells: value (ratio to the baseline measured in the same round). Train: median over intervals of "
           "updates (first skipped); decode: one timed pass; data: process wall seconds, ratio = fairseq s / mtpipe s.",
           "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -1423,7 +1428,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also decode with mtpipe fp32 and decode.compile (its graphs built in the warm-up)")
     ap.add_argument("--isa", choices=["native", "avx2"], default="native",
                     help="avx2: restrict every library to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, "
-                         "CT2_FORCE_CPU_ISA, MKL_ENABLE_INSTRUCTIONS), as most users' CPUs are; the ISA probe "
+                         "CT2_FORCE_CPU_ISA, MKL_ENABLE_INSTRUCTIONS, FBGEMM_ENABLE_INSTRUCTIONS), as most users' CPUs are; the ISA probe "
                          "in the results shows whether it took effect")
     ap.add_argument("--ct2-limit", choices=["batch", "sentence"], default="batch",
                     help="CTranslate2's max output length: batch = one call, the longest source + 50 for all "

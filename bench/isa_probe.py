@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
 """What torch will use on this CPU under the current environment: one line of JSON.
 
-The benchmarks run it as a subprocess under each run's environment (``--isa avx2`` sets ``ATEN_CPU_CAPABILITY=avx2``
-and ``ONEDNN_MAX_CPU_ISA=AVX2``) to show that a restriction takes effect: torch's dispatch level drops to AVX2, and a
-bf16 matmul drops from bf16 speed to far below fp32's (no native bf16 left to use).
+The benchmarks run it as a subprocess under each run's environment (``--isa avx2`` sets ``ATEN_CPU_CAPABILITY=avx2``,
+``ONEDNN_MAX_CPU_ISA=AVX2`` and ``FBGEMM_ENABLE_INSTRUCTIONS=AVX2``) to show that a restriction takes effect: torch's
+dispatch level drops to AVX2, a bf16 matmul drops from bf16 speed to far below fp32's (no native bf16 left to use),
+and the int8 product of ``decode.precision=int8`` slows down where the CPU has AVX-512 VNNI. fbgemm, which runs that
+product, picks its kernels from the CPU's flags by itself: neither of torch's two switches reaches it (on a Zen 5,
+640-700 int8 GOP/s with them, ~240 with ``FBGEMM_ENABLE_INSTRUCTIONS=AVX2`` as well).
 
     python bench/isa_probe.py [--size 1024]      # threads: OMP_NUM_THREADS, else 2
 
 Fields: ``cpu_flags`` (the AVX / AMX / FMA flags of /proc/cpuinfo), ``torch_capability`` (torch's CPU dispatch level),
-``native_bf16`` (what ``precision: auto`` sees), ``fp32_gflops`` and ``bf16_gflops`` (an n x n x n matmul, best of 5).
+``native_bf16`` (what ``precision: auto`` sees), ``fp32_gflops`` and ``bf16_gflops`` (an n x n x n matmul, best of 5),
+``int8_gops`` (mtpipe's int8 decoding layer, 64 rows x 512 x 8,000, best of 20).
 """
 
 from __future__ import annotations
@@ -39,6 +43,25 @@ def matmul_gflops(dtype: torch.dtype, n: int, reps: int = 5) -> float:
     return round(2 * n**3 / best / 1e9, 1)
 
 
+def int8_gops(rows: int = 64, d: int = 512, vocab: int = 8000, reps: int = 20) -> float:
+    """mtpipe's int8 linear layer (``decode.precision=int8``: fbgemm's dynamic-quantised product) on ``rows x d``
+    inputs and a ``vocab x d`` matrix, the best of ``reps``, in int8 GOP/s."""
+    import warnings
+
+    from mtpipe.decode import _int8_linear
+
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        layer, x = _int8_linear(torch.randn(vocab, d), None), torch.randn(rows, d)
+        layer(x)  # warm-up
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            layer(x)
+            best = min(best, time.perf_counter() - t)
+    return round(2 * rows * d * vocab / best / 1e9, 1)
+
+
 def cpu_flags() -> list[str]:
     path = Path("/proc/cpuinfo")
     if not path.exists():
@@ -53,7 +76,7 @@ def probe(n: int = 1024) -> dict:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     return {"cpu_flags": cpu_flags(), "torch_capability": torch.backends.cpu.get_cpu_capability(),
             "native_bf16": cpu_supports_bf16(), "fp32_gflops": matmul_gflops(torch.float32, n),
-            "bf16_gflops": matmul_gflops(torch.bfloat16, n)}
+            "bf16_gflops": matmul_gflops(torch.bfloat16, n), "int8_gops": int8_gops()}
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ training made and what stopped it, the precision it chose, sacreBLEU on test_201
 cased, detokenised) and the same lowercased, chrF2, and valid BLEU of the pipeline's own averaged model with the
 committed decode settings (the split every setting was chosen on).
 
-``--isa avx2`` runs everything with ``ATEN_CPU_CAPABILITY=avx2`` and ``ONEDNN_MAX_CPU_ISA=AVX2``: how an AVX2-only CPU
+``--isa avx2`` runs everything with ``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2`` and
+``FBGEMM_ENABLE_INSTRUCTIONS=AVX2``: how an AVX2-only CPU
 (no AVX-512, no native bf16) is emulated on a newer one. That the restriction takes effect is shown, not assumed:
 torch's dispatch level under the variables, and a bf16 against fp32 matmul probe (bf16 drops far below fp32 once the
 bf16 instructions are out of reach), both in the results. The emulation removes instructions, not clock speed or
@@ -44,7 +45,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("MTPIPE_MULTI30K", REPO / "data" / "multi30k"))  # {train,val,test_2016_flickr}.{en,de}.gz
-AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
 
 PROBE = REPO / "bench" / "isa_probe.py"  # one line of JSON: what torch uses under the run's environment
 
@@ -191,7 +192,8 @@ def main() -> int:
           f"{', '.join(facts['cpu']['flags'])}", "",
           f"Probe under this run's environment {facts['env'] or '(none)'}: torch dispatch "
           f"{facts['probe']['torch_capability']}, native bf16 {facts['probe']['native_bf16']}, 1024^3 matmul "
-          f"fp32 {facts['probe']['fp32_gflops']} / bf16 {facts['probe']['bf16_gflops']} GFLOP/s", "",
+          f"fp32 {facts['probe']['fp32_gflops']} / bf16 {facts['probe']['bf16_gflops']} GFLOP/s, int8 decoding layer "
+          f"{facts['probe'].get('int8_gops', '?')} GOP/s", "",
           table(rows, keys), "",
           "min / median / max: " + "; ".join(f"{k} {a} / {b} / {c}" for k, (a, b, c) in spread.items())]
     (out / "results.md").write_text("\n".join(md) + "\n", encoding="utf-8")
