@@ -1428,8 +1428,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also decode with mtpipe fp32 and decode.compile (its graphs built in the warm-up)")
     ap.add_argument("--isa", choices=["native", "avx2"], default="native",
                     help="avx2: restrict every library to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, "
-                         "CT2_FORCE_CPU_ISA, MKL_ENABLE_INSTRUCTIONS, FBGEMM_ENABLE_INSTRUCTIONS), as most users' CPUs are; the ISA probe "
-                         "in the results shows whether it took effect")
+                         "CT2_FORCE_CPU_ISA, MKL_ENABLE_INSTRUCTIONS, FBGEMM_ENABLE_INSTRUCTIONS), as most users' "
+                         "CPUs are; the ISA probe in the results shows whether it took effect")
     ap.add_argument("--ct2-limit", choices=["batch", "sentence"], default="batch",
                     help="CTranslate2's max output length: batch = one call, the longest source + 50 for all "
                          "(default: its normal, fastest use); sentence = source + 50 per sentence, as mtpipe and "

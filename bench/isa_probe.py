@@ -5,8 +5,8 @@ The benchmarks run it as a subprocess under each run's environment (``--isa avx2
 ``ONEDNN_MAX_CPU_ISA=AVX2`` and ``FBGEMM_ENABLE_INSTRUCTIONS=AVX2``) to show that a restriction takes effect: torch's
 dispatch level drops to AVX2, a bf16 matmul drops from bf16 speed to far below fp32's (no native bf16 left to use),
 and the int8 product of ``decode.precision=int8`` slows down where the CPU has AVX-512 VNNI. fbgemm, which runs that
-product, picks its kernels from the CPU's flags by itself: neither of torch's two switches reaches it (on a Zen 5,
-640-700 int8 GOP/s with them, ~240 with ``FBGEMM_ENABLE_INSTRUCTIONS=AVX2`` as well).
+product, picks its kernels from the CPU's flags by itself: neither of torch's two switches reaches it (on a 2-vCPU
+Zen 5, ``int8_gops`` 1,473 under them, 480 with ``FBGEMM_ENABLE_INSTRUCTIONS=AVX2`` as well).
 
     python bench/isa_probe.py [--size 1024]      # threads: OMP_NUM_THREADS, else 2
 
