@@ -66,6 +66,8 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
+from isa_probe import AVX2_ONLY as TORCH_AVX2_ONLY  # bench/ is on the path: run as python bench/anchors.py
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("MTPIPE_MULTI30K", REPO / "data" / "multi30k"))  # {train,val,test_2016_flickr}.{en,de}.gz
 SHARED_ANCHORS = Path(os.environ.get("MTPIPE_ANCHORS", REPO / "anchors"))  # the anchors' install scripts
@@ -86,9 +88,9 @@ M30K_TRAIN = 29000
 # torch 1.13's MKL takes its fast code path on AMD CPUs too (1,024^2 fp32 matmul, 1 thread, AMD EPYC: 15.7 GFLOP/s
 # without, 48.8 with; harmless on Intel).
 SAME_FOR_ALL = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "2147483647", "MKL_DEBUG_CPU_TYPE": "5"}
-# --isa avx2: what most users' CPUs have, on a CPU with more (each library's own switch; the ISA probe shows it took).
-AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "CT2_FORCE_CPU_ISA": "AVX2",
-             "MKL_ENABLE_INSTRUCTIONS": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
+# --isa avx2: what most users' CPUs have, on a CPU with more (each library's own switch; the ISA probe shows it took):
+# torch's side as every benchmark restricts it, and CTranslate2's and fairseq's MKL (torch 1.13) besides.
+AVX2_ONLY = {**TORCH_AVX2_ONLY, "CT2_FORCE_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 # mtpipe's decoding precisions measured (bf16 only where the CPU has it natively), all with fairseq's and
 # CTranslate2's search: decode.stop=finished, decode.length_penalty=fairseq.
 MTPIPE_DECODE_PRECISIONS = ["fp32", "bf16", "int8"]

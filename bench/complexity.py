@@ -41,8 +41,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from isa_probe import AVX2_ONLY  # bench/ is on the path: run as python bench/complexity.py
+
 REPO = Path(__file__).resolve().parents[1]
-AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 def cpu_facts() -> dict[str, Any]:

@@ -24,15 +24,19 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+REPO = Path(__file__).resolve().parents[1]
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# What an AVX2-only CPU offers, on a CPU with more: every torch-side library's own switch (torch's dispatch level,
+# oneDNN's, and fbgemm's, which heeds neither of the first two). The one definition the benchmarks import (they run
+# as ``python bench/x.py``, so this directory is on their path); importing it loads no torch. bench/anchors.py adds
+# the switches of the other systems' libraries (CTranslate2, torch 1.13's MKL).
+AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
 
-from mtpipe.runtime import cpu_supports_bf16  # noqa: E402
 
-
-def matmul_gflops(dtype: torch.dtype, n: int, reps: int = 5) -> float:
+def matmul_gflops(dtype, n: int, reps: int = 5) -> float:
     """The best of ``reps`` n x n x n matmuls, in GFLOP/s (best, not mean: other processes may share the CPU)."""
+    import torch
+
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     a @ b  # warm-up: first-call allocation and kernel selection
     best = float("inf")
@@ -47,6 +51,8 @@ def int8_gops(rows: int = 64, d: int = 512, vocab: int = 8000, reps: int = 20) -
     """mtpipe's int8 linear layer (``decode.precision=int8``: fbgemm's dynamic-quantised product) on ``rows x d``
     inputs and a ``vocab x d`` matrix, the best of ``reps``, in int8 GOP/s."""
     import warnings
+
+    import torch
 
     from mtpipe.decode import _int8_linear
 
@@ -73,6 +79,12 @@ def cpu_flags() -> list[str]:
 
 
 def probe(n: int = 1024) -> dict:
+    import torch
+
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from mtpipe.runtime import cpu_supports_bf16
+
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     return {"cpu_flags": cpu_flags(), "torch_capability": torch.backends.cpu.get_cpu_capability(),
             "native_bf16": cpu_supports_bf16(), "fp32_gflops": matmul_gflops(torch.float32, n),

@@ -43,9 +43,10 @@ import sys
 import time
 from pathlib import Path
 
+from isa_probe import AVX2_ONLY  # bench/ is on the path: run as python bench/quickstart.py
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("MTPIPE_MULTI30K", REPO / "data" / "multi30k"))  # {train,val,test_2016_flickr}.{en,de}.gz
-AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
 
 PROBE = REPO / "bench" / "isa_probe.py"  # one line of JSON: what torch uses under the run's environment
 
@@ -158,7 +159,7 @@ def main() -> int:
     name = f"{args.isa}-{args.cpus}cpu" if args.cpus else args.isa
     out = args.out or REPO / "bench" / "out" / "quickstart" / f"{name}-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **(AVX2 if args.isa == "avx2" else {})}
+    env = {**os.environ, **(AVX2_ONLY if args.isa == "avx2" else {})}
     if args.cpus:
         if not shutil.which("taskset") or args.cpus > (os.cpu_count() or 1):
             raise SystemExit(f"--cpus {args.cpus}: needs taskset and at most {os.cpu_count()} CPUs")
@@ -174,7 +175,7 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     facts = {"date": stamp, "isa": args.isa, "cpu": cpu_facts(), "probe": json.loads(probe.stdout),
              "cpus_used": args.cpus or os.cpu_count(), "commit": commit.stdout.strip(),
-             "env": {**(AVX2 if args.isa == "avx2" else {}), **({"OMP_NUM_THREADS": str(args.cpus)} if args.cpus
+             "env": {**(AVX2_ONLY if args.isa == "avx2" else {}), **({"OMP_NUM_THREADS": str(args.cpus)} if args.cpus
                                                                else {})}}
     print(json.dumps(facts), flush=True)
     rows = []
