@@ -674,9 +674,14 @@ class Transformer(nn.Module):
         fixed cost of dispatch dominates; compiled, the element-wise ones are fused into a few generated kernels.
         Dimensions are marked dynamic (rows, cached positions, sentences, source length), so one graph serves every
         batch; a new one is built only for the few shapes torch specialises (e.g. one sentence alone). Building a
-        graph takes tens of seconds on a small CPU, once per process (torch caches the generated code on disk)."""
+        graph takes tens of seconds on a small CPU, once per process (torch caches the generated code on disk).
+        On CPU the graph's wrapper is generated C++ (inductor's ``cpp_wrapper``) instead of Python: the wrapper's
+        per-kernel cost is what is left of a small batch's step (1.03-1.04x at ~8 sentences a batch, none at 8,000
+        tokens, the same build time; BENCHMARKS.md)."""
         if not self._compiled():
-            self._compiled_step = torch.compile(self.step_layers, dynamic=True)
+            on_cpu = next(self.parameters()).device.type == "cpu"
+            self._compiled_step = torch.compile(self.step_layers, dynamic=True,
+                                                options={"cpp_wrapper": True} if on_cpu else None)
             self._compiled_for = id(self)
 
     def _compiled(self) -> bool:
