@@ -1429,9 +1429,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-compile", action="store_true",
                     help="also decode with mtpipe fp32 and decode.compile (its graphs built in the warm-up)")
     ap.add_argument("--isa", choices=["native", "avx2"], default="native",
-                    help="avx2: restrict every library to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, "
-                         "CT2_FORCE_CPU_ISA, MKL_ENABLE_INSTRUCTIONS, FBGEMM_ENABLE_INSTRUCTIONS), as most users' "
-                         "CPUs are; the ISA probe in the results shows whether it took effect")
+                    help=f"avx2: restrict every library to AVX2 ({', '.join(AVX2_ONLY)}), as most users' CPUs are; "
+                         "the ISA probe in the results shows whether it took effect")
     ap.add_argument("--ct2-limit", choices=["batch", "sentence"], default="batch",
                     help="CTranslate2's max output length: batch = one call, the longest source + 50 for all "
                          "(default: its normal, fastest use); sentence = source + 50 per sentence, as mtpipe and "

@@ -9,8 +9,8 @@ training made and what stopped it, the precision it chose, sacreBLEU on test_201
 cased, detokenised) and the same lowercased, chrF2, and valid BLEU of the pipeline's own averaged model with the
 committed decode settings (the split every setting was chosen on).
 
-``--isa avx2`` runs everything with ``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2`` and
-``FBGEMM_ENABLE_INSTRUCTIONS=AVX2``: how an AVX2-only CPU
+``--isa avx2`` runs everything with ``isa_probe.AVX2_ONLY`` in the environment (torch's, oneDNN's and fbgemm's
+switches): how an AVX2-only CPU
 (no AVX-512, no native bf16) is emulated on a newer one. That the restriction takes effect is shown, not assumed:
 torch's dispatch level under the variables, and a bf16 against fp32 matmul probe (bf16 drops far below fp32 once the
 bf16 instructions are out of reach), both in the results. The emulation removes instructions, not clock speed or
