@@ -134,7 +134,7 @@ def load(url: str, sentences: list[str], clients: int, timeout: float) -> dict:
     host, port = url.split("://", 1)[1].rstrip("/").rsplit(":", 1)
     answers: list[str | None] = [None] * len(sentences)
     latencies: list[float] = []
-    failed, lost, batches = [0], [0], []
+    failed, lost, batches, queue_ms, decode_ms = [0], [0], [], [], []
     todo = iter(range(len(sentences)))
 
     async def request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, i: int) -> tuple[int, dict]:
@@ -168,6 +168,8 @@ def load(url: str, sentences: list[str], clients: int, timeout: float) -> dict:
                 latencies.append(time.perf_counter() - t0)
                 answers[i] = body["translations"][0]
                 batches.append(body["batch"]["requests"])
+                queue_ms.append(body["batch"]["queue_ms"])
+                decode_ms.append(body["batch"]["decode_ms"])
         finally:
             writer.close()
 
@@ -189,6 +191,9 @@ def load(url: str, sentences: list[str], clients: int, timeout: float) -> dict:
     ok = sum(a is not None for a in answers)
     return {"sent_s": ok / wall, "p50_ms": 1000 * pct(0.50), "p99_ms": 1000 * pct(0.99), "failed": failed[0],
             "lost": lost[0], "answers": answers, "mean_batch": statistics.mean(batches) if batches else 0.0,
+            # the server's split of a request's time: waiting to be taken (batching window included) and decoding
+            "queue_ms": statistics.mean(queue_ms) if queue_ms else float("nan"),
+            "decode_ms": statistics.mean(decode_ms) if decode_ms else float("nan"),
             # shares of the machine's CPU time during the load: the clients' (this process) and everyone else's
             "clients_cpu": own / total if total > 0 else float("nan"),
             "others_cpu": (busy - own) / total if total > 0 else float("nan")}
@@ -246,6 +251,8 @@ def main() -> None:
 
     keys = [("offline sentences/s", "offline"), ("server sentences/s", "sent_s"), ("server / offline", "ratio"),
             ("p50 latency (ms)", "p50_ms"), ("p99 latency (ms)", "p99_ms"), ("mean requests decoded together", "mean_batch"),
+            ("mean ms a request waited in the server's queue", "queue_ms"),
+            ("mean ms from its batch's start to its answer", "decode_ms"),
             ("failed requests", "failed"), ("lost requests", "lost"), ("answers differing from offline", "differ"),
             ("machine CPU share: the load generator's clients", "clients_cpu"),
             ("machine CPU share: the server and everything else", "others_cpu")]

@@ -808,6 +808,7 @@ def build_app(model: ServedModel, batcher: Batcher, cfg: ServeConfig, defaults: 
 
     limit = max_body_bytes(cfg)
     limit_src = model.max_positions - 1  # one position is the EOS (mtpipe.search.max_source_len)
+    base_rules = DecodeRules.from_config(defaults)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> Any:
@@ -834,9 +835,9 @@ def build_app(model: ServedModel, batcher: Batcher, cfg: ServeConfig, defaults: 
         sources = model.sp.encode(req.sentences, out_type=int)
         truncated = sum(len(s) > limit_src for s in sources)
         sources = [s[:limit_src] for s in sources]  # as mtpipe decode cuts them to the model's positions
-        rules = DecodeRules(beam=req.beam, nbest=req.nbest, penalty=LengthPenalty(defaults.length_penalty, req.alpha),
-                            max_len_a=defaults.max_len_a, max_len_b=defaults.max_len_b, stop=defaults.stop,
-                            patience=defaults.patience)
+        # Every rule from the decode section (as `mtpipe decode` builds them), then what the request may change.
+        rules = dataclasses.replace(base_rules, beam=req.beam, nbest=req.nbest,
+                                    penalty=LengthPenalty(defaults.length_penalty, req.alpha))
         loop = asyncio.get_running_loop()
         job = Job(sources, rules, loop.create_future(), loop, time.monotonic())
         try:

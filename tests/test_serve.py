@@ -199,6 +199,25 @@ def test_mixed_batches_equal_mtpipe_decode(server, model):
     assert any(b["sentences"] > 2 for b in shared)  # padded rows of several requests (both beams) at once
 
 
+def test_every_decode_rule_reaches_the_server(model):
+    """The search rules a request cannot set (stopping rule, patience, the fewest pieces before EOS, the length
+    limit) come from the decode section as in `mtpipe decode`: with settings that change the outputs, the server's
+    answers are still decode's."""
+    sentences = [s for s, _ in PAIRS[:4]]
+    rules = ["--stop", "finished", "--patience", "2", "--min-len", "12", "--max-len-b", "14"]
+    want = decode(model, sentences, *rules)
+    assert [row["hypothesis"] for row in want] != [row["hypothesis"] for row in decode(model, sentences)]
+    assert all(len(row["hypothesis"].split()) >= 4 for row in want)  # min_len forced longer outputs
+    s = Server(model, *rules)
+    try:
+        r = s.post({"text": sentences})
+    finally:
+        s.stop()
+    assert r.status_code == 200, r.text
+    assert r.json()["translations"] == [row["hypothesis"] for row in want]
+    assert r.json()["scores"] == pytest.approx([row["score"] for row in want], abs=1e-4)
+
+
 def test_concurrent_requests_are_batched_and_counted(server):
     before = server.client.get("/info").json()["counters"]
     answers = concurrently([lambda s=s: server.post({"text": [s]}) for s, _ in PAIRS[:8]])
