@@ -11,7 +11,10 @@ same-round ratios mean anything). Each round:
 * **server**: ``--clients`` concurrent clients (default 8; one asyncio event loop), each with its own keep-alive
   connection, sending the sentences one per request (``{"text": [sentence]}``) until all are translated; throughput is the sentences over the wall time,
   latency is each request's round trip. The clients run on the same machine as the server (loopback), so the table
-also gives their share of the machine's CPU time during the load, which the offline decode does not pay.
+also gives their share of the machine's CPU time during the load, which the offline decode does not pay;
+* **ceiling** (``--ceiling``): the server's own worker processes fed ``clients / workers`` sentences each, straight
+  down their pipes (:class:`Ceiling`): the server's decoding without any serving around it, which bounds what any
+  batching or HTTP change can give at this load.
 
 Reported (a rich table, and a markdown table under ``--out``, default ``bench/out/serve``): sentences/s of both, the
 server's ratio to offline, p50 / p99 latency, failed (non-200) and lost (no answer: a connection error or timeout)
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gzip
+import itertools
 import os
 import platform
 import re
@@ -40,6 +44,7 @@ import threading
 import time
 import unicodedata
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -199,6 +204,77 @@ def load(url: str, sentences: list[str], clients: int, timeout: float) -> dict:
             "others_cpu": (busy - own) / total if total > 0 else float("nan")}
 
 
+class Ceiling:
+    """The server's decoding alone: ``serve.workers`` copies of the server's own worker process
+    (:class:`mtpipe.serve.WorkerProcess`, the same model, settings, threads, warm-up and lane), each fed its
+    ``clients / workers`` sentences at a time straight down its pipe, a new one as soon as one is answered, with no
+    HTTP, queue, batching window or detokenising. What the server could reach at this load if serving cost nothing:
+    the bound on the server's row from its decoding step alone."""
+
+    def __init__(self, args: argparse.Namespace, url: str) -> None:
+        import dataclasses
+
+        import httpx
+
+        from mtpipe.config import DecodeConfig
+        from mtpipe.search import DecodeRules
+        from mtpipe.serve import ServedModel, WorkerProcess, worker_threads
+
+        info = httpx.get(url + "/info", timeout=30).json()  # the settings the server really runs with
+        decode, serve = DecodeConfig(**info["decode"]), info["serve"]
+        self.rules = DecodeRules.from_config(decode)
+        self.workers = serve["workers"]
+        cfg = dataclasses.replace(decode, threads=worker_threads(decode, self.workers))
+        self.procs = [WorkerProcess(i, cfg, args.checkpoint, args.tokens, serve["batching"])
+                      for i in range(self.workers)]
+        description = [w.ready() for w in self.procs][0]
+        self.model = ServedModel.described(description)
+        self.in_flight = max(1, -(-args.clients // self.workers))
+
+    def run(self, sentences: list[str]) -> float:
+        """Sentences per second over the wall time, every worker decoding its share at once."""
+        limit = self.model.max_positions - 1
+        sources = [s[:limit] for s in self.model.sp.encode(sentences, out_type=int)]
+        shares = [list(range(i, len(sources), self.workers)) for i in range(self.workers)]
+
+        errors: list[BaseException] = []
+
+        def drive(w: Any, todo: list[int]) -> None:
+            try:
+                closed_loop(w, todo)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread
+                errors.append(e)
+
+        def closed_loop(w: Any, todo: list[int]) -> None:
+            pending, held = iter(todo), 0
+            for i in itertools.islice(pending, self.in_flight):
+                w.add(i, [sources[i]], self.rules)
+                held += 1
+            while held:
+                for _, result in w.poll():
+                    if isinstance(result, Exception):
+                        raise result
+                    held -= 1
+                    nxt = next(pending, None)
+                    if nxt is not None:
+                        w.add(nxt, [sources[nxt]], self.rules)
+                        held += 1
+
+        threads = [threading.Thread(target=drive, args=(w, share)) for w, share in zip(self.procs, shares)]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return len(sources) / (time.perf_counter() - start)
+
+    def close(self) -> None:
+        for w in self.procs:
+            w.close()
+
+
 def spread(values: list[float]) -> str:
     return f"{fmt(min(values))} / {fmt(statistics.median(values))} / {fmt(max(values))}"
 
@@ -214,6 +290,10 @@ def main() -> None:
     ap.add_argument("--params", type=Path, default=None, help="params file for both (default: ./params.yaml)")
     ap.add_argument("--decode-args", default="", help="decode flags for both, e.g. '--beam 4 --threads 2'")
     ap.add_argument("--serve-args", default="", help="serve flags, e.g. '--batch-wait-ms 5'")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also time the server's worker processes decoding the sentences alone, clients/workers "
+                         "at a time straight down their pipes (no HTTP, queue or batching window): the bound the "
+                         "decoding step sets on the server at this load")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds a request may take before it counts lost")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "serve", help="markdown table and logs")
     args = ap.parse_args()
@@ -227,18 +307,29 @@ def main() -> None:
     console.print(f"{len(sentences):,} sentences, {args.clients} clients, {args.rounds} rounds")
 
     server = Server(args, args.out / "serve.log")
+    ceiling = None
     rows, reference = [], None
     try:
         load(server.url, sentences[: 4 * args.clients], args.clients, args.timeout)  # warm-up, not timed
+        parts = ["offline", "server"]
+        if args.ceiling:
+            ceiling = Ceiling(args, server.url)
+            ceiling.run(sentences[: 4 * args.clients])  # warm-up, not timed
+            parts.append("ceiling")
         for r in range(args.rounds):
-            order = ("offline", "server") if r % 2 == 0 else ("server", "offline")
+            order = parts[r % len(parts):] + parts[: r % len(parts)]  # each part first in turn
             row: dict = {"round": r + 1}
             for part in order:
                 if part == "offline":
                     row["offline"], reference = offline(args, infile, len(sentences))
-                else:
+                elif part == "server":
                     row.update(load(server.url, sentences, args.clients, args.timeout))
+                else:
+                    assert ceiling is not None
+                    row["ceiling"] = ceiling.run(sentences)
             row["ratio"] = row["sent_s"] / row["offline"]
+            if ceiling is not None:
+                row["ceiling_ratio"] = row["ceiling"] / row["offline"]
             row["differ"] = sum(a is not None and a != ref for a, ref in zip(row["answers"], reference))
             rows.append(row)
             console.print(f"round {r + 1}: offline {row['offline']:.1f} sent/s, server {row['sent_s']:.1f} sent/s "
@@ -247,6 +338,8 @@ def main() -> None:
 
         counters = httpx.get(server.url + "/info", timeout=30).json()["counters"]
     finally:
+        if ceiling is not None:
+            ceiling.close()
         code = server.stop()
 
     keys = [("offline sentences/s", "offline"), ("server sentences/s", "sent_s"), ("server / offline", "ratio"),
@@ -256,6 +349,9 @@ def main() -> None:
             ("failed requests", "failed"), ("lost requests", "lost"), ("answers differing from offline", "differ"),
             ("machine CPU share: the load generator's clients", "clients_cpu"),
             ("machine CPU share: the server and everything else", "others_cpu")]
+    if args.ceiling:
+        keys[3:3] = [("ceiling: the workers' decoding alone, sentences/s", "ceiling"),
+                     ("ceiling / offline", "ceiling_ratio")]
     header = ["", *[f"round {row['round']}" for row in rows], "min / median / max"]
     body = [[name, *[row[k] for row in rows], spread([row[k] for row in rows])] for name, k in keys]
     table("mtpipe serve vs mtpipe decode", header, body)
