@@ -220,17 +220,30 @@ class ServedModel:
         return cls(no_lane, spm.SentencePieceProcessor(model_proto=description["spm"]),
                    int(description["max_positions"]), dict(description["info"]))
 
-    def warm_up(self, rules: Any) -> None:
-        """Decode one sentence, then three together: the first decoding of a process pays for kernel selection (and
-        with ``decode.compile`` for building the step for one sentence and for several); no request should."""
+    def warm_up(self, rules: Any, beams: Sequence[int] = ()) -> None:
+        """Decode one sentence, then three together, with ``rules`` and again at each of ``beams``
+        (:func:`warm_beams`): the first decoding of a process pays for kernel selection, and with ``decode.compile``
+        for building the compiled step, whose graphs differ by the number of sentences and by the beam (greedy
+        search, and beams past 8, each need graphs of their own: measured, a first request at beam 1 or 16 after a
+        warm-up at beam 4 waited 1-11 s for them); no request should."""
         lane = self.lane()
         texts = [["Warm up."], ["Warm up a batch.", "Of sentences of several lengths, together.", "One more."]]
-        for key, group in enumerate(texts):
-            lane.add(key, [self.sp.encode(t, out_type=int)[: self.max_positions - 1] for t in group], rules)
-            while lane.busy():
-                for _, result in lane.poll():
-                    if isinstance(result, Exception):
-                        raise result
+        key = 0
+        for beam in dict.fromkeys((rules.beam, *beams)):  # the default first, each beam once
+            at_beam = dataclasses.replace(rules, beam=beam, nbest=min(rules.nbest, beam))
+            for group in texts:
+                lane.add(key, [self.sp.encode(t, out_type=int)[: self.max_positions - 1] for t in group], at_beam)
+                key += 1
+                while lane.busy():
+                    for _, result in lane.poll():
+                        if isinstance(result, Exception):
+                            raise result
+
+
+def warm_beams(cfg: ServeConfig, defaults: DecodeConfig) -> tuple[int, ...]:
+    """The beams the warm-up decodes with besides ``decode.beam``: greedy search and the largest beam a request may
+    ask for (``serve.max_beam``), the sizes a compiled step builds new graphs for."""
+    return tuple(sorted({1, defaults.beam, cfg.max_beam}))
 
 
 def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, batching: str = "batch") -> ServedModel:
@@ -439,8 +452,10 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def _worker_main(conn: Any, cfg: DecodeConfig, checkpoint: str, tokens: str | None, batching: str) -> None:
-    """A worker process: open the model as the server does, warm it up, then run a lane: lists of ``(key, sources,
+def _worker_main(conn: Any, cfg: DecodeConfig, checkpoint: str, tokens: str | None, batching: str,
+                 beams: tuple[int, ...] = ()) -> None:
+    """A worker process: open the model as the server does, warm it up (also at ``beams``: :func:`warm_beams`),
+    then run a lane: lists of ``(key, sources,
     rules)`` in (what the server took at once), ``(key, result)`` messages out (an exception travels as its one-line
     reason), until the server closes the pipe."""
     # The server drains and stops on SIGTERM / Ctrl-C (which a terminal sends to the whole process group): a worker
@@ -451,7 +466,7 @@ def _worker_main(conn: Any, cfg: DecodeConfig, checkpoint: str, tokens: str | No
 
     try:
         model = open_model(cfg, Path(checkpoint), Path(tokens) if tokens is not None else None, batching)
-        model.warm_up(validate(cfg))
+        model.warm_up(validate(cfg), beams)
     except Exception as e:  # noqa: BLE001 - reported to the server, which stops with it
         conn.send(("error", _first_line(e)))
         return
@@ -476,10 +491,10 @@ class WorkerProcess:
     requests it held; the next request starts a new one."""
 
     def __init__(self, index: int, cfg: DecodeConfig, checkpoint: Path, tokens: Path | None,
-                 batching: str = "batch") -> None:
+                 batching: str = "batch", beams: tuple[int, ...] = ()) -> None:
         self.index = index
         self.continuous = batching == "continuous"
-        self._args = (cfg, str(checkpoint), str(tokens) if tokens is not None else None, batching)
+        self._args = (cfg, str(checkpoint), str(tokens) if tokens is not None else None, batching, tuple(beams))
         self._held: set[int] = set()
         self._outbox: list[tuple[int, list[list[int]], Any]] = []  # sent at the next poll, as one message
         self._start()
@@ -928,14 +943,15 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
     try:
         if cfg.workers == 1:
             model = open_model(defaults, checkpoint, tokens, cfg.batching)
-            model.warm_up(default_rules)
+            model.warm_up(default_rules, warm_beams(cfg, defaults))
         else:
             # The weights only in the workers: this process encodes, queues and detokenises with worker 0's vocabulary.
             threads = worker_threads(defaults, cfg.workers)
             info(f"starting {cfg.workers} decoding processes, {threads} CPU thread(s) each")
             worker_cfg = dataclasses.replace(defaults, threads=threads)
             for i in range(cfg.workers):
-                workers.append(WorkerProcess(i, worker_cfg, checkpoint, tokens, cfg.batching))
+                workers.append(WorkerProcess(i, worker_cfg, checkpoint, tokens, cfg.batching,
+                                             warm_beams(cfg, defaults)))
             descriptions = [w.ready() for w in workers]
             model = ServedModel.described(descriptions[0])
             model.info["workers"] = cfg.workers
@@ -999,4 +1015,4 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
 
 __all__ = ["Answer", "BatchLane", "Batcher", "Job", "Lane", "QueueFull", "RequestError", "ServedModel", "TranslateRequest", "WorkerProcess",
            "build_app", "check_defaults", "listen", "max_body_bytes", "open_model", "parse_request", "require_serve",
-           "serve_model", "StreamLane", "worker_threads"]
+           "serve_model", "StreamLane", "warm_beams", "worker_threads"]

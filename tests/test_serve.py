@@ -567,6 +567,39 @@ def test_idle_workers_share_a_burst_of_requests():
     assert sizes == {0: [2], 1: [2]}
 
 
+def test_the_warm_up_decodes_at_every_beam_a_request_may_bring(model):
+    """With decode.compile a step's graphs differ by the beam (greedy search, beams past 8) as well as by the number
+    of sentences: the warm-up decodes one sentence and three at the default beam, at beam 1 and at serve.max_beam,
+    so that no request waits for a graph to be built."""
+    import dataclasses
+
+    from mtpipe.config import DecodeConfig, ServeConfig
+    from mtpipe.decode import validate
+    from mtpipe.serve import open_model, warm_beams
+
+    cfg = DecodeConfig(threads=1, beam=4, nbest=2)
+    served = open_model(cfg, model["checkpoint"], model["tokens"])
+    seen: list[tuple[int, int, int]] = []
+    real = served.lane
+
+    def recording():
+        lane = real()
+        add = lane.add
+
+        def record(key, sources, rules):
+            seen.append((len(sources), rules.beam, rules.nbest))
+            add(key, sources, rules)
+
+        lane.add = record
+        return lane
+
+    beams = warm_beams(ServeConfig(max_beam=12), cfg)
+    assert beams == (1, 4, 12)
+    dataclasses.replace(served, lane=recording).warm_up(validate(cfg), beams)
+    assert seen == [(1, 4, 2), (3, 4, 2), (1, 1, 1), (3, 1, 1), (1, 12, 2), (3, 12, 2)]
+    assert warm_beams(ServeConfig(max_beam=4), DecodeConfig(beam=4)) == (1, 4)
+
+
 def test_a_server_with_worker_processes_holds_the_vocabulary_not_the_weights(model):
     """With serve.workers > 1 the server process rebuilds the model from worker 0's description: the same
     SentencePiece model and /info facts, and no lane (no weights) of its own."""
