@@ -222,22 +222,35 @@ class ServedModel:
 
     def warm_up(self, rules: Any, beams: Sequence[int] = ()) -> None:
         """Decode one sentence, then three together, with ``rules`` and again at each of ``beams``
-        (:func:`warm_beams`): the first decoding of a process pays for kernel selection, and with ``decode.compile``
-        for building the compiled step, whose graphs differ by the number of sentences and by the beam (greedy
-        search, and beams past 8, each need graphs of their own: measured, a first request at beam 1 or 16 after a
-        warm-up at beam 4 waited 1-11 s for them); no request should."""
+        (:func:`warm_beams`); a continuous lane then also lets three sentences join one that is decoding. The first
+        decoding of a process pays for kernel selection, and with ``decode.compile`` for building the compiled step,
+        whose graphs differ by the number of sentences, by the beam (greedy search, and beams past 8) and, in a
+        continuous batch, by the masks of rows that joined later: measured, a first request at beam 1 or 16 after a
+        warm-up at beam 4 waited 1-11 s for its graphs, and the first continuous batch with a joining request 3-13 s.
+        No request should."""
         lane = self.lane()
         texts = [["Warm up."], ["Warm up a batch.", "Of sentences of several lengths, together.", "One more."]]
-        key = 0
+        one, several = ([self.sp.encode(t, out_type=int)[: self.max_positions - 1] for t in group] for group in texts)
+        keys = itertools.count()
+
+        def poll() -> None:
+            for _, result in lane.poll():
+                if isinstance(result, Exception):
+                    raise result
+
         for beam in dict.fromkeys((rules.beam, *beams)):  # the default first, each beam once
             at_beam = dataclasses.replace(rules, beam=beam, nbest=min(rules.nbest, beam))
-            for group in texts:
-                lane.add(key, [self.sp.encode(t, out_type=int)[: self.max_positions - 1] for t in group], at_beam)
-                key += 1
+            for group in (one, several):
+                lane.add(next(keys), group, at_beam)
                 while lane.busy():
-                    for _, result in lane.poll():
-                        if isinstance(result, Exception):
-                            raise result
+                    poll()
+            if lane.continuous:
+                lane.add(next(keys), several[1:2], at_beam)  # the longest: still decoding when the others join
+                for _ in range(2):  # past the two eager steps: the next are compiled ...
+                    poll()
+                lane.add(next(keys), several, at_beam)  # ... and now with joined rows, whose earlier slots are masked
+                while lane.busy():
+                    poll()
 
 
 def warm_beams(cfg: ServeConfig, defaults: DecodeConfig) -> tuple[int, ...]:

@@ -568,9 +568,10 @@ def test_idle_workers_share_a_burst_of_requests():
 
 
 def test_the_warm_up_decodes_at_every_beam_a_request_may_bring(model):
-    """With decode.compile a step's graphs differ by the beam (greedy search, beams past 8) as well as by the number
-    of sentences: the warm-up decodes one sentence and three at the default beam, at beam 1 and at serve.max_beam,
-    so that no request waits for a graph to be built."""
+    """With decode.compile a step's graphs differ by the beam (greedy search, beams past 8), by the number of
+    sentences and, in a continuous batch, by the masks of rows that joined later: the warm-up decodes one sentence
+    and three at the default beam, at beam 1 and at serve.max_beam, and a continuous lane also lets three join one
+    that is decoding, so that no request waits for a graph to be built."""
     import dataclasses
 
     from mtpipe.config import DecodeConfig, ServeConfig
@@ -578,26 +579,39 @@ def test_the_warm_up_decodes_at_every_beam_a_request_may_bring(model):
     from mtpipe.serve import open_model, warm_beams
 
     cfg = DecodeConfig(threads=1, beam=4, nbest=2)
-    served = open_model(cfg, model["checkpoint"], model["tokens"])
-    seen: list[tuple[int, int, int]] = []
-    real = served.lane
-
-    def recording():
-        lane = real()
-        add = lane.add
-
-        def record(key, sources, rules):
-            seen.append((len(sources), rules.beam, rules.nbest))
-            add(key, sources, rules)
-
-        lane.add = record
-        return lane
-
     beams = warm_beams(ServeConfig(max_beam=12), cfg)
     assert beams == (1, 4, 12)
-    dataclasses.replace(served, lane=recording).warm_up(validate(cfg), beams)
-    assert seen == [(1, 4, 2), (3, 4, 2), (1, 1, 1), (3, 1, 1), (1, 12, 2), (3, 12, 2)]
     assert warm_beams(ServeConfig(max_beam=4), DecodeConfig(beam=4)) == (1, 4)
+
+    def warm_up(batching: str) -> list[tuple[int, int, int, bool]]:
+        """(sentences, beam, nbest, whether the lane was decoding already) of each group the warm-up added."""
+        served = open_model(cfg, model["checkpoint"], model["tokens"], batching)
+        seen: list[tuple[int, int, int, bool]] = []
+        real = served.lane
+
+        def recording():
+            lane = real()
+            add = lane.add
+
+            def record(key, sources, rules):
+                seen.append((len(sources), rules.beam, rules.nbest, lane.busy()))
+                add(key, sources, rules)
+
+            lane.add = record
+            return lane
+
+        dataclasses.replace(served, lane=recording).warm_up(validate(cfg), beams)
+        return seen
+
+    alone = [(1, 4, 2, False), (3, 4, 2, False), (1, 1, 1, False), (3, 1, 1, False), (1, 12, 2, False),
+             (3, 12, 2, False)]
+    assert warm_up("batch") == alone
+    # Continuously: also three sentences joining one that is decoding (the joined rows' masks), at every beam.
+    joined = [(1, 4, 2, False), (3, 4, 2, True), (1, 1, 1, False), (3, 1, 1, True), (1, 12, 2, False),
+              (3, 12, 2, True)]
+    got = warm_up("continuous")
+    assert [g for i, g in enumerate(got) if i % 4 < 2] == alone
+    assert [g for i, g in enumerate(got) if i % 4 >= 2] == joined
 
 
 def test_a_server_with_worker_processes_holds_the_vocabulary_not_the_weights(model):
