@@ -41,7 +41,7 @@ import os
 import sys
 import time
 import unicodedata
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -251,6 +251,7 @@ class MtpipeEngine:
     threads: int = 0  # torch's CPU threads while translating (0: leave them)
     plan: Any = None  # the mtpipe.pruning.PrunePlan applied (decode.prune), or None
     compile: bool = False  # decode.compile
+    _prepared: Any = field(default=None, repr=False)  # :meth:`prepared`'s model, once made
 
     @classmethod
     def open(cls, model: Any, cfg: DecodeConfig) -> "MtpipeEngine":
@@ -285,15 +286,35 @@ class MtpipeEngine:
         return None
 
     def build(self, sources: Sequence[Sequence[int]], rules: DecodeRules) -> float:
-        """``decode.compile`` at fp32: build the compiled step's graphs (for several sentences, and for one alone)
-        by decoding a few of ``sources`` before the timed run; the seconds it took. bf16 decodes a fresh bf16 copy
-        per run, so its graphs are built within the run (0.0 here)."""
-        if not self.compile or self.precision != "fp32" or not sources:
+        """``decode.compile``: build the compiled step's graphs (for several sentences, and for one alone) by
+        decoding a few of ``sources`` before the timed run (or, reading stdin, before the first line); the seconds
+        it took."""
+        if not self.compile or not sources:
             return 0.0
         start = time.perf_counter()
         self.translate(sources[:8], rules)
         self.translate(sources[:1], rules)
         return time.perf_counter() - start
+
+    def prepared(self) -> Any:
+        """The model as it decodes, made on first use and kept: its bf16 or int8 copy (:func:`bf16_copy`,
+        :func:`int8_copy`) or itself, with ``decode.compile``'s step. Once, not per call: stdin's lines and a
+        server's requests are many calls, and each new copy would copy (or quantise) the weights again and, compiled,
+        build its graphs again."""
+        if self._prepared is None:
+            model = self.model.eval()
+            if self.precision == "int8" and self.device.type != "cpu":
+                raise MtpipeError("decode.precision=int8 runs on CPU only; use bf16 on a GPU")
+            if self.precision == "bf16":
+                model = bf16_copy(model)
+            elif self.precision == "int8":
+                model = int8_copy(model)
+            if self.compile:
+                if self.precision == "int8":
+                    raise MtpipeError("decode.compile: applies to the cached fp32 and bf16 step, not to int8 decoding")
+                model.compile_step()
+            self._prepared = model.eval()
+        return self._prepared
 
     def translate(self, sources: Sequence[Sequence[int]], rules: DecodeRules,
                   on_done: Callable[[int], None] | None = None) -> list[list[Hypothesis]]:
@@ -301,9 +322,11 @@ class MtpipeEngine:
         if self.threads > 0:
             torch.set_num_threads(self.threads)
         try:
-            return translate_batches(self.model, sources, rules, max_tokens=self.max_tokens,
-                                     precision=self.precision, device=self.device, on_done=on_done,
-                                     compile=self.compile)
+            # The prepared model is already in its precision: translate_batches only batches and searches, inside
+            # the precision's autocast (bf16) entered here.
+            with decoding_context(self.device, self.precision):
+                return translate_batches(self.prepared(), sources, rules, max_tokens=self.max_tokens,
+                                         precision="fp32", device=self.device, on_done=on_done)
         finally:
             torch.set_num_threads(threads_before)  # may be called in-process (tests, notebooks)
 
@@ -603,6 +626,11 @@ class Totals:
         self.seconds += seconds
 
 
+# What a process decodes before its first real input (``mtpipe serve``'s warm-up, stdin with ``decode.compile``): one
+# sentence, then several of different lengths; any vocabulary encodes them (SentencePiece falls back to pieces).
+WARM_UP_TEXTS = ("Warm up.", "Warm up a batch.", "Of sentences of several lengths, together.", "One more.")
+
+
 def translate_stream(cfg: DecodeConfig, rules: DecodeRules, checkpoint: Path, tokens: Path | None, fd: int,
                      keep: bool) -> tuple[Inputs, list[list[Hypothesis]], Totals, str]:
     """Translate the lines of ``fd`` (stdin) as they arrive (:func:`stream_batches`), each batch written to stdout
@@ -611,6 +639,11 @@ def translate_stream(cfg: DecodeConfig, rules: DecodeRules, checkpoint: Path, to
     model = open_model(cfg, checkpoint, tokens)
     engine, pruned = model.open()
     _log_start("translating stdin as lines arrive", checkpoint, model.step, engine, cfg, rules)
+    if cfg.compile and isinstance(engine, MtpipeEngine):  # built now, not while the first line waits for it
+        from mtpipe.console import info
+
+        warm = [model.sp.encode(t, out_type=int)[: engine.max_positions - 1] for t in WARM_UP_TEXTS]
+        info(f"compiled step built in {engine.build(warm, rules):.0f} s (decode.compile); reading stdin")
     sources: list[list[int]] = []
     results: list[list[Hypothesis]] = []
     totals, truncated = Totals(), 0

@@ -228,9 +228,11 @@ class ServedModel:
         continuous batch, by the masks of rows that joined later: measured, a first request at beam 1 or 16 after a
         warm-up at beam 4 waited 1-11 s for its graphs, and the first continuous batch with a joining request 3-13 s.
         No request should."""
+        from mtpipe.decode import WARM_UP_TEXTS
+
         lane = self.lane()
-        texts = [["Warm up."], ["Warm up a batch.", "Of sentences of several lengths, together.", "One more."]]
-        one, several = ([self.sp.encode(t, out_type=int)[: self.max_positions - 1] for t in group] for group in texts)
+        texts = [self.sp.encode(t, out_type=int)[: self.max_positions - 1] for t in WARM_UP_TEXTS]
+        one, several = texts[:1], texts[1:]
         keys = itertools.count()
 
         def poll() -> None:
@@ -245,7 +247,7 @@ class ServedModel:
                 while lane.busy():
                     poll()
             if lane.continuous:
-                lane.add(next(keys), several[1:2], at_beam)  # the longest: still decoding when the others join
+                lane.add(next(keys), [max(several, key=len)], at_beam)  # still decoding when the others join
                 for _ in range(2):  # past the two eager steps: the next are compiled ...
                     poll()
                 lane.add(next(keys), several, at_beam)  # ... and now with joined rows, whose earlier slots are masked
@@ -304,25 +306,14 @@ def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, batchin
 
 
 def _decoding_model(engine: Any) -> Any:
-    """mtpipe's engine's model with its bf16 or int8 copy made once, not once per batch as
-    :func:`mtpipe.decode.translate_batches` makes it for a whole decode run: the same model, the same autocast, the
-    same outputs, without a copy (or a quantisation) of the weights per request."""
+    """mtpipe's engine's model in its decoding precision, made once (:meth:`MtpipeEngine.prepared`; with
+    ``decode.compile`` its graphs are built by :meth:`ServedModel.warm_up`, before the first request), and the
+    process's CPU threads set once, not around every batch."""
     import torch
 
-    from mtpipe.decode import bf16_copy, int8_copy
-
-    model, device, precision = engine.model, engine.device, engine.precision
-    if precision == "int8" and device.type != "cpu":
-        raise MtpipeError("decode.precision=int8 runs on CPU only; use bf16 on a GPU")
-    if precision == "bf16":
-        model = bf16_copy(model)
-    elif precision == "int8":
-        model = int8_copy(model)
     if engine.threads > 0:
-        torch.set_num_threads(engine.threads)  # the process serves one model: set once, not around every batch
-    if engine.compile:
-        model.compile_step()  # built by warm_up's decoding, before the first request
-    return model.eval()
+        torch.set_num_threads(engine.threads)
+    return engine.prepared()
 
 
 def _translate_prepared(model: Any, engine: Any) -> Callable[[Sequence[Sequence[int]], Any], list[list[Any]]]:

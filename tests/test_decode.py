@@ -510,6 +510,29 @@ def test_compiled_step_decodes_what_the_eager_step_decodes(model):
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_the_engine_makes_its_precision_copy_once(model, precision):
+    """A bf16 or int8 engine copies (quantises) the weights once, not per call (stdin's lines and a server's
+    requests are many calls), and decodes what the one-off path decodes."""
+    from mtpipe.decode import MtpipeEngine
+
+    cfg = DecodeConfig(beam=2, max_len_b=6, precision=precision, threads=1)
+    engine = MtpipeEngine.open(copy.deepcopy(model), cfg)
+    rules = DecodeRules.from_config(cfg)
+    srcs = sources(4, seed=5)
+    first = engine.translate(srcs[:2], rules)
+    prepared = engine.prepared()
+    second = engine.translate(srcs[2:], rules)
+    assert engine.prepared() is prepared and prepared is not engine.model
+    if precision == "bf16":
+        assert next(prepared.parameters()).dtype == torch.bfloat16
+    assert next(engine.model.parameters()).dtype == torch.float32  # the loaded model is left as it was
+    want = translate(model, srcs[:2], cfg) + translate(model, srcs[2:], cfg)  # the same batches (int8 quantises
+    for got, ref in zip(first + second, want):  # each batch's activations with one scale)
+        assert [h.tokens for h in got] == [h.tokens for h in ref]
+        assert [h.score for h in got] == pytest.approx([h.score for h in ref], abs=1e-5)
+
+
 def test_a_failed_compile_is_one_clear_error(model):
     # What a machine without a C++ compiler gets from torch.compile (an InductorError, a TorchDynamoException) becomes
     # an MtpipeError that says what failed and what to do: the CLI prints one line and exits non-zero.
@@ -842,6 +865,32 @@ def test_cli_stdin_translates_each_line_before_the_input_ends(trained, tmp_path)
         stderr = proc.stderr.read().decode("utf-8")
         assert "translating stdin as lines arrive" in stderr and "sentences/s" not in stderr
         assert list(tmp_path.iterdir()) == [params]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_stdin_with_compile_builds_before_the_first_line(trained, tmp_path):
+    """`mtpipe decode --input - --compile`: the compiled step is built before stdin is read, so the first line typed
+    is answered without waiting for the build; the answers are the uncompiled ones."""
+    params = tmp_path / "params.yaml"
+    params.write_text("", encoding="utf-8")
+    proc = subprocess.Popen([sys.executable, "-m", "mtpipe", "decode", "--params", str(params), "--checkpoint",
+                             str(trained["checkpoint"]), "--tokens", str(trained["tokens"]), "--input", "-",
+                             "--threads", "1", "--compile"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=tmp_path, env={**os.environ, "COLUMNS": "200"})
+    try:
+        deadline, line = time.monotonic() + 300, ""
+        while "compiled step built" not in line:  # nothing has been written to stdin yet
+            line = read_line(proc.stderr, timeout=max(1.0, deadline - time.monotonic()))
+        assert "reading stdin" in line
+        for src, ref in trained["pairs"][:2]:
+            proc.stdin.write(f"{src}\n".encode("utf-8"))
+            proc.stdin.flush()
+            assert read_line(proc.stdout, timeout=90) == ref
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
