@@ -180,6 +180,25 @@ def int8_copy(model: Any) -> Any:
     return twin
 
 
+def decoding_model(model: Any, precision: str, device: torch.device, compile: bool = False,
+                   cache: bool = True) -> Any:
+    """``model`` as it decodes at ``precision``, in eval mode: its bf16 copy (:func:`bf16_copy`; not for the uncached
+    step, which runs the float32 model under autocast), its int8 copy (:func:`int8_copy`, CPU only), or itself; with
+    ``compile`` (``decode.compile``, the cached fp32 or bf16 step) its step set to run compiled."""
+    model.eval()
+    if precision == "int8" and device.type != "cpu":
+        raise MtpipeError("decode.precision=int8 runs on CPU only; use bf16 on a GPU")
+    if compile and (precision == "int8" or not cache):
+        raise MtpipeError("decode.compile: applies to the cached fp32 and bf16 step, not to int8 decoding")
+    if cache and precision == "bf16":
+        model = bf16_copy(model)
+    elif precision == "int8":
+        model = int8_copy(model)
+    if compile:
+        model.compile_step()
+    return model.eval()
+
+
 def translate(model: Any, sources: Sequence[Sequence[int]], cfg: DecodeConfig, device: torch.device | str = "cpu",
               cache: bool = True, on_done: Callable[[int], None] | None = None) -> list[list[Hypothesis]]:
     """Translate token-id sources (without EOS; at most ``max_positions - 1`` tokens) with beam search under the
@@ -205,17 +224,7 @@ def translate_batches(model: Any, sources: Sequence[Sequence[int]], rules: Decod
     lengths = [len(s) + 1 for s in sources]  # + EOS
     results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] if not s else [] for s in sources]
     todo = [i for i, s in enumerate(sources) if s]
-    model.eval()
-    if precision == "int8" and device.type != "cpu":
-        raise MtpipeError("decode.precision=int8 runs on CPU only; use bf16 on a GPU")
-    if cache and precision == "bf16":
-        model = bf16_copy(model)
-    elif precision == "int8":
-        model = int8_copy(model)
-    if compile:
-        if precision == "int8" or not cache:
-            raise MtpipeError("decode.compile: applies to the cached fp32 and bf16 step, not to int8 decoding")
-        model.compile_step()
+    model = decoding_model(model, precision, device, compile, cache)
     step = (lambda tokens, state: model.step(tokens, state, lazy=True)) if cache else uncached_step(model)
     if on_done is not None and len(todo) < len(sources):
         on_done(len(sources) - len(todo))
@@ -297,23 +306,12 @@ class MtpipeEngine:
         return time.perf_counter() - start
 
     def prepared(self) -> Any:
-        """The model as it decodes, made on first use and kept: its bf16 or int8 copy (:func:`bf16_copy`,
-        :func:`int8_copy`) or itself, with ``decode.compile``'s step. Once, not per call: stdin's lines and a
+        """The model as it decodes (:func:`decoding_model`: its bf16 or int8 copy or itself, with ``decode.compile``'s
+        step), made on first use and kept. Once, not per call: stdin's lines and a
         server's requests are many calls, and each new copy would copy (or quantise) the weights again and, compiled,
         build its graphs again."""
         if self._prepared is None:
-            model = self.model.eval()
-            if self.precision == "int8" and self.device.type != "cpu":
-                raise MtpipeError("decode.precision=int8 runs on CPU only; use bf16 on a GPU")
-            if self.precision == "bf16":
-                model = bf16_copy(model)
-            elif self.precision == "int8":
-                model = int8_copy(model)
-            if self.compile:
-                if self.precision == "int8":
-                    raise MtpipeError("decode.compile: applies to the cached fp32 and bf16 step, not to int8 decoding")
-                model.compile_step()
-            self._prepared = model.eval()
+            self._prepared = decoding_model(self.model, self.precision, self.device, self.compile)
         return self._prepared
 
     def translate(self, sources: Sequence[Sequence[int]], rules: DecodeRules,
@@ -727,8 +725,8 @@ def translate_inputs(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None = 
         ])
 
 
-__all__ = ["INPUT_SPLIT", "Inputs", "Model", "MtpipeEngine", "PrefixState", "batches_by_tokens", "bf16_copy",
-           "decoding_context", "detokenise", "fit_sources", "open_model", "read_lines", "read_sources",
-           "resolve_inputs", "stdin_fd", "stream_batches", "text_lines", "Totals", "translate", "translate_batches",
-           "translate_inputs", "translate_sources", "translate_stream", "uncached_step", "validate",
-           "write_hypotheses"]
+__all__ = ["INPUT_SPLIT", "Inputs", "Model", "MtpipeEngine", "PrefixState", "WARM_UP_TEXTS", "batches_by_tokens",
+           "bf16_copy", "decoding_context", "decoding_model", "detokenise", "fit_sources", "open_model", "read_lines",
+           "read_sources", "resolve_inputs", "stdin_fd", "stream_batches", "text_lines", "Totals", "translate",
+           "translate_batches", "translate_inputs", "translate_sources", "translate_stream", "uncached_step",
+           "validate", "write_hypotheses"]

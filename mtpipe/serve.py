@@ -459,9 +459,8 @@ def _first_line(e: BaseException) -> str:
 def _worker_main(conn: Any, cfg: DecodeConfig, checkpoint: str, tokens: str | None, batching: str,
                  beams: tuple[int, ...] = ()) -> None:
     """A worker process: open the model as the server does, warm it up (also at ``beams``: :func:`warm_beams`),
-    then run a lane: lists of ``(key, sources,
-    rules)`` in (what the server took at once), ``(key, result)`` messages out (an exception travels as its one-line
-    reason), until the server closes the pipe."""
+    then run a lane: lists of ``(key, sources, rules)`` in (what the server took at once), ``(key, result)`` messages
+    out (an exception travels as its one-line reason), until the server closes the pipe."""
     # The server drains and stops on SIGTERM / Ctrl-C (which a terminal sends to the whole process group): a worker
     # must go on decoding what the server still hands it, and ends when the server closes its pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
