@@ -943,6 +943,10 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
     default_rules = validate(defaults)  # decode's own cross-key rules (nbest <= beam, ctranslate2's limits)
     sock = listen(cfg.host, cfg.port)
     workers: list[WorkerProcess] = []
+    if defaults.compile:
+        info(f"warming up: building the compiled decoder step (decode.compile) at beams "
+             f"{', '.join(map(str, warm_beams(cfg, defaults)))} before the first request (tens of seconds on a small "
+             "CPU, less once torch has cached the generated code)")
     try:
         if cfg.workers == 1:
             model = open_model(defaults, checkpoint, tokens, cfg.batching)
