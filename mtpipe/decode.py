@@ -307,9 +307,8 @@ class MtpipeEngine:
 
     def prepared(self) -> Any:
         """The model as it decodes (:func:`decoding_model`: its bf16 or int8 copy or itself, with ``decode.compile``'s
-        step), made on first use and kept. Once, not per call: stdin's lines and a
-        server's requests are many calls, and each new copy would copy (or quantise) the weights again and, compiled,
-        build its graphs again."""
+        step), made on first use and kept. Once, not per call: stdin's lines and a server's requests are many calls,
+        and each new copy would copy (or quantise) every weight again."""
         if self._prepared is None:
             self._prepared = decoding_model(self.model, self.precision, self.device, self.compile)
         return self._prepared
