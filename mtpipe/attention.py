@@ -102,7 +102,8 @@ def record_attention(model: Any, src_ids: list[int], out_ids: list[int]) -> dict
     return {"encoder": encoder, "decoder": decoder, "cross": cross}
 
 
-def attention_maps(model: Any, sp: Any, text: str, beam: int = 1, alpha: float = 0.6) -> AttentionMaps:
+def attention_maps(model: Any, sp: Any, text: str, beam: int = 1, alpha: float = 0.6,
+                   length_penalty: str = "gnmt") -> AttentionMaps:
     """Encode ``text`` as ``decode --input`` does, translate it (greedy, or beam search with ``beam``), and record
     the attention of decoding that translation (:func:`record_attention`)."""
     from mtpipe.artifacts import EOS_ID
@@ -119,7 +120,7 @@ def attention_maps(model: Any, sp: Any, text: str, beam: int = 1, alpha: float =
     if len(src_ids) > limit:
         raise MtpipeError(f"--text: {len(src_ids)} pieces, more than the model's {limit} (max_positions "
                           f"{model.cfg.max_positions} with EOS)")
-    rules = DecodeRules(beam=beam, penalty=LengthPenalty("gnmt", alpha))
+    rules = DecodeRules(beam=beam, penalty=LengthPenalty(length_penalty, alpha))
     best = translate_batches(model, [src_ids], rules, max_tokens=len(src_ids) + 1)[0][0]
     out_ids = [*best.tokens, EOS_ID]
     recorded = record_attention(model, src_ids, out_ids)
@@ -303,7 +304,8 @@ def chosen_layers(layer: int | None, encoder_layers: int, decoder_layers: int) -
 
 
 def attention_command(checkpoint: Path, tokens: Path | None, text: str | None, out: Path | None,
-                      layer: int | None = None, beam: int = 1, alpha: float = 0.6, *, force: bool = False) -> None:
+                      layer: int | None = None, beam: int = 1, alpha: float = 0.6, *, length_penalty: str = "gnmt",
+                      force: bool = False) -> None:
     """``mtpipe attention``: check the inputs, translate ``text`` while recording its attention, draw it into ``out``
     (every check before any work; nothing is written on an error). ``tokens`` None: the checkpoint's own
     SentencePiece model (:func:`mtpipe.loading.vocab_source`)."""
@@ -326,14 +328,14 @@ def attention_command(checkpoint: Path, tokens: Path | None, text: str | None, o
     model = loaded.model
     layers = chosen_layers(layer, len(model.encoder), len(model.decoder))
     torch.manual_seed(0)  # nothing here is random (eval mode); set anyway, so that a run repeats exactly
-    maps = attention_maps(model, loaded.sp, text, beam=beam, alpha=alpha)
+    maps = attention_maps(model, loaded.sp, text, beam=beam, alpha=alpha, length_penalty=length_penalty)
     info(f"[bold]source[/bold]      {maps.text}\n[bold]translation[/bold] {maps.translation}")
     pngs = write_attention(out, maps, layers, checkpoint, loaded.tokens, beam=beam, force=force)
     table(f"attention: {out}", ["", "value"], [
         ["checkpoint", f"{checkpoint} (step {loaded.ck.step:,})"],
         ["source pieces (with </s>)", len(maps.source)],
         ["output pieces (with </s>)", len(maps.outputs)],
-        ["search", "greedy" if beam == 1 else f"beam {beam}, alpha {alpha:g}"],
+        ["search", "greedy" if beam == 1 else f"beam {beam}, {length_penalty} alpha {alpha:g}"],
         ["layers (encoder / decoder)", f"{len(model.encoder)} / {len(model.decoder)}"],
         ["heads", len(maps.weights["encoder"][0])],
         ["layer drawn head by head", ", ".join(f"{k} {v}" for k, v in layers.items())],

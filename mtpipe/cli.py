@@ -587,8 +587,9 @@ def import_(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
         Opt("layer", Optional[int], None, "Layer (1-based) drawn head by head \\[default: the last of each stack]; "
             "index.html shows every layer.", ("--layer",)),
         Opt("beam", int, 1, "Beam size of the translation whose attention is drawn (1 = greedy).", ("--beam",)),
-        Opt("alpha", Optional[float], None, "Length penalty alpha (GNMT) when --beam > 1 \\[default: the "
-            "checkpoint's recorded decode.alpha, else 0.6].", ("--alpha",)),
+        Opt("alpha", Optional[float], None, "Length penalty alpha when --beam > 1 \\[default: the checkpoint's "
+            "recorded decode.alpha, else 0.6], with the checkpoint's recorded length penalty (else gnmt).",
+            ("--alpha",)),
         _out("attention", None, "Output directory: PNG heatmaps, index.html, attention.npz/.json."),
     ],
 )
@@ -597,12 +598,11 @@ def attention(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     heatmaps labelled with its pieces, and an offline index.html (the paper's Figures 3-5)."""
     from mtpipe.attention import attention_command
 
-    alpha = opts.alpha
-    if alpha is None:
-        record = _checkpoint_decode({"checkpoint": opts.checkpoint}).get("decode")
-        alpha = record[0].get("alpha", 0.6) if record else 0.6
+    record = _checkpoint_decode({"checkpoint": opts.checkpoint}).get("decode")
+    recorded = record[0] if record else {}
+    alpha = opts.alpha if opts.alpha is not None else recorded.get("alpha", 0.6)
     attention_command(opts.checkpoint, opts.tokens, opts.text, opts.out, opts.layer, opts.beam, alpha,
-                      force=opts.force)
+                      length_penalty=recorded.get("length_penalty", "gnmt"), force=opts.force)
 
 
 @stage_command(

@@ -24,7 +24,7 @@ from mtpipe.config import ModelConfig, to_dict
 from mtpipe.decode import translate_batches
 from mtpipe.errors import MtpipeError
 from mtpipe.model import Transformer
-from mtpipe.search import DecodeRules
+from mtpipe.search import DecodeRules, LengthPenalty
 
 TEXT = "Kalo mi tenra su ve dor."
 
@@ -170,6 +170,25 @@ def test_beam_search_output_is_drawn_and_recorded_the_same_way(ckpt):
     for kind in KINDS:
         for g, w in zip(maps.weights[kind], want[kind]):
             torch.testing.assert_close(torch.from_numpy(g), w, rtol=1e-5, atol=1e-6)
+
+
+def test_beam_search_takes_the_checkpoints_recorded_length_penalty(ckpt, tmp_path):
+    """With --beam > 1 the translation drawn is the one `mtpipe decode` gives by default: the checkpoint's recorded
+    length penalty and alpha (here fairseq's |Y|^1.0), not always GNMT's."""
+    root, model, sp = ckpt["root"], ckpt["model"], ckpt["sp"]
+    checkpoint = tmp_path / "ckpt-fairseq"
+    writing.write_checkpoint(checkpoint, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
+                             vocab={"spm_sha256": artifacts.file_hash(root / "spm.model"), "size": sp.get_piece_size()},
+                             step=7, extra={"decode": {"length_penalty": "fairseq", "alpha": 1.0}})
+    out = tmp_path / "drawn"
+    r = CliRunner().invoke(app, ["attention", "--checkpoint", str(checkpoint), "--tokens", str(ckpt["tokens"]),
+                                 "--text", TEXT, "--beam", "3", "--out", str(out)], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "beam 3, fairseq alpha 1" in r.output
+    src_ids = sp.encode(TEXT, out_type=int)
+    want = translate_batches(model, [src_ids], DecodeRules(beam=3, penalty=LengthPenalty("fairseq", 1.0)),
+                             max_tokens=64)[0][0].tokens
+    assert json.loads((out / "attention.json").read_text(encoding="utf-8"))["translation"] == sp.decode(want)
 
 
 @pytest.mark.parametrize("args, message", [
