@@ -673,7 +673,8 @@ class Transformer(nn.Module):
         Why: a step for a few sentences (a server's batch, interactive input) is ~35 small operations per layer whose
         fixed cost of dispatch dominates; compiled, the element-wise ones are fused into a few generated kernels.
         Dimensions are marked dynamic (rows, cached positions, sentences, source length), so one graph serves every
-        batch; a new one is built only for the few shapes torch specialises (e.g. one sentence alone). Building a
+        batch; a new one is built only for the few shapes torch specialises (one sentence alone, greedy search, beams
+        past 8, a continuous batch's masked rows: ``mtpipe serve`` builds them all in its warm-up). Building a
         graph takes tens of seconds on a small CPU, once per process (torch caches the generated code on disk).
         On CPU the graph's wrapper is generated C++ (inductor's ``cpp_wrapper``) instead of Python: the wrapper's
         per-kernel cost is what is left of a small batch's step (1.03-1.04x at ~8 sentences a batch, none at 8,000

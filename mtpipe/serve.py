@@ -295,8 +295,7 @@ def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, batchin
         if batching == "continuous":
             lane = lambda: StreamLane(prepared, engine)  # noqa: E731
         else:
-            translate_prepared = _translate_prepared(prepared, engine)
-            lane = lambda: BatchLane(translate_prepared)  # noqa: E731
+            lane = lambda: BatchLane(engine.translate)  # noqa: E731 - mtpipe decode's batches, on the prepared model
         model_config = to_dict(engine.model.cfg)  # after decode.prune, the model that runs
         precision = cfg.precision
     info.update({"step": step, "engine": cfg.engine, "device": engine.describe(), "precision": precision,
@@ -306,27 +305,15 @@ def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, batchin
 
 
 def _decoding_model(engine: Any) -> Any:
-    """mtpipe's engine's model in its decoding precision, made once (:meth:`MtpipeEngine.prepared`; with
-    ``decode.compile`` its graphs are built by :meth:`ServedModel.warm_up`, before the first request), and the
-    process's CPU threads set once, not around every batch."""
+    """mtpipe's engine's model in its decoding precision, made at start-up, once (:meth:`MtpipeEngine.prepared`;
+    with ``decode.compile`` its graphs are built by :meth:`ServedModel.warm_up`, before the first request), and the
+    process's CPU threads set: the continuous lane drives this model itself, the batch lane through
+    :meth:`MtpipeEngine.translate`, which uses the same prepared model."""
     import torch
 
     if engine.threads > 0:
         torch.set_num_threads(engine.threads)
     return engine.prepared()
-
-
-def _translate_prepared(model: Any, engine: Any) -> Callable[[Sequence[Sequence[int]], Any], list[list[Any]]]:
-    """``translate(sources, rules)`` over the model :func:`_decoding_model` made: ``mtpipe decode``'s batches."""
-    from mtpipe.decode import decoding_context, translate_batches
-
-    def translate(sources: Sequence[Sequence[int]], rules: Any) -> list[list[Any]]:
-        # bf16: the autocast translate_batches enters for precision bf16, around the ready bf16 copy.
-        with decoding_context(engine.device, engine.precision):
-            return translate_batches(model, sources, rules, max_tokens=engine.max_tokens, precision="fp32",
-                                     device=engine.device)
-
-    return translate
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -943,22 +930,22 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
     default_rules = validate(defaults)  # decode's own cross-key rules (nbest <= beam, ctranslate2's limits)
     sock = listen(cfg.host, cfg.port)
     workers: list[WorkerProcess] = []
+    beams = warm_beams(cfg, defaults)
     if defaults.compile:
         info(f"warming up: building the compiled decoder step (decode.compile) at beams "
-             f"{', '.join(map(str, warm_beams(cfg, defaults)))} before the first request (tens of seconds on a small "
+             f"{', '.join(map(str, beams))} before the first request (tens of seconds on a small "
              "CPU, less once torch has cached the generated code)")
     try:
         if cfg.workers == 1:
             model = open_model(defaults, checkpoint, tokens, cfg.batching)
-            model.warm_up(default_rules, warm_beams(cfg, defaults))
+            model.warm_up(default_rules, beams)
         else:
             # The weights only in the workers: this process encodes, queues and detokenises with worker 0's vocabulary.
             threads = worker_threads(defaults, cfg.workers)
             info(f"starting {cfg.workers} decoding processes, {threads} CPU thread(s) each")
             worker_cfg = dataclasses.replace(defaults, threads=threads)
             for i in range(cfg.workers):
-                workers.append(WorkerProcess(i, worker_cfg, checkpoint, tokens, cfg.batching,
-                                             warm_beams(cfg, defaults)))
+                workers.append(WorkerProcess(i, worker_cfg, checkpoint, tokens, cfg.batching, beams))
             descriptions = [w.ready() for w in workers]
             model = ServedModel.described(descriptions[0])
             model.info["workers"] = cfg.workers
