@@ -12,6 +12,8 @@ Zen 5, ``int8_gops`` 1,473 under them, 480 with ``FBGEMM_ENABLE_INSTRUCTIONS=AVX
 
 Fields: ``cpu_flags`` (the AVX / AMX / FMA flags of /proc/cpuinfo), ``torch_capability`` (torch's CPU dispatch level),
 ``native_bf16`` (what ``precision: auto`` sees), ``fp32_gflops`` and ``bf16_gflops`` (an n x n x n matmul, best of 5),
+``fp32_mtpipe_gflops`` (the same float32 product by the route of mtpipe's float32 layers, ``mtpipe.kernels.mm``:
+oneDNN's, which runs AVX-512 on AMD CPUs where torch's own, MKL's, runs AVX2),
 ``int8_gops`` (mtpipe's int8 decoding layer, 64 rows x 512 x 8,000, best of 20).
 """
 
@@ -33,16 +35,21 @@ REPO = Path(__file__).resolve().parents[1]
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
-def matmul_gflops(dtype, n: int, reps: int = 5) -> float:
-    """The best of ``reps`` n x n x n matmuls, in GFLOP/s (best, not mean: other processes may share the CPU)."""
+def matmul_gflops(dtype, n: int, reps: int = 5, route: str = "torch") -> float:
+    """The best of ``reps`` n x n x n matmuls, in GFLOP/s (best, not mean: other processes may share the CPU).
+    ``route``: ``torch`` (``a @ b``: MKL's for float32 on x86) or ``mtpipe`` (:func:`mtpipe.kernels.mm`, the route of
+    mtpipe's float32 layers: oneDNN's)."""
     import torch
 
+    from mtpipe.kernels import mm
+
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b  # warm-up: first-call allocation and kernel selection
+    product = (lambda: a @ b) if route == "torch" else (lambda: mm(a, b))
+    product()  # warm-up: first-call allocation and kernel selection
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
-        a @ b
+        product()
         best = min(best, time.perf_counter() - t)
     return round(2 * n**3 / best / 1e9, 1)
 
@@ -88,6 +95,7 @@ def probe(n: int = 1024) -> dict:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     return {"cpu_flags": cpu_flags(), "torch_capability": torch.backends.cpu.get_cpu_capability(),
             "native_bf16": cpu_supports_bf16(), "fp32_gflops": matmul_gflops(torch.float32, n),
+            "fp32_mtpipe_gflops": matmul_gflops(torch.float32, n, route="mtpipe"),
             "bf16_gflops": matmul_gflops(torch.bfloat16, n), "int8_gops": int8_gops()}
 
 

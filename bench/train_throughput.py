@@ -264,6 +264,7 @@ PLAIN = {
     "attention": "F.scaled_dot_product_attention instead of two matmuls",
     "loss": "the whole [N, V] logits made, then the textbook loss differentiated by autograd, instead of "
             "mtpipe.loss's blocks",
+    "onednn": "torch's own float32 products (MKL on x86) instead of oneDNN's (mtpipe.kernels.mm)",
 }
 
 
@@ -277,18 +278,21 @@ def plain_kernels(tricks: frozenset[str]) -> Iterator[None]:
     def whole_logits(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, eps: float):
         return loss.reference_label_smoothed_nll(F.linear(h, weight, bias), target, eps)
 
-    saved = (kernels._fused_dropout_available, model.prefer_explicit_attention, mtrain.projected_label_smoothed_nll)
+    saved = (kernels._fused_dropout_available, model.prefer_explicit_attention, mtrain.projected_label_smoothed_nll,
+             kernels.ONEDNN_FP32)
     if "dropout" in tricks:
         kernels._fused_dropout_available = lambda x: True
     if "attention" in tricks:
         model.prefer_explicit_attention = lambda q: False
     if "loss" in tricks:
         mtrain.projected_label_smoothed_nll = whole_logits  # the module global LossModule calls
+    if "onednn" in tricks:
+        kernels.ONEDNN_FP32 = False
     try:
         yield
     finally:
         (kernels._fused_dropout_available, model.prefer_explicit_attention,
-         mtrain.projected_label_smoothed_nll) = saved
+         mtrain.projected_label_smoothed_nll, kernels.ONEDNN_FP32) = saved
 
 
 def mtpipe_step(vocab: int, dims: dict, precision: str, compiled: bool, args: argparse.Namespace,

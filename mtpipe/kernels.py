@@ -3,10 +3,10 @@ are computed, never what they compute.
 
 Each CPU function here is a drop-in for a plain torch formulation (named in its docstring) that was measurably slow on
 CPU for this model's shapes; the measurements are in BENCHMARKS.md (``bench/train_throughput.py``,
-``bench/decode_speed.py``). On GPUs, under ``torch.compile`` and wherever the trick does not apply, each falls back
-to the plain formulation. In fp32 eval under ``no_grad`` (validation, decoding) the outputs are bit-identical to the
-plain formulation, except :class:`DecodingProjection`'s product (float rounding); with gradients on,
-:func:`explicit_attention` differs from the fused kernel by float rounding only.
+``bench/decode_speed.py``). On GPUs, under ``torch.compile`` (except :func:`linear` without gradients, as in the
+compiled decoding step) and wherever the trick does not apply, each falls back to the plain formulation. The float32 products through oneDNN (:func:`linear`, :func:`mm`, :class:`DecodingProjection`)
+differ from torch's own by float rounding only, as does :func:`explicit_attention` from the fused kernel with
+gradients on; everything else is bit-identical to its plain formulation in fp32 eval under ``no_grad``.
 """
 
 from __future__ import annotations
@@ -78,8 +78,101 @@ def residual(x: Tensor, sublayer_out: Tensor, p: float, training: bool) -> Tenso
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Linear layers with repeating shapes under CPU bf16 autocast
+# float32 matrix products through oneDNN on CPU
 # --------------------------------------------------------------------------------------------------------------------
+
+# Whether float32 products may run in oneDNN (bench/train_throughput.py and bench/decode_speed.py --plain onednn set it
+# False, to time torch's own route).
+ONEDNN_FP32 = True
+# Below this many rows torch's own product was as fast or faster (4-16 rows with AVX2 only): see `_onednn_rows`.
+_ONEDNN_MIN_ROWS = 32
+
+
+def _probe_onednn() -> bool:
+    """Whether this torch build can run a float32 product through oneDNN's linear kernel (x86 and aarch64 builds)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        x = torch.ones(2, 3)
+        return bool(torch.ops.mkldnn._linear_pointwise(x, torch.ones(4, 3), None, "none", [], "").eq(3).all())
+    except (RuntimeError, AttributeError, NotImplementedError):  # an op this build lacks
+        return False
+
+
+# Probed once at import: a compiled graph must read a constant here, not trace the probe (a graph break).
+_ONEDNN_AVAILABLE = _probe_onednn()
+
+
+def _onednn_rows(a: Tensor, rows: int, compiling_ok: bool = False) -> bool:
+    """Whether a float32 CPU product with ``rows`` output rows should run in oneDNN rather than torch's ``mm``.
+
+    Why: torch's float32 ``mm`` / ``addmm`` on x86 is MKL's, and MKL runs its AVX2 code on AMD CPUs even where they
+    have AVX-512: on a 2-core AMD EPYC Zen 5 a 1,024^3 product ran ~205 GFLOP/s through torch and ~460 through oneDNN's
+    linear kernel (which dispatches AVX-512 there), and 1.1-1.3x faster through oneDNN with the CPU restricted to AVX2
+    (BENCHMARKS.md, "float32 products through oneDNN"). Only for 4-16 rows with AVX2 was torch's as fast or faster,
+    hence the row threshold. Not under autocast (its bf16 products already run in oneDNN), and while ``torch.compile``
+    traces only where the caller says (``compiling_ok``: :func:`linear` then hides the product in an opaque op, whose
+    row count is known at run time only)."""
+    return (ONEDNN_FP32 and a.device.type == "cpu" and a.dtype == torch.float32
+            and not torch.is_autocast_enabled("cpu")
+            and (compiling_ok or (not torch.compiler.is_compiling() and rows >= _ONEDNN_MIN_ROWS))
+            and _ONEDNN_AVAILABLE)
+
+
+def _dnn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x weight^T + bias`` by oneDNN's linear kernel; ``x [..., K]``, ``weight [N, K]`` (any strides)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def mm(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for 2-D ``a [M, K]`` and ``b [K, N]``, as ``torch.mm``; through oneDNN where :func:`_onednn_rows`
+    says so (float32 on CPU), the result then equal to ``torch.mm``'s up to float rounding.
+
+    oneDNN's kernel reads both operands with any strides, but ran at half speed when ``a`` is a transposed view
+    (column-major, as in the ``dW = dY^T X`` of a backward pass) and the output has more rows than columns (258
+    against 420 GFLOP/s for a 4,096-row ``dY^T X`` with 256 x 8,000 outputs); then ``(b^T a^T)^T`` is computed
+    instead, the same product, returned as a transposed view."""
+    if not _onednn_rows(a, min(a.size(0), b.size(1))):
+        return torch.mm(a, b)
+    if a.stride(0) == 1 and a.size(0) > b.size(1):  # column-major a, tall output
+        return _dnn(b.t(), a).t()  # ([N, K] x [K, M])^T = [M, N]
+    return _dnn(a, b.t())  # [M, K] x [K, N]
+
+
+class _LinearFunction(torch.autograd.Function):
+    """``F.linear`` for float32 CPU tensors with the forward and both backward products through :func:`mm`'s
+    oneDNN route: ``y = x W^T + b``, ``dx = dy W``, ``dW = dy^T x``, ``db = sum dy`` (``x`` as ``[rows, in]``)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _dnn(x, weight, bias)  # [rows, in] -> [rows, out]
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        x, weight = ctx.saved_tensors
+        dx = mm(dy, weight) if ctx.needs_input_grad[0] else None  # [rows, out] x [out, in]
+        dw = mm(dy.t(), x) if ctx.needs_input_grad[1] else None  # [out, rows] x [rows, in]
+        db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None  # [out]
+        return dx, dw, db
+
+
+@torch.library.custom_op("mtpipe::linear", mutates_args=())
+def _linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear`` as one op that ``torch.compile`` calls without looking inside (no gradient): oneDNN's product from
+    :data:`_ONEDNN_MIN_ROWS` rows, torch's below. Why opaque: inductor's own oneDNN lowering takes only frozen,
+    pre-packed weights, and its float32 products are torch's (MKL's): the compiled decoding step would lose the
+    oneDNN route that the eager one has."""
+    if x.numel() >= _ONEDNN_MIN_ROWS * x.size(-1) > 0:  # rows >= the threshold
+        return _dnn(x, weight, bias)  # [..., in] -> [..., out]
+    return F.linear(x, weight, bias)
+
+
+@_linear_op.register_fake
+def _linear_op_shape(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.size(0))  # [..., in] -> [..., out]
+
 
 # In CPU bf16 training, linear layers see their row count rounded up to a multiple of this (see `linear`).
 _ROW_BLOCK = 128
@@ -88,17 +181,29 @@ _ROW_BLOCK = 128
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``x W^T + b`` over the last dimension of ``x``, as ``F.linear``.
 
-    Why: training under CPU bf16 autocast runs the matmuls in oneDNN, which JIT-compiles a kernel for every new
+    Why, in float32 on CPU: the products (forward, and with gradients both backward ones) run in oneDNN where
+    :func:`_onednn_rows` says so, ~2.2x torch's own on an AVX-512 AMD CPU and 1.1-1.3x with AVX2 only.
+
+    Why, under CPU bf16 autocast in training: the products run in oneDNN, which JIT-compiles a kernel for every new
     (rows, in, out) shape and caches it. rows = batch x length differs in nearly every token-bucketed batch, so each
     new batch paid for kernel generation and grew the kernel cache. Padding the rows up to a multiple of 128 (zeros,
     sliced off again; at most 127 rows of extra work) makes the shapes repeat, so the kernels are reused from the
     cache. Not when decoding (no grad): a few beams' rows would be padded to 128. Elsewhere this is plain
     ``F.linear``.
     """
-    if (x.device.type != "cpu" or not torch.is_grad_enabled() or not torch.is_autocast_enabled("cpu")
-            or torch.compiler.is_compiling()):
+    if torch.compiler.is_compiling():
+        if not torch.is_grad_enabled() and weight.dtype == x.dtype and _onednn_rows(x, 0, compiling_ok=True):
+            return _linear_op(x, weight, bias)  # e.g. the compiled decoding step
         return F.linear(x, weight, bias)
-    rows = x.numel() // x.size(-1)
+    rows = x.numel() // x.size(-1) if x.size(-1) else 0
+    if weight.dtype == x.dtype and _onednn_rows(x, rows):
+        if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad
+                                                or (bias is not None and bias.requires_grad)):
+            return _dnn(x, weight, bias)  # [..., in] -> [..., out]
+        y = _LinearFunction.apply(x.reshape(rows, x.size(-1)), weight, bias)  # [..., in] -> [rows, in] -> [rows, out]
+        return y.view(*x.shape[:-1], y.size(-1))  # [rows, out] -> [..., out]
+    if x.device.type != "cpu" or not torch.is_grad_enabled() or not torch.is_autocast_enabled("cpu"):
+        return F.linear(x, weight, bias)
     pad = -rows % _ROW_BLOCK
     if pad == 0:
         return F.linear(x, weight, bias)

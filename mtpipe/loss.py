@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mtpipe.kernels import _ROW_BLOCK
+from mtpipe.kernels import _ROW_BLOCK, mm
 
 
 def reference_label_smoothed_nll(logits: Tensor, target: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -92,7 +92,11 @@ def _blocks(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, eps:
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
     nll = torch.zeros((), dtype=torch.float32, device=h.device)
     grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if want_grad else None
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if want_grad else None
+    # dW accumulates transposed, [D, V], in float32 products: oneDNN (mtpipe.kernels.mm) makes X^T G in that layout at
+    # full speed and G^T X (a tall product of a transposed view) at half speed
+    wide = cdtype == torch.float32
+    grad_w = (torch.zeros(weight.shape[::-1] if wide else weight.shape, dtype=torch.float32, device=h.device)
+              if want_grad else None)
     grad_b = torch.zeros(vocab, dtype=torch.float32, device=h.device) if want_grad and bias is not None else None
     h_sum = torch.zeros(h.size(1), dtype=torch.float32, device=h.device) if want_grad else None  # colsum(h), [D]
     rows = _block_rows(h.device, vocab)
@@ -103,7 +107,7 @@ def _blocks(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, eps:
         extra = -(hi - lo) % pad_to
         if extra:  # zero rows, so that the shapes repeat; sliced off below
             x = torch.cat([x, x.new_zeros(extra, x.size(1))])  # [c + extra, D]
-        z = torch.mm(x, w.t())[: hi - lo]  # [c, V]
+        z = mm(x, w.t())[: hi - lo]  # [c, D] x [D, V] -> [c, V]
         if b is not None:
             z = z + b
         y = target[lo:hi, None]  # [c, 1]
@@ -124,16 +128,18 @@ def _blocks(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, eps:
         h_sum += x.sum(0, dtype=torch.float32)
         if extra:
             gc = torch.cat([gc, gc.new_zeros(extra, vocab)])  # [c + extra, V]: the zero rows add nothing to dW
-        grad_h[lo:hi] = torch.mm(gc, w)[: hi - lo]  # [c, V] x [V, D] -> [c, D]
-        if cdtype == torch.float32:
-            grad_w.addmm_(gc.t(), x)  # [V, c] x [c, D]
+        grad_h[lo:hi] = mm(gc, w)[: hi - lo]  # [c, V] x [V, D] -> [c, D]
+        if wide:
+            grad_w += mm(x.t(), gc)  # [D, c] x [c, V] -> [D, V]
         else:
             grad_w += torch.mm(gc.t(), x)
     if want_grad and eps:  # the smoothing's - eps / V on every entry of every block, in one exact float32 step
         grad_h -= (eps / vocab) * w.sum(0, dtype=torch.float32)  # [D], on every row
-        grad_w -= (eps / vocab) * h_sum  # [D], on every row
+        grad_w -= (eps / vocab) * (h_sum[:, None] if wide else h_sum)  # [D], on every row of dW
         if grad_b is not None:
             grad_b -= eps * n / vocab
+    if wide and grad_w is not None:
+        grad_w = grad_w.t()  # [D, V] -> [V, D] (a view)
     return loss, nll, grad_h, grad_w, grad_b
 
 

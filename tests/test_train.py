@@ -169,14 +169,26 @@ def test_label_smoothing_is_the_textbook_cross_entropy() -> None:
 
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "fp32 onednn", "bf16"])
 def test_blockwise_loss_equals_autograd_of_the_formula(eps: float, bias: bool, precision: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The loss made a block of rows at a time, its gradient computed in the forward pass, equals the textbook
     formula on the whole logits differentiated by autograd: loss, NLL, and the gradients of the states, the
     projection matrix and its bias, with several blocks and a short last one (bf16: under CPU autocast, as training
-    runs it, against autograd of the same products under autocast). Without gradients it gives the same values."""
+    runs it, against autograd of the same products under autocast; "fp32 onednn": every product of the blocks through
+    mtpipe.kernels' oneDNN route, whatever its size). Without gradients it gives the same values."""
+    import mtpipe.kernels as mk
     import mtpipe.loss as ml
+
+    products = []
+    if precision == "fp32 onednn":
+        if not mk._ONEDNN_AVAILABLE:
+            pytest.skip("this torch build has no oneDNN")
+        real = mk._dnn
+        monkeypatch.setattr(mk, "_ONEDNN_MIN_ROWS", 1)
+        monkeypatch.setattr(mk, "_dnn", lambda *args: products.append(1) or real(*args))
+    else:
+        monkeypatch.setattr(mk, "ONEDNN_FP32", False)  # torch's own products
 
     n, vocab, d = 300, 13, 6
     monkeypatch.setitem(ml._BLOCK_BYTES, "cpu", 4 * vocab * ml._ROW_MULTIPLE)  # blocks of 128 rows: 128, 128, 44
@@ -196,7 +208,8 @@ def test_blockwise_loss_equals_autograd_of_the_formula(eps: float, bias: bool, p
                 loss, nll = ml.reference_label_smoothed_nll(F.linear(h, w, b), target, eps)
         (0.7 * loss).backward()
         results.append((loss.detach(), nll.detach(), h.grad, w.grad, None if b is None else b.grad))
-    tol = 1e-5 if precision == "fp32" else 2e-2
+    assert bool(products) == (precision == "fp32 onednn")
+    tol = 2e-2 if precision == "bf16" else 1e-5
     for got, want in zip(*results):
         if want is None:
             assert got is None

@@ -1,0 +1,108 @@
+"""The float32 products of :mod:`mtpipe.kernels` through oneDNN compute what torch's own products compute: values and
+gradients equal ``F.linear`` / ``torch.mm`` up to float rounding in every operand layout, the route is taken where it
+should be (and only there), and the compiled decoding step keeps it without a graph break."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mtpipe import kernels
+
+pytestmark = pytest.mark.skipif(not kernels._ONEDNN_AVAILABLE, reason="this torch build has no oneDNN")
+
+
+@pytest.fixture
+def dnn_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """Every oneDNN product from now on, by its input's shape; products of any row count take the route."""
+    calls: list[tuple[int, ...]] = []
+    real = kernels._dnn
+
+    def counted(x, weight, bias=None):
+        calls.append(tuple(x.shape))
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(kernels, "_dnn", counted)
+    monkeypatch.setattr(kernels, "_ONEDNN_MIN_ROWS", 1)
+    return calls
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, atol=1e-5 * max(1.0, want.abs().max().item()), rtol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(3, 7, 24), (40, 24)])
+def test_linear_through_onednn_equals_f_linear_with_gradients(bias: bool, shape: tuple[int, ...],
+                                                               dnn_calls: list) -> None:
+    g = torch.Generator().manual_seed(0)
+    x0, w0 = torch.randn(*shape, generator=g), torch.randn(40, 24, generator=g)  # a tall and a wide dW alike
+    b0 = torch.randn(40, generator=g) if bias else None
+    dy = torch.randn(*shape[:-1], 40, generator=g)
+    results = []
+    for route in (kernels.linear, F.linear):
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        b = b0.clone().requires_grad_(True) if b0 is not None else None
+        y = route(x, w, b)
+        y.backward(dy)
+        results.append((y.detach(), x.grad, w.grad, None if b is None else b.grad))
+    assert len(dnn_calls) == 3  # the forward product and both backward ones
+    for got, want in zip(*results):
+        if want is None:
+            assert got is None
+        else:
+            assert got.shape == want.shape
+            _close(got, want)
+    with torch.no_grad():
+        _close(kernels.linear(x0, w0, b0), results[1][0])
+    assert len(dnn_calls) == 4
+
+
+@pytest.mark.parametrize("m,k,n", [(50, 8, 30), (30, 8, 50), (8, 50, 30)])
+@pytest.mark.parametrize("layout", ["rows", "a transposed", "b transposed", "both transposed"])
+def test_mm_equals_torch_mm_in_every_layout(m: int, k: int, n: int, layout: str, dnn_calls: list) -> None:
+    # kernels.mm computes a tall product of a column-major a as (b^T a^T)^T: every layout must give a @ b.
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(k, m, generator=g).t() if "a" in layout or "both" in layout else torch.randn(m, k, generator=g)
+    b = torch.randn(n, k, generator=g).t() if "b " in layout or "both" in layout else torch.randn(k, n, generator=g)
+    out = kernels.mm(a, b)
+    assert dnn_calls and out.shape == (m, n)
+    _close(out, torch.mm(a, b))
+
+
+def test_the_route_is_float32_on_cpu_outside_autocast_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = kernels._dnn
+    monkeypatch.setattr(kernels, "_dnn", lambda *args: calls.append(1) or real(*args))
+    w = torch.randn(16, 8)
+    kernels.linear(torch.randn(kernels._ONEDNN_MIN_ROWS - 1, 8), w, None)  # too few rows: torch's product
+    kernels.linear(torch.randn(64, 8, dtype=torch.float64), w.double(), None)  # oneDNN has no float64
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kernels.linear(torch.randn(64, 8), w, None)  # autocast's bf16 product
+    monkeypatch.setattr(kernels, "ONEDNN_FP32", False)
+    kernels.linear(torch.randn(64, 8), w, None)  # switched off (the benchmarks' --plain onednn)
+    assert calls == []
+    monkeypatch.setattr(kernels, "ONEDNN_FP32", True)
+    kernels.linear(torch.randn(kernels._ONEDNN_MIN_ROWS, 8), w, None)
+    assert calls == [1]
+
+
+def test_compiled_code_calls_the_route_as_one_opaque_op(dnn_calls: list) -> None:
+    # inductor's own oneDNN lowering asserts on weights that are not frozen constants, and its float32 products are
+    # torch's: the compiled decoding step reaches oneDNN through mtpipe::linear, with no graph break (fullgraph).
+    torch._dynamo.reset()
+    w1, b1, w2 = torch.randn(32, 16), torch.randn(32), torch.randn(16, 32)
+
+    def two_layers(x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(torch.relu(kernels.linear(x, w1, b1)), w2, None) + x
+
+    compiled = torch.compile(two_layers, fullgraph=True, dynamic=True)
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        got = compiled(x)
+        assert len(dnn_calls) == 2  # both products, inside the compiled code
+        dnn_calls.clear()
+        want = two_layers(x)
+    _close(got, want)
+    torch._dynamo.reset()
