@@ -84,8 +84,12 @@ def residual(x: Tensor, sublayer_out: Tensor, p: float, training: bool) -> Tenso
 # Whether float32 products may run in oneDNN (bench/train_throughput.py and bench/decode_speed.py --plain onednn set it
 # False, to time torch's own route).
 ONEDNN_FP32 = True
-# Below this many rows torch's own product was as fast or faster (4-16 rows with AVX2 only): see `_onednn_rows`.
-_ONEDNN_MIN_ROWS = 32
+# Products of fewer multiply-adds than this stay on torch's route: oneDNN's call costs ~10-13 us more (its kernel
+# and the weights' blocked layout are made per call), so small products, e.g. a server's few-sentence decoding step
+# at d 128, ran slower through it. Break-even measured on a 2-core AMD EPYC Zen 5 (1 and 2 threads, d 128-1,024): ~1M
+# multiply-adds with AVX-512, ~6-8M with the CPU restricted to AVX2 (BENCHMARKS.md, "float32 products through
+# oneDNN"). A training step's products and a decoding step's of a full batch are hundreds of times larger.
+_ONEDNN_MIN_MACS = 1 << 20 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 1 << 23
 
 
 def _probe_onednn() -> bool:
@@ -103,19 +107,19 @@ def _probe_onednn() -> bool:
 _ONEDNN_AVAILABLE = _probe_onednn()
 
 
-def _onednn_rows(a: Tensor, rows: int, compiling_ok: bool = False) -> bool:
-    """Whether a float32 CPU product with ``rows`` output rows should run in oneDNN rather than torch's ``mm``.
+def _onednn_worth(a: Tensor, macs: int, compiling_ok: bool = False) -> bool:
+    """Whether a float32 CPU product of ``macs`` multiply-adds should run in oneDNN rather than torch's ``mm``.
 
     Why: torch's float32 ``mm`` / ``addmm`` on x86 is MKL's, and MKL runs its AVX2 code on AMD CPUs even where they
     have AVX-512: on a 2-core AMD EPYC Zen 5 a 1,024^3 product ran ~205 GFLOP/s through torch and ~460 through oneDNN's
     linear kernel (which dispatches AVX-512 there), and 1.1-1.3x faster through oneDNN with the CPU restricted to AVX2
-    (BENCHMARKS.md, "float32 products through oneDNN"). Only for 4-16 rows with AVX2 was torch's as fast or faster,
-    hence the row threshold. Not under autocast (its bf16 products already run in oneDNN), and while ``torch.compile``
-    traces only where the caller says (``compiling_ok``: :func:`linear` then hides the product in an opaque op, whose
-    row count is known at run time only)."""
+    (BENCHMARKS.md, "float32 products through oneDNN"). Small products stay on torch's (:data:`_ONEDNN_MIN_MACS`).
+    Not under autocast (its bf16 products already run in oneDNN), and while ``torch.compile`` traces only where the
+    caller says (``compiling_ok``: :func:`linear` then hides the product in an opaque op, whose size is known at run
+    time only)."""
     return (ONEDNN_FP32 and a.device.type == "cpu" and a.dtype == torch.float32
             and not torch.is_autocast_enabled("cpu")
-            and (compiling_ok or (not torch.compiler.is_compiling() and rows >= _ONEDNN_MIN_ROWS))
+            and (compiling_ok or (not torch.compiler.is_compiling() and macs >= _ONEDNN_MIN_MACS))
             and _ONEDNN_AVAILABLE)
 
 
@@ -125,14 +129,14 @@ def _dnn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def mm(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` for 2-D ``a [M, K]`` and ``b [K, N]``, as ``torch.mm``; through oneDNN where :func:`_onednn_rows`
+    """``a @ b`` for 2-D ``a [M, K]`` and ``b [K, N]``, as ``torch.mm``; through oneDNN where :func:`_onednn_worth`
     says so (float32 on CPU), the result then equal to ``torch.mm``'s up to float rounding.
 
     oneDNN's kernel reads both operands with any strides, but ran at half speed when ``a`` is a transposed view
     (column-major, as in the ``dW = dY^T X`` of a backward pass) and the output has more rows than columns (258
     against 420 GFLOP/s for a 4,096-row ``dY^T X`` with 256 x 8,000 outputs); then ``(b^T a^T)^T`` is computed
     instead, the same product, returned as a transposed view."""
-    if not _onednn_rows(a, min(a.size(0), b.size(1))):
+    if not _onednn_worth(a, a.size(0) * a.size(1) * b.size(1)):
         return torch.mm(a, b)
     if a.stride(0) == 1 and a.size(0) > b.size(1):  # column-major a, tall output
         return _dnn(b.t(), a).t()  # ([N, K] x [K, M])^T = [M, N]
@@ -161,10 +165,10 @@ class _LinearFunction(torch.autograd.Function):
 @torch.library.custom_op("mtpipe::linear", mutates_args=())
 def _linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``F.linear`` as one op that ``torch.compile`` calls without looking inside (no gradient): oneDNN's product from
-    :data:`_ONEDNN_MIN_ROWS` rows, torch's below. Why opaque: inductor's own oneDNN lowering takes only frozen,
+    :data:`_ONEDNN_MIN_MACS` multiply-adds, torch's below. Why opaque: inductor's own oneDNN lowering takes only frozen,
     pre-packed weights, and its float32 products are torch's (MKL's): the compiled decoding step would lose the
     oneDNN route that the eager one has."""
-    if x.numel() >= _ONEDNN_MIN_ROWS * x.size(-1) > 0:  # rows >= the threshold
+    if x.numel() * weight.size(0) >= _ONEDNN_MIN_MACS:  # rows x in x out
         return _dnn(x, weight, bias)  # [..., in] -> [..., out]
     return F.linear(x, weight, bias)
 
@@ -182,7 +186,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``x W^T + b`` over the last dimension of ``x``, as ``F.linear``.
 
     Why, in float32 on CPU: the products (forward, and with gradients both backward ones) run in oneDNN where
-    :func:`_onednn_rows` says so, ~2.2x torch's own on an AVX-512 AMD CPU and 1.1-1.3x with AVX2 only.
+    :func:`_onednn_worth` says so, ~2.2x torch's own on an AVX-512 AMD CPU and 1.1-1.3x with AVX2 only.
 
     Why, under CPU bf16 autocast in training: the products run in oneDNN, which JIT-compiles a kernel for every new
     (rows, in, out) shape and caches it. rows = batch x length differs in nearly every token-bucketed batch, so each
@@ -192,11 +196,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     ``F.linear``.
     """
     if torch.compiler.is_compiling():
-        if not torch.is_grad_enabled() and weight.dtype == x.dtype and _onednn_rows(x, 0, compiling_ok=True):
+        if not torch.is_grad_enabled() and weight.dtype == x.dtype and _onednn_worth(x, 0, compiling_ok=True):
             return _linear_op(x, weight, bias)  # e.g. the compiled decoding step
         return F.linear(x, weight, bias)
     rows = x.numel() // x.size(-1) if x.size(-1) else 0
-    if weight.dtype == x.dtype and _onednn_rows(x, rows):
+    if weight.dtype == x.dtype and _onednn_worth(x, x.numel() * weight.size(0)):
         if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad
                                                 or (bias is not None and bias.requires_grad)):
             return _dnn(x, weight, bias)  # [..., in] -> [..., out]

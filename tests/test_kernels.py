@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not kernels._ONEDNN_AVAILABLE, reason="this torc
 
 @pytest.fixture
 def dnn_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
-    """Every oneDNN product from now on, by its input's shape; products of any row count take the route."""
+    """Every oneDNN product from now on, by its input's shape; products of any size take the route."""
     calls: list[tuple[int, ...]] = []
     real = kernels._dnn
 
@@ -24,7 +24,7 @@ def dnn_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
         return real(x, weight, bias)
 
     monkeypatch.setattr(kernels, "_dnn", counted)
-    monkeypatch.setattr(kernels, "_ONEDNN_MIN_ROWS", 1)
+    monkeypatch.setattr(kernels, "_ONEDNN_MIN_MACS", 1)
     return calls
 
 
@@ -75,16 +75,17 @@ def test_the_route_is_float32_on_cpu_outside_autocast_only(monkeypatch: pytest.M
     calls = []
     real = kernels._dnn
     monkeypatch.setattr(kernels, "_dnn", lambda *args: calls.append(1) or real(*args))
-    w = torch.randn(16, 8)
-    kernels.linear(torch.randn(kernels._ONEDNN_MIN_ROWS - 1, 8), w, None)  # too few rows: torch's product
-    kernels.linear(torch.randn(64, 8, dtype=torch.float64), w.double(), None)  # oneDNN has no float64
+    w = torch.randn(16, 8)  # 128 multiply-adds a row
+    rows = kernels._ONEDNN_MIN_MACS // 128  # just large enough
+    kernels.linear(torch.randn(rows - 1, 8), w, None)  # too small: torch's product
+    kernels.linear(torch.randn(rows, 8, dtype=torch.float64), w.double(), None)  # oneDNN has no float64
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        kernels.linear(torch.randn(64, 8), w, None)  # autocast's bf16 product
+        kernels.linear(torch.randn(rows, 8), w, None)  # autocast's bf16 product
     monkeypatch.setattr(kernels, "ONEDNN_FP32", False)
-    kernels.linear(torch.randn(64, 8), w, None)  # switched off (the benchmarks' --plain onednn)
+    kernels.linear(torch.randn(rows, 8), w, None)  # switched off (the benchmarks' --plain onednn)
     assert calls == []
     monkeypatch.setattr(kernels, "ONEDNN_FP32", True)
-    kernels.linear(torch.randn(kernels._ONEDNN_MIN_ROWS, 8), w, None)
+    kernels.linear(torch.randn(rows, 8), w, None)
     assert calls == [1]
 
 

@@ -176,7 +176,7 @@ def test_blockwise_loss_equals_autograd_of_the_formula(eps: float, bias: bool, p
     formula on the whole logits differentiated by autograd: loss, NLL, and the gradients of the states, the
     projection matrix and its bias, with several blocks and a short last one (bf16: under CPU autocast, as training
     runs it, against autograd of the same products under autocast; "fp32 onednn": every product of the blocks through
-    mtpipe.kernels' oneDNN route, whatever its size). Without gradients it gives the same values."""
+    mtpipe.kernels' oneDNN route, whatever their size). Without gradients it gives the same values."""
     import mtpipe.kernels as mk
     import mtpipe.loss as ml
 
@@ -185,7 +185,7 @@ def test_blockwise_loss_equals_autograd_of_the_formula(eps: float, bias: bool, p
         if not mk._ONEDNN_AVAILABLE:
             pytest.skip("this torch build has no oneDNN")
         real = mk._dnn
-        monkeypatch.setattr(mk, "_ONEDNN_MIN_ROWS", 1)
+        monkeypatch.setattr(mk, "_ONEDNN_MIN_MACS", 1)
         monkeypatch.setattr(mk, "_dnn", lambda *args: products.append(1) or real(*args))
     else:
         monkeypatch.setattr(mk, "ONEDNN_FP32", False)  # torch's own products
