@@ -63,6 +63,7 @@ from mtpipe.errors import MtpipeError
 from mtpipe.kernels import DecodingProjection, Linear, attention_weights, autocast_activations, banded_attention
 from mtpipe.kernels import banded_min_length, cached_attention, dropout, explicit_attention, linear
 from mtpipe.kernels import prefer_explicit_attention, residual, window_mask
+from mtpipe.runtime import separate_compile_cache
 
 # --------------------------------------------------------------------------------------------------------------------
 # 3.4 Embeddings and 3.5 positional encoding
@@ -681,6 +682,7 @@ class Transformer(nn.Module):
         tokens, the same build time; BENCHMARKS.md)."""
         if not self._compiled():
             on_cpu = next(self.parameters()).device.type == "cpu"
+            separate_compile_cache()
             self._compiled_step = torch.compile(self.step_layers, dynamic=True,
                                                 options={"cpp_wrapper": True} if on_cpu else None)
             self._compiled_for = id(self)

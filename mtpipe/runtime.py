@@ -17,6 +17,33 @@ from mtpipe.errors import MtpipeError
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# torch.compile's on-disk cache
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def separate_compile_cache() -> str | None:
+    """Before ``torch.compile``: when ``ATEN_CPU_CAPABILITY`` restricts torch's CPU code (e.g. ``avx2`` on an AVX-512
+    CPU, as the benchmarks' ``--isa avx2`` runs) and ``TORCHINDUCTOR_CACHE_DIR`` is not set, point inductor's on-disk
+    cache at a directory of that capability's own; returns the directory (None: nothing changed).
+
+    Why: torch 2.13's inductor reused code that it had compiled and cached without the restriction in a process
+    with it, and that code decoded garbage (measured on a 2-core Zen 5: ``decode.compile`` gave empty outputs for
+    every sentence, with or without mtpipe's own kernels; with a separate cache, or restricted both times, the
+    outputs equal eager decoding). A cache per capability keeps the two apart; an explicit cache directory is the
+    user's choice and left alone."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if not capability or os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return None
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # another torch's layout: leave its cache as it is
+        return None
+    path = os.path.join(default_cache_dir(), f"capability-{capability}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    return path
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # Memory
 # --------------------------------------------------------------------------------------------------------------------
 

@@ -150,6 +150,7 @@ class Updater:
             raise MtpipeError("train.compile: not supported with model.layerdrop > 0 (every draw of skipped layers "
                               "would be another graph to compile); set --no-compile")
         if cfg.compile:
+            runtime.separate_compile_cache()
             features = torch.compile(model.features, dynamic=True)
         self.loss_module = LossModule(model, cfg.label_smoothing, features)
         # DDP at world size > 1. LayerDrop leaves some parameters without a gradient in a step (on some ranks or all):

@@ -566,6 +566,21 @@ def test_precision_auto_honours_an_isa_restriction(monkeypatch: pytest.MonkeyPat
     assert out == ["AVX2", "False"]
 
 
+def test_an_isa_restriction_gets_its_own_compile_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """torch.compile's code cached without ATEN_CPU_CAPABILITY decoded garbage when reused under it: a restricted
+    process compiles into a cache of its own, unless the user chose the cache directory."""
+    from mtpipe.runtime import separate_compile_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert separate_compile_cache() is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "AVX2")
+    path = separate_compile_cache()
+    assert path is not None and Path(path).name == "capability-avx2" and os.environ["TORCHINDUCTOR_CACHE_DIR"] == path
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert separate_compile_cache() is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The launcher
 # --------------------------------------------------------------------------------------------------------------------
