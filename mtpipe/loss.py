@@ -92,9 +92,9 @@ def _blocks(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, eps:
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
     nll = torch.zeros((), dtype=torch.float32, device=h.device)
     grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if want_grad else None
-    # dW accumulates transposed, [D, V], in float32 products: oneDNN (mtpipe.kernels.mm) makes X^T G in that layout at
-    # full speed and G^T X (a tall product of a transposed view) at half speed
-    wide = cdtype == torch.float32
+    # dW accumulates transposed, [D, V], in float32 products on CPU: oneDNN (mtpipe.kernels.mm) makes X^T G in that
+    # layout at full speed and G^T X (a tall product of a transposed view) at half speed
+    wide = cdtype == torch.float32 and h.device.type == "cpu"
     grad_w = (torch.zeros(weight.shape[::-1] if wide else weight.shape, dtype=torch.float32, device=h.device)
               if want_grad else None)
     grad_b = torch.zeros(vocab, dtype=torch.float32, device=h.device) if want_grad and bias is not None else None
