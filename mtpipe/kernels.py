@@ -3,8 +3,8 @@ are computed, never what they compute.
 
 Each CPU function here is a drop-in for a plain torch formulation (named in its docstring) that was measurably slow on
 CPU for this model's shapes; the measurements are in BENCHMARKS.md (``bench/train_throughput.py``,
-``bench/decode_speed.py``). On GPUs, under ``torch.compile`` (except :func:`linear` without gradients, as in the
-compiled decoding step) and wherever the trick does not apply, each falls back to the plain formulation. The float32 products through oneDNN (:func:`linear`, :func:`mm`, :class:`DecodingProjection`)
+``bench/decode_speed.py``). On GPUs, under ``torch.compile`` and wherever the trick does not apply, each falls back
+to the plain formulation. The float32 products through oneDNN (:func:`linear`, :func:`mm`, :class:`DecodingProjection`)
 differ from torch's own by float rounding only, as does :func:`explicit_attention` from the fused kernel with
 gradients on; everything else is bit-identical to its plain formulation in fp32 eval under ``no_grad``.
 """
@@ -103,23 +103,24 @@ def _probe_onednn() -> bool:
         return False
 
 
-# Probed once at import: a compiled graph must read a constant here, not trace the probe (a graph break).
+# Probed once at import, not per product (and never traced by torch.compile: torch.backends calls break graphs).
 _ONEDNN_AVAILABLE = _probe_onednn()
 
 
-def _onednn_worth(a: Tensor, macs: int, compiling_ok: bool = False) -> bool:
+def _onednn_worth(a: Tensor, macs: int) -> bool:
     """Whether a float32 CPU product of ``macs`` multiply-adds should run in oneDNN rather than torch's ``mm``.
 
     Why: torch's float32 ``mm`` / ``addmm`` on x86 is MKL's, and MKL runs its AVX2 code on AMD CPUs even where they
     have AVX-512: on a 2-core AMD EPYC Zen 5 a 1,024^3 product ran ~205 GFLOP/s through torch and ~460 through oneDNN's
     linear kernel (which dispatches AVX-512 there), and 1.1-1.3x faster through oneDNN with the CPU restricted to AVX2
     (BENCHMARKS.md, "float32 products through oneDNN"). Small products stay on torch's (:data:`_ONEDNN_MIN_MACS`).
-    Not under autocast (its bf16 products already run in oneDNN), and while ``torch.compile`` traces only where the
-    caller says (``compiling_ok``: :func:`linear` then hides the product in an opaque op, whose size is known at run
-    time only)."""
+    Not under autocast (its bf16 products already run in oneDNN), nor while ``torch.compile`` traces: inductor's own
+    oneDNN lowering takes only frozen, pre-packed weights, and the product as an opaque custom op cost ~8 us more per
+    call in the compiled graph (24 products of 16 rows x 128 x 384: 0.71x inductor's own), which is what a compiled
+    step for a server's few sentences is made of (BENCHMARKS.md)."""
     return (ONEDNN_FP32 and a.device.type == "cpu" and a.dtype == torch.float32
             and not torch.is_autocast_enabled("cpu")
-            and (compiling_ok or (not torch.compiler.is_compiling() and macs >= _ONEDNN_MIN_MACS))
+            and not torch.compiler.is_compiling() and macs >= _ONEDNN_MIN_MACS
             and _ONEDNN_AVAILABLE)
 
 
@@ -162,22 +163,6 @@ class _LinearFunction(torch.autograd.Function):
         return dx, dw, db
 
 
-@torch.library.custom_op("mtpipe::linear", mutates_args=())
-def _linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``F.linear`` as one op that ``torch.compile`` calls without looking inside (no gradient): oneDNN's product from
-    :data:`_ONEDNN_MIN_MACS` multiply-adds, torch's below. Why opaque: inductor's own oneDNN lowering takes only frozen,
-    pre-packed weights, and its float32 products are torch's (MKL's): the compiled decoding step would lose the
-    oneDNN route that the eager one has."""
-    if x.numel() * weight.size(0) >= _ONEDNN_MIN_MACS:  # rows x in x out
-        return _dnn(x, weight, bias)  # [..., in] -> [..., out]
-    return F.linear(x, weight, bias)
-
-
-@_linear_op.register_fake
-def _linear_op_shape(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return x.new_empty(*x.shape[:-1], weight.size(0))  # [..., in] -> [..., out]
-
-
 # In CPU bf16 training, linear layers see their row count rounded up to a multiple of this (see `linear`).
 _ROW_BLOCK = 128
 
@@ -195,9 +180,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     cache. Not when decoding (no grad): a few beams' rows would be padded to 128. Elsewhere this is plain
     ``F.linear``.
     """
-    if torch.compiler.is_compiling():
-        if not torch.is_grad_enabled() and weight.dtype == x.dtype and _onednn_worth(x, 0, compiling_ok=True):
-            return _linear_op(x, weight, bias)  # e.g. the compiled decoding step
+    if torch.compiler.is_compiling():  # the compiler's own products (see _onednn_worth)
         return F.linear(x, weight, bias)
     rows = x.numel() // x.size(-1) if x.size(-1) else 0
     if weight.dtype == x.dtype and _onednn_worth(x, x.numel() * weight.size(0)):
