@@ -134,7 +134,7 @@ def mm(a: Tensor, b: Tensor) -> Tensor:
     says so (float32 on CPU), the result then equal to ``torch.mm``'s up to float rounding.
 
     oneDNN's kernel reads both operands with any strides, but ran at half speed when ``a`` is a transposed view
-    (column-major, as in the ``dW = dY^T X`` of a backward pass) and the output has more rows than columns (258
+    (column-major, as in the ``dW = dY^T X`` of a backward pass) and the output has more rows than columns (146
     against 420 GFLOP/s for a 4,096-row ``dY^T X`` with 256 x 8,000 outputs); then ``(b^T a^T)^T`` is computed
     instead, the same product, returned as a transposed view."""
     if not _onednn_worth(a, a.size(0) * a.size(1) * b.size(1)):
