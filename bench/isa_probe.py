@@ -41,10 +41,13 @@ def matmul_gflops(dtype, n: int, reps: int = 5, route: str = "torch") -> float:
     mtpipe's float32 layers: oneDNN's)."""
     import torch
 
-    from mtpipe.kernels import mm
-
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    product = (lambda: a @ b) if route == "torch" else (lambda: mm(a, b))
+    if route == "torch":
+        product = lambda: a @ b  # noqa: E731
+    else:
+        from mtpipe.kernels import mm
+
+        product = lambda: mm(a, b)  # noqa: E731
     product()  # warm-up: first-call allocation and kernel selection
     best = float("inf")
     for _ in range(reps):
