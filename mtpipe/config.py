@@ -355,6 +355,11 @@ class DecodeConfig(Section):
         default=0,
         ge=0,
     )
+    device: str = _h(
+        "Where to decode: auto (the GPU when one is visible, else the CPU; the CPU for int8, which runs there only), "
+        "cpu or cuda. On a GPU a step of a few sentences is launch-bound and can cost more than on a CPU "
+        "(BENCHMARKS.md): a server with few clients on a machine with a GPU may answer sooner with cpu.",
+        default="auto", choices=("auto", "cpu", "cuda"))
     compile: bool = _h(
         "Engine mtpipe, fp32 or bf16: run the decoder's step through torch.compile (fused kernels, fewer "
         "operations: faster steps for a few sentences, as a server or interactive input decodes them), at the cost "

@@ -180,6 +180,18 @@ def int8_copy(model: Any) -> Any:
     return twin
 
 
+def decoding_device(spec: str, precision: str) -> torch.device:
+    """``decode.device``: ``cpu``, ``cuda`` (an error when no GPU is visible) or ``auto``: the GPU when one is
+    visible, except for int8 decoding, which runs on the CPU only (:func:`int8_copy`)."""
+    if spec == "cuda":
+        if not torch.cuda.is_available():
+            raise MtpipeError("decode.device=cuda but no CUDA GPU is visible to this process")
+        return torch.device("cuda")
+    if spec == "auto" and precision != "int8" and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
 def decoding_model(model: Any, precision: str, device: torch.device, compile: bool = False,
                    cache: bool = True) -> Any:
     """``model`` as it decodes at ``precision``, in eval mode: its bf16 copy (:func:`bf16_copy`; not for the uncached
@@ -273,7 +285,7 @@ class MtpipeEngine:
         if plan is not None:
             info(f"pruned (decode.prune={cfg.prune!r}): {plan.describe(model.cfg)}")
             model = prune(model, plan)
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = decoding_device(cfg.device, cfg.precision)
         if device.type == "cpu":
             runtime.tune_cpu_allocator()
         return cls(model.to(device), device, cfg.precision, cfg.max_tokens, cfg.threads, plan, cfg.compile)

@@ -251,14 +251,18 @@ def open_for_decode(path: Path, manifest: artifacts.Manifest, tokens: Path | Non
     checkpoint (with the SentencePiece model of ``tokens``, else its own) is first exported with float32 weights to a
     temporary directory, which is removed once CTranslate2 has read it (the translator keeps its weights in memory),
     so nothing is left behind. ``compute_type`` may still quantise at load time (``int8``...; the choices are
-    ``decode.ct2_compute_type``'s). ``device`` "auto": the first GPU CTranslate2 sees, else the CPU."""
+    ``decode.ct2_compute_type``'s). ``device`` (``decode.device``) "auto": the first GPU CTranslate2 sees, else the
+    CPU."""
     import dataclasses
     import tempfile
 
     from mtpipe.export import export_ctranslate2, require_ctranslate2
 
+    gpus = require_ctranslate2().get_cuda_device_count()
+    if device == "cuda" and gpus == 0:
+        raise MtpipeError("decode.device=cuda but CTranslate2 sees no CUDA GPU")
     if device == "auto":
-        device = "cuda" if require_ctranslate2().get_cuda_device_count() > 0 else "cpu"
+        device = "cuda" if gpus > 0 else "cpu"
     path = Path(path)
     if manifest.kind == "export":
         return load_ct2(path, device=device, compute_type=compute_type, threads=threads)
@@ -286,7 +290,7 @@ class Ct2Engine:
         if manifest.kind == "checkpoint":
             info(f"exporting {path} to CTranslate2 (float32) for this run; `mtpipe export` does it once")
         model = open_for_decode(path, manifest, tokens, compute_type=cfg.ct2_compute_type,
-                                threads=cfg.threads or torch.get_num_threads())
+                                threads=cfg.threads or torch.get_num_threads(), device=cfg.device)
         return cls(model, cfg.ct2_compute_type, cfg.max_tokens)
 
     @property

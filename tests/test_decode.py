@@ -799,6 +799,39 @@ def test_cli_bad_input_fails_cleanly(trained, case):
     assert not [p for p in root.iterdir() if p.name.startswith(f".{out.name}")]  # no temporary leftovers
 
 
+def test_decode_device_picks_where_to_decode(monkeypatch):
+    """decode.device: cpu always; cuda, or an error naming the key where no GPU is visible; auto the GPU when there
+    is one, except for int8, which runs on the CPU only (so a GPU machine can decode int8 without hiding its GPU)."""
+    from mtpipe.decode import decoding_device
+
+    assert decoding_device("cpu", "fp32").type == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert decoding_device("auto", "fp32").type == "cpu"
+    with pytest.raises(MtpipeError, match="decode.device=cuda but no CUDA GPU is visible"):
+        decoding_device("cuda", "fp32")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert decoding_device("auto", "fp32").type == "cuda" and decoding_device("auto", "bf16").type == "cuda"
+    assert decoding_device("auto", "int8").type == "cpu"
+    assert decoding_device("cuda", "fp32").type == "cuda" and decoding_device("cpu", "bf16").type == "cpu"
+
+
+def test_cli_device(trained):
+    # --device cpu decodes what the default does; --device cuda without a GPU is one clear error and no output;
+    # an unknown device is refused by the params rules.
+    out_default, out_cpu = trained["root"] / "out_dev_default", trained["root"] / "out_dev_cpu"
+    for out, extra in ((out_default, []), (out_cpu, ["--device", "cpu"])):
+        r = cli(trained, *decode_args(trained, out, "--split", "test", *extra))
+        assert r.exit_code == 0, r.output
+    if not torch.cuda.is_available():
+        assert (out_cpu / "test.txt").read_text(encoding="utf-8") == (out_default / "test.txt").read_text("utf-8")
+        out = trained["root"] / "out_dev_cuda"
+        r = cli(trained, *decode_args(trained, out, "--split", "test", "--device", "cuda"))
+        assert r.exit_code == 1 and "decode.device=cuda but no CUDA GPU is visible" in r.stderr, r.output
+        assert not out.exists()
+    r = cli(trained, *decode_args(trained, trained["root"] / "out_dev_bad", "--device", "gpu"))
+    assert r.exit_code == 1 and "decode.device" in r.stderr and "auto, cpu, cuda" in r.stderr, r.output
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Stdin translated as it arrives
 # --------------------------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-pytest.importorskip("ctranslate2")
+ctranslate2 = pytest.importorskip("ctranslate2")
 
 from conftest import memorise, train_spm  # noqa: E402
 
@@ -143,7 +143,7 @@ def test_beam_4_nbest_raw_text_and_stdin(world, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["tokens_dir", "plain_dir", "precision", "compute_type", "prune", "engine",
-                                  "patience", "other_spm", "export_to_mtpipe_engine"])
+                                  "patience", "other_spm", "export_to_mtpipe_engine", "device"])
 def test_bad_input_fails_with_one_line_and_writes_nothing(world, tmp_path, case):
     source, extra = world["export"], []
     want = {
@@ -156,7 +156,10 @@ def test_bad_input_fails_with_one_line_and_writes_nothing(world, tmp_path, case)
         "patience": "decode.patience = 0.5 must be >= 1",
         "other_spm": "trained with another SentencePiece model",
         "export_to_mtpipe_engine": "is an `mtpipe export` model; decode it with --engine ctranslate2",
+        "device": "decode.device=cuda but CTranslate2 sees no CUDA GPU",
     }[case]
+    if case == "device" and ctranslate2.get_cuda_device_count() > 0:
+        pytest.skip("this CTranslate2 sees a GPU")
     if case == "tokens_dir":
         source = world["tokens"]
     elif case == "plain_dir":
@@ -173,7 +176,7 @@ def test_bad_input_fails_with_one_line_and_writes_nothing(world, tmp_path, case)
     elif case != "export_to_mtpipe_engine":
         extra = {"precision": ["--precision", "bf16"], "compute_type": ["--ct2-compute-type", "int3"],
                  "prune": ["--prune", "every_other"], "engine": ["--engine", "onnx"],
-                 "patience": ["--patience", "0.5"]}[case]
+                 "patience": ["--patience", "0.5"], "device": ["--device", "cuda"]}[case]
     engine = "mtpipe" if case == "export_to_mtpipe_engine" else "ctranslate2"
     args = ["--engine", engine, "--checkpoint", str(source), "--tokens", str(world["tokens"]), *extra]
     out = tmp_path / "out"
