@@ -431,8 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default="small,base", help="comma list of: " + ", ".join(DIMS))
     ap.add_argument("--precisions", default="fp32,bf16", help="mtpipe precisions to time (comma list: fp32, bf16)")
     ap.add_argument("--steps", default="small=16,base=6",
-                    help="timed batches per config, e.g. 'small=16,base=6' or one number for all; every system "
-                         "trains on each batch in turn (rotating order) before the next batch")
+                    help="timed batches per config, e.g. 'small=16,base=6' or one number for all (16 for a config not "
+                         "named); every system trains on each batch in turn (rotating order) before the next batch")
     ap.add_argument("--warmup", type=int, default=2,
                     help="untimed steps per system first on the largest other batches (allocator steady state)")
     ap.add_argument("--no-warm-pass", action="store_true",
@@ -519,10 +519,11 @@ def main(argv: list[str] | None = None) -> int:
                 for trick in plain_rows if not comp else []:
                     step, step_how = mtpipe_step(vocab, DIMS[c], p, False, args, frozenset([trick]))
                     systems.append(System(c, f"mtpipe {p} plain {trick}", p, True, step, step_how))
-        timed = batches[next_batch : next_batch + steps[c]]
-        next_batch += steps[c]
-        if len(timed) < steps[c]:
-            ap.error(f"not enough batches for --steps {steps[c]}")
+        n = steps.get(c, 16)  # a config --steps does not name: as many as the small dims
+        timed = batches[next_batch : next_batch + n]
+        next_batch += n
+        if len(timed) < n:
+            ap.error(f"not enough batches for --steps {n}")
         # Warm-up: the largest of the other batches (the allocator reaches its steady state), then, unless
         # --no-warm-pass, one untimed pass over the timed batches: a training run sees every batch shape again each
         # epoch, and shape-specialised kernel caches (oneDNN's, for bf16) are warm from the second epoch on.
