@@ -79,6 +79,8 @@ PLAIN = {
     "ranking": "one top-k over every sentence's k x V extensions instead of mtpipe.search.top_candidates' chunks",
     "projection": "F.linear on the [V, D] matrix instead of Transformer.decoding_logits' kept copy",
     "packing": "Transformer.decoding_logits' [D, V] copy and addmm instead of oneDNN's packed copy",
+    "layer-packing": "the linear layers' products on their weights as they are (oneDNN packs them per call) instead of "
+                     "kept packed copies (mtpipe.kernels.Linear)",
     "onednn": "torch's own float32 products (MKL on x86) in the linear layers instead of oneDNN's (mtpipe.kernels.mm)",
 }
 
@@ -90,18 +92,22 @@ def plain_decoding(model: Transformer, tricks: frozenset[str]):
     import mtpipe.search as search
 
     chunk, pack, dnn = search._CHUNK, kernels.PACK_DECODING_PROJECTION, kernels.ONEDNN_FP32
+    layers = kernels.PACK_DECODING_LINEARS
     if "ranking" in tricks:
         search._CHUNK = 1 << 40  # no vocabulary has 4 chunks of this width: top_candidates takes one top-k
     if "projection" in tricks:
         object.__setattr__(model, "decoding_logits", model.logits)  # shadows the method on this model only
     if "packing" in tricks:
         kernels.PACK_DECODING_PROJECTION = False  # the kept copy is remade as [D, V] (and packed again after)
+    if "layer-packing" in tricks:
+        kernels.PACK_DECODING_LINEARS = False
     if "onednn" in tricks:
         kernels.ONEDNN_FP32 = False
     try:
         yield
     finally:
         search._CHUNK, kernels.PACK_DECODING_PROJECTION, kernels.ONEDNN_FP32 = chunk, pack, dnn
+        kernels.PACK_DECODING_LINEARS = layers
         model.__dict__.pop("decoding_logits", None)
 
 DATA = Path(os.environ.get("MTPIPE_MULTI30K", REPO / "data" / "multi30k"))  # {split}.{en,de}.gz

@@ -12,7 +12,8 @@ gradients on; everything else is bit-identical to its plain formulation in fp32 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+import weakref
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -199,10 +200,79 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return y.view(*x.shape[:-1], y.size(-1))  # [rows, out] -> [..., out]
 
 
+# Whether decoding's linear layers may use oneDNN-packed copies of their weights (bench/decode_speed.py --plain
+# layer-packing sets it False, to time the unpacked route).
+PACK_DECODING_LINEARS = True
+# Inference products of at least this many multiply-adds use the packed copy (:class:`Linear`). Break-even against
+# torch's product on one thread of a 2-core AMD EPYC Zen 5, d 128-512, 4-256 rows: ~0.8M multiply-adds with AVX-512,
+# ~2M with the CPU restricted to AVX2 (BENCHMARKS.md, "Decoding's linear layers on packed weights").
+_PACKED_MIN_MACS = 1 << 20 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 1 << 21
+
+
+def _pack(w: Tensor) -> Tensor | None:
+    """``w [out, in]`` (float32, CPU) in oneDNN's pre-packed, blocked layout for :func:`_dnn`, or None where this
+    torch build cannot make it."""
+    if not _ONEDNN_AVAILABLE:
+        return None
+    try:
+        # the row count is a hint for the blocking; any count works with the packed matrix
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 256)
+    except (RuntimeError, AttributeError, NotImplementedError):  # an op this build lacks
+        return None
+
+
+class PackedWeight:
+    """A copy of a weight in oneDNN's packed layout (:func:`_pack`), made again only when the weight changes (another
+    tensor, other storage, or an in-place update: its version counter). A deep copy (the model's, for bf16 / int8 /
+    pruning) starts empty: oneDNN's packed tensors are opaque and cannot be copied, and the copy's weights may differ
+    anyway."""
+
+    def __init__(self) -> None:
+        self._source: weakref.ref | None = None
+        self._key: tuple = ()
+        self._packed: Tensor | None = None
+
+    def __deepcopy__(self, memo: dict) -> "PackedWeight":
+        return PackedWeight()
+
+    def clear(self) -> None:
+        self._source, self._key, self._packed = None, (), None
+
+    def get(self, w: Tensor) -> Tensor | None:
+        """The packed copy of ``w`` (None where oneDNN cannot pack it, or for an inference tensor, which has no
+        version counter to tell an in-place update by)."""
+        if w.is_inference():
+            return None
+        key = (w.data_ptr(), w._version, w.shape)
+        if self._source is None or self._source() is not w or self._key != key:
+            self._packed = None  # free the old copy first
+            with torch.inference_mode(False), torch.no_grad():
+                self._packed = _pack(w)
+            self._source, self._key = weakref.ref(w), key
+        return self._packed
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same state-dict names) computed by :func:`linear`."""
+    """``nn.Linear`` (same parameters, same state-dict names) computed by :func:`linear`.
+
+    Why, in inference mode (decoding) in float32 on CPU: products of at least :data:`_PACKED_MIN_MACS` run in oneDNN
+    on a kept, pre-packed copy of the weight (:class:`PackedWeight`), which skips the per-call packing of
+    :func:`linear`'s oneDNN route: for a decoding step's few rows (4-64 rows x 512 x 2,048) 1.3-2.1x that route with
+    AVX-512 and 1.2-1.9x with AVX2 only, ~1.03x for hundreds of rows (BENCHMARKS.md, "Decoding's linear layers on
+    packed weights"). Training, validation loss and compiled steps keep :func:`linear`.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.packed = PackedWeight()
 
     def forward(self, x: Tensor) -> Tensor:
+        if (PACK_DECODING_LINEARS and not torch.compiler.is_compiling() and torch.is_inference_mode_enabled()
+                and x.numel() * self.out_features >= _PACKED_MIN_MACS and x.dtype == self.weight.dtype == torch.float32
+                and x.device.type == "cpu" and ONEDNN_FP32 and not torch.is_autocast_enabled("cpu")):
+            w = self.packed.get(self.weight)
+            if w is not None:
+                return _dnn(x, w, self.bias)  # [..., in] -> [..., out]
         return linear(x, self.weight, self.bias)
 
 
@@ -238,6 +308,9 @@ class DecodingProjection:
     def __deepcopy__(self, memo: dict) -> "DecodingProjection":
         return DecodingProjection()
 
+    def clear(self) -> None:
+        self._key, self._matrix, self._packed = None, None, False
+
     def __call__(self, h: Tensor, key: tuple, weight: Callable[[], Tensor], bias: Tensor | None) -> Tensor:
         """``h [R, D]`` times ``weight() [V, D]`` (transposed) plus ``bias``; ``key`` names the weights' version, and
         ``weight`` is called only when it changes."""
@@ -246,18 +319,25 @@ class DecodingProjection:
             self._matrix, self._packed = None, False  # free the old copy first: it may be large (V x D)
             with torch.no_grad():
                 w = weight().detach()
-                if PACK_DECODING_PROJECTION and torch.backends.mkldnn.is_available():
-                    try:
-                        # the row count is a hint for the blocking; any count works with the packed matrix
-                        self._matrix, self._packed = torch.ops.mkldnn._reorder_linear_weight(w, 256), True
-                    except (RuntimeError, AttributeError, NotImplementedError):  # an op this build lacks
-                        self._matrix = None
+                if PACK_DECODING_PROJECTION:
+                    self._matrix = _pack(w)
+                    self._packed = self._matrix is not None
                 if self._matrix is None:
                     self._matrix = w.t().contiguous()  # [V, D] -> [D, V]
             self._key = key
         if self._packed:
             return torch.ops.mkldnn._linear_pointwise(h, self._matrix, bias, "none", [], "")  # [R, D] -> [R, V]
         return h @ self._matrix if bias is None else torch.addmm(bias, h, self._matrix)  # [R, D] x [D, V]
+
+
+def drop_decoding_copies(model: nn.Module) -> None:
+    """Free the weight copies decoding keeps (:class:`PackedWeight`, :class:`DecodingProjection`) in ``model``: for
+    training's valid BLEU, whose copies would be stale at the next validation and would hold another copy of the
+    weights in memory until then."""
+    for module in model.modules():
+        for kept in vars(module).values():
+            if isinstance(kept, (PackedWeight, DecodingProjection)):
+                kept.clear()
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ from mtpipe.batches import (
 from mtpipe.config import ModelConfig, TrainConfig, to_dict
 from mtpipe.console import console, info, progress, warn
 from mtpipe.errors import MtpipeError
-from mtpipe.kernels import attention_kernels
+from mtpipe.kernels import attention_kernels, drop_decoding_copies
 from mtpipe.loss import projected_label_smoothed_nll
 from mtpipe.metrics import Metrics, TextLog, Throughput, Window
 from mtpipe.resume import (
@@ -489,6 +489,7 @@ class Trainer:
                                             device=self.device, on_done=lambda n: bar.advance(task, n))
                 bar.remove_task(task)
         finally:
+            drop_decoding_copies(self.model)
             self.model.train()
             resume.set_rng_state(rng, self.device)
         texts = v.sp.decode([r[0].tokens for r in results])

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from conftest import assert_steps_match_forward, memorise, train_spm
 from typer.testing import CliRunner
 
-from mtpipe import artifacts, writing
+from mtpipe import artifacts, kernels, writing
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mtpipe.cli import app
 from mtpipe.config import DecodeConfig, ModelConfig, to_dict
@@ -478,6 +478,28 @@ def test_batched_decoding_keeps_input_order_and_equals_one_at_a_time(model):
     for a, b in zip(batched, one_by_one):
         assert a[0].tokens == b[0].tokens
         assert a[0].score == pytest.approx(b[0].score, abs=1e-4)
+
+
+@pytest.mark.skipif(not kernels._ONEDNN_AVAILABLE, reason="this torch build has no oneDNN")
+def test_packed_layer_weights_decode_what_the_plain_layers_decode(model, monkeypatch):
+    """Every linear layer on its kept packed copy (the threshold at 1 multiply-add) finds the same hypotheses as the
+    layers' usual products; drop_decoding_copies (training's valid BLEU) frees the copies, and the model decodes
+    the same again afterwards."""
+    srcs = sources(12, seed=21)
+    cfg = DecodeConfig(beam=3, max_len_b=8)
+    monkeypatch.setattr(kernels, "PACK_DECODING_LINEARS", False)
+    plain = translate(model, srcs, cfg)
+    monkeypatch.setattr(kernels, "PACK_DECODING_LINEARS", True)
+    monkeypatch.setattr(kernels, "_PACKED_MIN_MACS", 1)
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    for _ in range(2):
+        packed = translate(model, srcs, cfg)
+        assert all(m.packed._packed is not None for m in layers)  # every layer decoded on its packed copy
+        for a, b in zip(plain, packed):
+            assert a[0].tokens == b[0].tokens
+            assert a[0].score == pytest.approx(b[0].score, abs=1e-4)
+        kernels.drop_decoding_copies(model)
+        assert all(m.packed._packed is None for m in layers) and model._decoding_projection._matrix is None
 
 
 def test_bf16_autocast_decodes(model):

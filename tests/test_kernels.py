@@ -108,3 +108,45 @@ def test_compiled_code_keeps_the_compilers_own_products(dnn_calls: list) -> None
         assert len(dnn_calls) == 2  # eagerly, both products took the route
     _close(got, want)
     torch._dynamo.reset()
+
+
+def test_decoding_linear_uses_a_packed_copy_kept_until_the_weight_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # In inference mode (decoding), a float32 CPU product of at least _PACKED_MIN_MACS multiply-adds runs on a kept
+    # packed copy of the weight: packed once, remade when the weight is updated in place or replaced, never used in
+    # training or under no_grad alone (validation), and a deep copy of the layer packs its own.
+    import copy
+
+    packs = []
+    real = kernels._pack
+    monkeypatch.setattr(kernels, "_pack", lambda w: packs.append(1) or real(w))
+    layer = kernels.Linear(24, 40)
+    rows = -(-kernels._PACKED_MIN_MACS // (24 * 40))  # just large enough
+    x = torch.randn(2, rows, 24)
+    with torch.inference_mode():
+        _close(layer(x), F.linear(x, layer.weight, layer.bias))
+        _close(layer(x), F.linear(x, layer.weight, layer.bias))
+        assert len(packs) == 1  # kept
+        layer(x[:, :1])  # too small: the layer's usual route
+        assert len(packs) == 1
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)  # an in-place update (an optimizer step, load_state_dict)
+        layer(x)  # not inference mode: no packed copy
+    assert len(packs) == 1
+    with torch.inference_mode():
+        _close(layer(x), F.linear(x, layer.weight, layer.bias))  # the updated weight, packed again
+        assert len(packs) == 2
+    twin = copy.deepcopy(layer)
+    with torch.inference_mode():
+        _close(twin(x), F.linear(x, layer.weight, layer.bias))
+        assert len(packs) == 3  # the copy packed its own
+        made_here = copy.deepcopy(layer)  # inference tensors: no version counter to tell an update by
+        _close(made_here(x), F.linear(x, layer.weight, layer.bias))
+        assert len(packs) == 3
+        monkeypatch.setattr(kernels, "PACK_DECODING_LINEARS", False)  # bench/decode_speed.py --plain layer-packing
+        _close(layer(x), F.linear(x, layer.weight, layer.bias))
+        assert len(packs) == 3
+    layer.weight = torch.nn.Parameter(torch.randn(40, 24))  # another tensor
+    monkeypatch.setattr(kernels, "PACK_DECODING_LINEARS", True)
+    with torch.inference_mode():
+        _close(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert len(packs) == 4
