@@ -28,6 +28,7 @@ Its BLEU is printed so the lengths of its outputs can be judged; a few minutes o
     python bench/decode_speed.py --sentences 200 --markdown /tmp/table.md
     python bench/decode_speed.py --profile                        # torch.profiler table of mtpipe's decode
     python bench/decode_speed.py --checkpoint ... --tokens ... --no-naive --plain ranking,projection --precisions fp32
+    python bench/decode_speed.py --random-preset base --tokens artifacts/bpe --max-len-b 5 --no-naive --plain layer-packing
 
 ``--plain ranking,projection`` adds a row per decoding trick with that trick switched off (:data:`PLAIN`), decoded
 in the same interleaved batches, with mtpipe's speed over that row's per round: each trick's worth on this CPU.
@@ -243,6 +244,28 @@ def train_small(workdir: Path, tokens: Path, minutes: float, threads: int, batch
     return out
 
 
+def random_model(workdir: Path, tokens: Path, preset: str) -> Path:
+    """A checkpoint of the ``preset``'s dimensions with random weights (seed 0) and ``tokens``' vocabulary, made once:
+    for timing larger models than this machine can train (``--random-preset``; its translations are noise, so give
+    a small ``--max-len-b`` to keep their lengths near real ones)."""
+    vocab = spm_size(tokens)
+    out = workdir / f"random-{preset}-{vocab}"
+    if (out / "manifest.json").exists():
+        return out
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(preset=preset), vocab)
+    writing.write_checkpoint(out, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
+                             vocab={"spm_sha256": artifacts.file_hash(tokens / "spm.model"), "size": vocab},
+                             step=0, params={"bench": {"random_preset": preset}}, upstream={"tokens": tokens})
+    return out
+
+
+def spm_size(tokens: Path) -> int:
+    import sentencepiece as spm
+
+    return spm.SentencePieceProcessor(model_file=str(artifacts.verify_file(tokens, "spm.model"))).get_piece_size()
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Decoding runs
 # --------------------------------------------------------------------------------------------------------------------
@@ -316,6 +339,11 @@ def main() -> None:
     ap.add_argument("--beam", type=int, default=4)
     ap.add_argument("--alpha", type=float, default=0.6)
     ap.add_argument("--max-tokens", type=int, default=DecodeConfig().max_tokens)
+    ap.add_argument("--max-len-b", type=int, default=DecodeConfig().max_len_b,
+                    help="outputs may have source length + this many tokens (the paper's 50)")
+    ap.add_argument("--random-preset", metavar="PRESET",
+                    help="time a model of this preset's dimensions (e.g. base) with random weights instead of a trained "
+                         "one (made once under --workdir; give --tokens for its vocabulary, and a small --max-len-b)")
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--rounds", type=int, default=2, help="Rounds over the sentences (reported: the mean).")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -340,9 +368,13 @@ def main() -> None:
 
     console.width = max(console.width, 150)  # the result table has 9 columns; logs are often not a terminal
     torch.set_num_threads(args.threads)
-    if (args.checkpoint is None) != (args.tokens is None):
+    if args.random_preset:
+        if args.checkpoint is not None or args.tokens is None:
+            ap.error("--random-preset takes --tokens (the vocabulary) and no --checkpoint")
+        tokens, checkpoint = args.tokens, random_model(args.workdir, args.tokens, args.random_preset)
+    elif (args.checkpoint is None) != (args.tokens is None):
         ap.error("give both --checkpoint and --tokens, or neither (the bench then trains its own model)")
-    if args.checkpoint is None:
+    elif args.checkpoint is None:
         tokens = make_tokens(args.workdir, 8000)
         checkpoint = train_small(args.workdir, tokens, args.train_minutes, args.threads, args.train_batch_tokens)
     else:
@@ -357,7 +389,8 @@ def main() -> None:
     refs = read_gz(args.reference)[: args.sentences] if args.reference.exists() else None
     sources = [s[: model.cfg.max_positions - 1] for s in sp.encode(lines)]
     precisions = args.precisions.split(",")
-    cfgs = {p: DecodeConfig(beam=args.beam, alpha=args.alpha, max_tokens=args.max_tokens, precision=p)
+    cfgs = {p: DecodeConfig(beam=args.beam, alpha=args.alpha, max_tokens=args.max_tokens, precision=p,
+                            max_len_b=args.max_len_b)
             for p in precisions}
     console.print(f"model {checkpoint} (step {ck.step:,}, d_model {model.cfg.d_model}, "
                   f"{model.cfg.encoder_layers}+{model.cfg.decoder_layers} layers, vocab {ck.vocab['size']:,}); "
@@ -429,7 +462,7 @@ def main() -> None:
             f"(step {ck.step:,}, d_model {model.cfg.d_model}, {model.cfg.encoder_layers}+"
             f"{model.cfg.decoder_layers} layers, vocab {ck.vocab['size']:,}). {len(sources):,} sentences, "
             f"{sum(map(len, sources)):,} source pieces, mean output {mean_len:.1f} pieces. Beam {args.beam}, GNMT "
-            f"alpha {args.alpha}, max length source + 50, max_tokens {args.max_tokens}. Mean of "
+            f"alpha {args.alpha}, max length source + {args.max_len_b}, max_tokens {args.max_tokens}. Mean of "
             f"{args.rounds} round(s), interleaved batch by batch, {args.clock}-clock seconds; tokens = hypothesis "
             f"pieces without EOS. Other processes used {100 * others:.0f} % of the machine's CPU time during the run "
             f"(1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after).",
