@@ -183,15 +183,16 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """
     if torch.compiler.is_compiling():  # the compiler's own products (see _onednn_worth)
         return F.linear(x, weight, bias)
-    rows = x.numel() // x.size(-1) if x.size(-1) else 0
     if weight.dtype == x.dtype and _onednn_worth(x, x.numel() * weight.size(0)):
         if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad
                                                 or (bias is not None and bias.requires_grad)):
             return _dnn(x, weight, bias)  # [..., in] -> [..., out]
+        rows = x.numel() // x.size(-1) if x.size(-1) else 0
         y = _LinearFunction.apply(x.reshape(rows, x.size(-1)), weight, bias)  # [..., in] -> [rows, in] -> [rows, out]
         return y.view(*x.shape[:-1], y.size(-1))  # [rows, out] -> [..., out]
     if x.device.type != "cpu" or not torch.is_grad_enabled() or not torch.is_autocast_enabled("cpu"):
         return F.linear(x, weight, bias)
+    rows = x.numel() // x.size(-1) if x.size(-1) else 0
     pad = -rows % _ROW_BLOCK
     if pad == 0:
         return F.linear(x, weight, bias)
@@ -267,13 +268,19 @@ class Linear(nn.Linear):
         self.packed = PackedWeight()
 
     def forward(self, x: Tensor) -> Tensor:
-        if (PACK_DECODING_LINEARS and not torch.compiler.is_compiling() and torch.is_inference_mode_enabled()
-                and x.numel() * self.out_features >= _PACKED_MIN_MACS and x.dtype == self.weight.dtype == torch.float32
-                and x.device.type == "cpu" and ONEDNN_FP32 and not torch.is_autocast_enabled("cpu")):
-            w = self.packed.get(self.weight)
-            if w is not None:
-                return _dnn(x, w, self.bias)  # [..., in] -> [..., out]
-        return linear(x, self.weight, self.bias)
+        weight, bias = self.weight, self.bias
+        if (torch.is_inference_mode_enabled() and not torch.compiler.is_compiling()
+                and x.dtype == weight.dtype == torch.float32 and ONEDNN_FP32 and _ONEDNN_AVAILABLE
+                and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")):
+            # Decoding: the route decided here once, since a step makes ~25 of these calls for a few rows each,
+            # where :func:`linear`'s general checks cost ~2 us a call.
+            macs = x.numel() * self.out_features
+            if PACK_DECODING_LINEARS and macs >= _PACKED_MIN_MACS:
+                packed = self.packed.get(weight)
+                if packed is not None:
+                    return _dnn(x, packed, bias)  # [..., in] -> [..., out]
+            return _dnn(x, weight, bias) if macs >= _ONEDNN_MIN_MACS else F.linear(x, weight, bias)
+        return linear(x, weight, bias)
 
 
 # --------------------------------------------------------------------------------------------------------------------
