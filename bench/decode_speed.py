@@ -28,7 +28,8 @@ Its BLEU is printed so the lengths of its outputs can be judged; a few minutes o
     python bench/decode_speed.py --sentences 200 --markdown /tmp/table.md
     python bench/decode_speed.py --profile                        # torch.profiler table of mtpipe's decode
     python bench/decode_speed.py --checkpoint ... --tokens ... --no-naive --plain ranking,projection --precisions fp32
-    python bench/decode_speed.py --random-preset base --tokens artifacts/bpe --max-len-b 5 --no-naive --plain layer-packing
+    python bench/decode_speed.py --random-preset base --tokens artifacts/bpe --max-len-b 5 --no-naive \
+        --plain layer-packing
 
 ``--plain ranking,projection`` adds a row per decoding trick with that trick switched off (:data:`PLAIN`), decoded
 in the same interleaved batches, with mtpipe's speed over that row's per round: each trick's worth on this CPU.
@@ -61,7 +62,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.machine import cpu_ticks, own_cpu  # noqa: E402
+from bench.machine import cpu_ticks, own_cpu, patched  # noqa: E402
 from mtpipe import (
     artifacts,  # noqa: E402
     writing,
@@ -92,24 +93,20 @@ def plain_decoding(model: Transformer, tricks: frozenset[str]):
     import mtpipe.kernels as kernels
     import mtpipe.search as search
 
-    chunk, pack, dnn = search._CHUNK, kernels.PACK_DECODING_PROJECTION, kernels.ONEDNN_FP32
-    layers = kernels.PACK_DECODING_LINEARS
-    if "ranking" in tricks:
-        search._CHUNK = 1 << 40  # no vocabulary has 4 chunks of this width: top_candidates takes one top-k
-    if "projection" in tricks:
-        object.__setattr__(model, "decoding_logits", model.logits)  # shadows the method on this model only
-    if "packing" in tricks:
-        kernels.PACK_DECODING_PROJECTION = False  # the kept copy is remade as [D, V] (and packed again after)
-    if "layer-packing" in tricks:
-        kernels.PACK_DECODING_LINEARS = False
-    if "onednn" in tricks:
-        kernels.ONEDNN_FP32 = False
-    try:
-        yield
-    finally:
-        search._CHUNK, kernels.PACK_DECODING_PROJECTION, kernels.ONEDNN_FP32 = chunk, pack, dnn
-        kernels.PACK_DECODING_LINEARS = layers
-        model.__dict__.pop("decoding_logits", None)
+    switches = {
+        "ranking": (search, "_CHUNK", 1 << 40),  # no vocabulary has 4 chunks this wide: top_candidates takes one top-k
+        "packing": (kernels, "PACK_DECODING_PROJECTION", False),  # the kept copy remade as [D, V] (packed again after)
+        "layer-packing": (kernels, "PACK_DECODING_LINEARS", False),
+        "onednn": (kernels, "ONEDNN_FP32", False),
+    }
+    with patched(*(switch for name, switch in switches.items() if name in tricks)):
+        if "projection" in tricks:
+            object.__setattr__(model, "decoding_logits", model.logits)  # shadows the method on this model only
+        try:
+            yield
+        finally:
+            model.__dict__.pop("decoding_logits", None)
+
 
 DATA = Path(os.environ.get("MTPIPE_MULTI30K", REPO / "data" / "multi30k"))  # {split}.{en,de}.gz
 
@@ -342,8 +339,9 @@ def main() -> None:
     ap.add_argument("--max-len-b", type=int, default=DecodeConfig().max_len_b,
                     help="outputs may have source length + this many tokens (the paper's 50)")
     ap.add_argument("--random-preset", metavar="PRESET",
-                    help="time a model of this preset's dimensions (e.g. base) with random weights instead of a trained "
-                         "one (made once under --workdir; give --tokens for its vocabulary, and a small --max-len-b)")
+                    help="time a model of this preset's dimensions (e.g. base) with random weights instead of a "
+                         "trained one (made once under --workdir; give --tokens for its vocabulary, and a small "
+                         "--max-len-b)")
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--rounds", type=int, default=2, help="Rounds over the sentences (reported: the mean).")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",

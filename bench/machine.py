@@ -1,12 +1,29 @@
-"""CPU time counters the benchmarks share: how busy the whole machine was, and how much of that was this process.
+"""What the benchmarks share: CPU time counters (how busy the whole machine was, and how much of that was this
+process), and :func:`patched`, which switches one of mtpipe's speed tricks off for a baseline row.
 
 These machines are shared and noisy, so a benchmark reports the share of CPU time other processes took while it
 measured, next to its figures."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+from typing import Any, Iterator
+
+
+@contextlib.contextmanager
+def patched(*changes: tuple[Any, str, Any]) -> Iterator[None]:
+    """Each ``(owner, name, value)``: ``owner.name`` set to ``value`` for the length of the block, the old values put
+    back afterwards (also when the block raises), so a baseline row cannot leak its switch into the next row."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in changes]
+    try:
+        for owner, name, value in changes:
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, old in reversed(saved):
+            setattr(owner, name, old)
 
 
 def cpu_ticks() -> tuple[float, float]:

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.machine import cpu_ticks  # noqa: E402
+from bench.machine import cpu_ticks, patched  # noqa: E402
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 from mtpipe.config import ModelConfig  # noqa: E402
 from mtpipe.console import console  # noqa: E402
@@ -278,21 +278,14 @@ def plain_kernels(tricks: frozenset[str]) -> Iterator[None]:
     def whole_logits(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, eps: float):
         return loss.reference_label_smoothed_nll(F.linear(h, weight, bias), target, eps)
 
-    saved = (kernels._fused_dropout_available, model.prefer_explicit_attention, mtrain.projected_label_smoothed_nll,
-             kernels.ONEDNN_FP32)
-    if "dropout" in tricks:
-        kernels._fused_dropout_available = lambda x: True
-    if "attention" in tricks:
-        model.prefer_explicit_attention = lambda q: False
-    if "loss" in tricks:
-        mtrain.projected_label_smoothed_nll = whole_logits  # the module global LossModule calls
-    if "onednn" in tricks:
-        kernels.ONEDNN_FP32 = False
-    try:
+    switches = {
+        "dropout": (kernels, "_fused_dropout_available", lambda x: True),
+        "attention": (model, "prefer_explicit_attention", lambda q: False),
+        "loss": (mtrain, "projected_label_smoothed_nll", whole_logits),  # the module global LossModule calls
+        "onednn": (kernels, "ONEDNN_FP32", False),
+    }
+    with patched(*(switch for name, switch in switches.items() if name in tricks)):
         yield
-    finally:
-        (kernels._fused_dropout_available, model.prefer_explicit_attention,
-         mtrain.projected_label_smoothed_nll, kernels.ONEDNN_FP32) = saved
 
 
 def mtpipe_step(vocab: int, dims: dict, precision: str, compiled: bool, args: argparse.Namespace,
