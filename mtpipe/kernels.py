@@ -4,9 +4,10 @@ are computed, never what they compute.
 Each CPU function here is a drop-in for a plain torch formulation (named in its docstring) that was measurably slow on
 CPU for this model's shapes; the measurements are in BENCHMARKS.md (``bench/train_throughput.py``,
 ``bench/decode_speed.py``). On GPUs, under ``torch.compile`` and wherever the trick does not apply, each falls back
-to the plain formulation. The float32 products through oneDNN (:func:`linear`, :func:`mm`, :class:`DecodingProjection`)
-differ from torch's own by float rounding only, as does :func:`explicit_attention` from the fused kernel with
-gradients on; everything else is bit-identical to its plain formulation in fp32 eval under ``no_grad``.
+to the plain formulation. The float32 products through oneDNN (:func:`linear`, :func:`mm`, :class:`Linear`'s packed
+weights when decoding, :class:`DecodingProjection`) differ from torch's own by float rounding only, as does
+:func:`explicit_attention` from the fused kernel with gradients on; everything else is bit-identical to its plain
+formulation in fp32 eval under ``no_grad``.
 """
 
 from __future__ import annotations
