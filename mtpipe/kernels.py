@@ -259,9 +259,9 @@ class Linear(nn.Linear):
 
     Why, in inference mode (decoding) in float32 on CPU: products of at least :data:`_PACKED_MIN_MACS` run in oneDNN
     on a kept, pre-packed copy of the weight (:class:`PackedWeight`), which skips the per-call packing of
-    :func:`linear`'s oneDNN route: for a decoding step's few rows (4-64 rows x 512 x 2,048) 1.3-2.1x that route with
-    AVX-512 and 1.2-1.9x with AVX2 only, ~1.03x for hundreds of rows (BENCHMARKS.md, "Decoding's linear layers on
-    packed weights"). Training, validation loss and compiled steps keep :func:`linear`.
+    :func:`linear`'s oneDNN route: for a decoding step's few rows (64 down to 4 rows x 512 x 2,048) 1.1-2.2x that
+    route with AVX-512 and 1.1-2.0x with AVX2 only, 1.0-1.1x for hundreds of rows (BENCHMARKS.md, "Decoding's linear
+    layers on packed weights"). Training, validation loss and compiled steps keep :func:`linear`.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
