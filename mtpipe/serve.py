@@ -446,8 +446,9 @@ def _first_line(e: BaseException) -> str:
 def _worker_main(conn: Any, cfg: DecodeConfig, checkpoint: str, tokens: str | None, batching: str,
                  beams: tuple[int, ...] = ()) -> None:
     """A worker process: open the model as the server does, warm it up (also at ``beams``: :func:`warm_beams`),
-    then run a lane: lists of ``(key, sources, rules)`` in (what the server took at once), ``(key, result)`` messages
-    out (an exception travels as its one-line reason), until the server closes the pipe."""
+    then run a lane: lists of ``(key, sources, rules)`` in (what the server took at once), lists of ``(key, result)``
+    out (what one poll of the lane finished; an exception travels as its one-line reason), until the server closes
+    the pipe."""
     # The server drains and stops on SIGTERM / Ctrl-C (which a terminal sends to the whole process group): a worker
     # must go on decoding what the server still hands it, and ends when the server closes its pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -470,8 +471,10 @@ def _worker_main(conn: Any, cfg: DecodeConfig, checkpoint: str, tokens: str | No
                     lane.add(*request)
         except (EOFError, OSError):
             return
-        for key, result in lane.poll():
-            conn.send((key, ("error", _first_line(result)) if isinstance(result, Exception) else ("ok", result)))
+        done = lane.poll()
+        if done:  # one message: the answers of a batch arrive together, as they were decoded
+            conn.send([(key, ("error", _first_line(result)) if isinstance(result, Exception) else ("ok", result))
+                       for key, result in done])
 
 
 class WorkerProcess:
@@ -535,9 +538,9 @@ class WorkerProcess:
             # takes none while the worker decodes, so it sleeps until the answers come.
             if not self._dead and self._conn.poll(0.002 if self.continuous else 0.5):
                 while True:
-                    key, (status, payload) = self._conn.recv()
-                    self._held.discard(key)
-                    finished.append((key, payload if status == "ok" else RuntimeError(payload)))
+                    for key, (status, payload) in self._conn.recv():
+                        self._held.discard(key)
+                        finished.append((key, payload if status == "ok" else RuntimeError(payload)))
                     if not self._conn.poll(0):
                         break
         except (EOFError, OSError):
