@@ -270,7 +270,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         weight, bias = self.weight, self.bias
-        if (torch.is_inference_mode_enabled() and not torch.compiler.is_compiling()
+        # is_compiling first: the compiler cannot trace is_inference_mode_enabled (a graph break in every layer)
+        if (not torch.compiler.is_compiling() and torch.is_inference_mode_enabled()
                 and x.dtype == weight.dtype == torch.float32 and ONEDNN_FP32 and _ONEDNN_AVAILABLE
                 and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")):
             # Decoding: the route decided here once, since a step makes ~25 of these calls for a few rows each,

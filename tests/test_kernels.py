@@ -110,6 +110,24 @@ def test_compiled_code_keeps_the_compilers_own_products(dnn_calls: list) -> None
     torch._dynamo.reset()
 
 
+def test_compiled_decoding_layers_keep_the_compilers_products_without_a_graph_break(dnn_calls: list,
+                                                                                  monkeypatch) -> None:
+    # Linear in inference mode (a compiled decoding step) must trace to F.linear in one graph: a check the compiler
+    # cannot trace (torch.is_inference_mode_enabled) before is_compiling broke the graph at every layer.
+    torch._dynamo.reset()
+    monkeypatch.setattr(kernels, "_PACKED_MIN_MACS", 1)
+    first, second = kernels.Linear(16, 32), kernels.Linear(32, 16)
+    compiled = torch.compile(lambda x: second(torch.relu(first(x))) + x, fullgraph=True, dynamic=True)
+    x = torch.randn(5, 16)
+    with torch.inference_mode():
+        got = compiled(x)
+        assert dnn_calls == []  # neither oneDNN route (packed or not) inside the graph
+        want = second(torch.relu(first(x))) + x
+        assert len(dnn_calls) == 2  # eagerly, both took the packed route
+    _close(got, want)
+    torch._dynamo.reset()
+
+
 def test_decoding_linear_uses_a_packed_copy_kept_until_the_weight_changes(monkeypatch: pytest.MonkeyPatch) -> None:
     # In inference mode (decoding), a float32 CPU product of at least _PACKED_MIN_MACS multiply-adds runs on a kept
     # packed copy of the weight: packed once, remade when the weight is updated in place or replaced, never used in
