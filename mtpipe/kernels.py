@@ -120,10 +120,14 @@ def _onednn_worth(a: Tensor, macs: int) -> bool:
     oneDNN lowering takes only frozen, pre-packed weights, and the product as an opaque custom op cost ~8 us more per
     call in the compiled graph (24 products of 16 rows x 128 x 384: 0.71x inductor's own), which is what a compiled
     step for a server's few sentences is made of (BENCHMARKS.md)."""
-    return (ONEDNN_FP32 and a.device.type == "cpu" and a.dtype == torch.float32
-            and not torch.is_autocast_enabled("cpu")
-            and not torch.compiler.is_compiling() and macs >= _ONEDNN_MIN_MACS
-            and _ONEDNN_AVAILABLE)
+    return macs >= _ONEDNN_MIN_MACS and not torch.compiler.is_compiling() and _onednn_open(a)
+
+
+def _onednn_open(a: Tensor) -> bool:
+    """Whether the oneDNN route is open to ``a`` at all, whatever the product's size (float32 on CPU, outside
+    autocast, where this torch build has it); the caller has checked that ``torch.compile`` is not tracing."""
+    return (ONEDNN_FP32 and _ONEDNN_AVAILABLE and a.dtype == torch.float32 and a.device.type == "cpu"
+            and not torch.is_autocast_enabled("cpu"))
 
 
 def _dnn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -271,9 +275,8 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         weight, bias = self.weight, self.bias
         # is_compiling first: the compiler cannot trace is_inference_mode_enabled (a graph break in every layer)
-        if (not torch.compiler.is_compiling() and torch.is_inference_mode_enabled()
-                and x.dtype == weight.dtype == torch.float32 and ONEDNN_FP32 and _ONEDNN_AVAILABLE
-                and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")):
+        if (not torch.compiler.is_compiling() and torch.is_inference_mode_enabled() and weight.dtype == x.dtype
+                and _onednn_open(x)):
             # Decoding: the route decided here once, since a step makes ~25 of these calls for a few rows each,
             # where :func:`linear`'s general checks cost ~2 us a call.
             macs = x.numel() * self.out_features
