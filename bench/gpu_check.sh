@@ -2,8 +2,9 @@
 # mtpipe's GPU paths in one short run on the visible GPU: bf16 training and its throughput, average, beam-search
 # decoding in fp32 and bf16 (sentences/s and sacreBLEU on valid and test), `mtpipe serve` under 8 concurrent clients
 # against offline decoding (bench/serve.py; needs the serve extra: fastapi, uvicorn), a search step's cost for a
-# server's few sentences against a full batch (bench/step_cost.py), fp16 training with the grad
-# scaler, torch.compile, and exact resume (one run of N updates against N/2 then resumed; the weights compared bitwise).
+# server's few sentences against a full batch, each with and without decode.cuda_graphs (bench/step_cost.py), fp16
+# training with the grad scaler, torch.compile, and exact resume (one run of N updates against N/2 then resumed; the
+# weights compared bitwise).
 #
 #   bash bench/gpu_check.sh ARTIFACTS [UPDATES] [MINUTES]
 #
@@ -61,8 +62,9 @@ grep -E "^(round|server / offline)" "$OUT/serve.log"
 
 el "one search step: ~8-sentence batches (a server's at 8 clients) against 8,000-token batches, fp32, + profile"
 $PY bench/step_cost.py --checkpoint "$W/average" --tokens "$ART/bpe" --sentences "$W/test.src" --device cuda \
-  --rounds 2 --profile > "$OUT/step_cost.log" 2>&1; echo "rc=$?"
-grep -E "│ (full|small) |small / full|cudaLaunchKernel|Self (CPU|CUDA) time total" "$OUT/step_cost.log"
+  --rounds 2 --cuda-graphs both --profile > "$OUT/step_cost.log" 2>&1; echo "rc=$?"
+grep -E "│ (full|small)|small / full|graphs / eager|buckets|cudaLaunchKernel|cudaGraphLaunch|Self (CPU|CUDA) time total" \
+  "$OUT/step_cost.log"
 
 el "fp16 + grad scaler, $SHORT updates"
 train --out "$W/fp16" --max-steps "$SHORT" --max-time 0 --precision fp16 > "$OUT/fp16.log" 2>&1; echo "rc=$?"

@@ -15,15 +15,20 @@ Reported per round: sentences/s, decoder steps, milliseconds per step and, with 
 table of the small batches (CPU and, on a GPU, CUDA time: how much of a step the device is busy). On a GPU this is
 where a step's fixed cost shows: measured on an H200, an 8-sentence step took 5.35 ms (its kernels ~0.5 ms; the
 rest launching ~200 kernels and the Python around them) against 1.75 ms on a 2-vCPU CPU (BENCHMARKS.md).
+``--cuda-graphs both`` (GPU) adds each batching's row with ``decode.cuda_graphs`` (the step replayed from CUDA
+graphs) to the same rounds, with the throughput ratio per round and how many translations agree. Each row decodes
+through its own engine (:class:`mtpipe.decode.MtpipeEngine`, its model prepared once, as `mtpipe decode` and
+`mtpipe serve` hold it).
 
     python bench/step_cost.py --checkpoint artifacts/average --tokens artifacts/bpe \\
         --sentences /data/multi30k/test_2016_flickr.en.gz
-    python bench/step_cost.py ... --device cuda --profile
+    python bench/step_cost.py ... --device cuda --cuda-graphs both --profile
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import gzip
 import statistics
 import sys
@@ -60,6 +65,11 @@ def main() -> None:
     ap.add_argument("--small-tokens", type=int, default=130, help="the small batches' source tokens")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="also profile the small batches (torch.profiler)")
+    ap.add_argument("--graph-rows", type=int, default=0,
+                    help="decode.cuda_graphs: the most rows a step replays from a graph (0: mtpipe's default)")
+    ap.add_argument("--cuda-graphs", choices=["on", "off", "both"], default="on",
+                    help="decode.cuda_graphs (GPU only): both = each batching with and without, as rows of the "
+                         "same rounds, and how many translations the two give alike")
     args = ap.parse_args()
 
     import sentencepiece as spm
@@ -67,7 +77,9 @@ def main() -> None:
 
     from mtpipe import artifacts
     from mtpipe.config import DecodeConfig
-    from mtpipe.decode import translate
+    from mtpipe import cuda_graphs
+    from mtpipe.decode import MtpipeEngine
+    from mtpipe.search import DecodeRules
     from mtpipe.model import Transformer, build_model
 
     if args.threads:
@@ -93,19 +105,36 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    cfgs = {name: DecodeConfig(beam=args.beam, alpha=args.alpha, precision=args.precision, max_tokens=tokens)
-            for name, tokens in (("full", args.max_tokens), ("small", args.small_tokens))}
-    for cfg in cfgs.values():  # warm-up: allocator, kernel caches, lazy initialisation
-        translate(model, sources[:64], cfg, device)
+    graphs = {"on": [True], "off": [False], "both": [False, True]}[args.cuda_graphs] if device.type == "cuda" \
+        else [False]
+    if args.graph_rows:
+        cuda_graphs.MAX_ROWS = args.graph_rows
+    cfgs = {f"{name}{', graphs' if g else ''}": DecodeConfig(
+                beam=args.beam, alpha=args.alpha, precision=args.precision, max_tokens=tokens, cuda_graphs=g,
+                device="cuda" if device.type == "cuda" else "cpu", threads=args.threads)
+            for name, tokens in (("full", args.max_tokens), ("small", args.small_tokens)) for g in graphs}
+    # One engine each, as `mtpipe decode` and `mtpipe serve` hold one: its model prepared once (the bf16 copy, the
+    # graphs recorded as the buckets are met), each on its own copy of the weights.
+    engines = {name: MtpipeEngine.open(copy.deepcopy(model), cfg) for name, cfg in cfgs.items()}
+    rules = DecodeRules.from_config(next(iter(cfgs.values())))
+    for engine in engines.values():  # warm-up: allocator, kernel caches, lazy initialisation, graphs' buckets
+        engine.translate(sources[:64], rules)
+        engine.translate(sources[:1], rules)
     sync()
     rows: dict[str, list[tuple[float, int]]] = {name: [] for name in cfgs}
+    outputs: dict[str, list[list[int]]] = {}
     for r in range(args.rounds):
         for name in (list(cfgs) if r % 2 == 0 else list(cfgs)[::-1]):  # alternate who goes first
             steps[0] = 0
             t0 = time.perf_counter()
-            translate(model, sources, cfgs[name], device)
+            hyps = engines[name].translate(sources, rules)
             sync()
             rows[name].append((time.perf_counter() - t0, steps[0]))
+            outputs[name] = [h[0].tokens for h in hyps]
+    for name, engine in engines.items():
+        graphed = engine.prepared()._graphed
+        if graphed is not None:
+            console.print(f"{name}: {len(graphed.buckets)} buckets recorded (rows <= {graphed.max_rows})")
 
     def spread(values: list[float]) -> str:
         return " / ".join(fmt(v) for v in (min(values), statistics.median(values), max(values)))
@@ -117,18 +146,28 @@ def main() -> None:
     table(f"{len(sources)} sentences, beam {args.beam}, {args.precision} on {device} "
                         f"({torch.get_num_threads()} CPU threads), {args.rounds} interleaved rounds: min / median / max",
                         ["batches", "sentences/s", "steps", "ms per step"], out)
-    small, full = (statistics.median(len(sources) / s for s, _ in rows[k]) for k in ("small", "full"))
-    console.print(f"small / full throughput: {small / full:.2f}x")
+    def rate(name: str) -> float:
+        return statistics.median(len(sources) / s for s, _ in rows[name])
+
+    for suffix in (", graphs" if g else "" for g in graphs):
+        console.print(f"small / full throughput{suffix}: {rate('small' + suffix) / rate('full' + suffix):.2f}x")
+    if len(graphs) == 2:
+        for name in ("full", "small"):
+            same = sum(a == b for a, b in zip(outputs[name], outputs[f"{name}, graphs"]))
+            ratio = [a / b for (a, _), (b, _) in zip(rows[name], rows[f"{name}, graphs"])]  # per round
+            console.print(f"{name}: graphs / eager throughput {spread(ratio)}x (min / median / max of rounds); "
+                          f"the same translation for {same:,} / {len(sources):,} sentences")
 
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         steps[0] = 0
+        profiled = "small, graphs" if True in graphs else "small"
         with profile(activities=acts) as prof:
-            translate(model, sources[:48], cfgs["small"], device)
+            engines[profiled].translate(sources[:48], rules)
             sync()
-        console.print(f"profiled: 48 sentences in small batches, {steps[0]} steps")
+        console.print(f"profiled: 48 sentences, {profiled} batches, {steps[0]} steps")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=45))
 
 

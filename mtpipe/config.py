@@ -357,8 +357,8 @@ class DecodeConfig(Section):
     )
     device: str = _h(
         "Where to decode: auto (the GPU when one is visible, else the CPU; the CPU for int8, which runs there only), "
-        "cpu or cuda. On a GPU a step of a few sentences is launch-bound and can cost more than on a CPU "
-        "(BENCHMARKS.md): a server with few clients on a machine with a GPU may answer sooner with cpu.",
+        "cpu or cuda. On a GPU a step of a few sentences is bound by launching its kernels (decode.cuda_graphs "
+        "halves it; BENCHMARKS.md): a server with few clients on a machine with a GPU may answer as soon with cpu.",
         default="auto", choices=("auto", "cpu", "cuda"))
     compile: bool = _h(
         "Engine mtpipe, fp32 or bf16: run the decoder's step through torch.compile (fused kernels, fewer "
@@ -366,6 +366,14 @@ class DecodeConfig(Section):
         "of building it first (tens of seconds on a small CPU, once per process; needs a C++ compiler on CPU). "
         "Outputs equal the uncompiled step's up to float rounding.",
         default=False,
+    )
+    cuda_graphs: bool = _h(
+        "Engine mtpipe on a GPU, fp32 or bf16: replay the decoder's step (layers, projection, log-softmax) from CUDA "
+        "graphs recorded for a few fixed shapes (rows, cached and source positions rounded up to powers of two), "
+        "for batches of up to 256 rows: a few sentences' step is bound by launching its ~200 kernels, which a "
+        "graph launches at once. No effect on CPU, with decode.compile (its step runs instead) or with restricted "
+        "self-attention. Outputs equal the eager step's up to float rounding.",
+        default=True,
     )
 
 

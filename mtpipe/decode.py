@@ -193,10 +193,11 @@ def decoding_device(spec: str, precision: str) -> torch.device:
 
 
 def decoding_model(model: Any, precision: str, device: torch.device, compile: bool = False,
-                   cache: bool = True) -> Any:
+                   cache: bool = True, cuda_graphs: bool = False) -> Any:
     """``model`` as it decodes at ``precision``, in eval mode: its bf16 copy (:func:`bf16_copy`; not for the uncached
     step, which runs the float32 model under autocast), its int8 copy (:func:`int8_copy`, CPU only), or itself; with
-    ``compile`` (``decode.compile``, the cached fp32 or bf16 step) its step set to run compiled."""
+    ``compile`` (``decode.compile``, the cached fp32 or bf16 step) its step set to run compiled, else with
+    ``cuda_graphs`` on a GPU (``decode.cuda_graphs``) replayed from CUDA graphs."""
     model.eval()
     if precision == "int8" and device.type != "cpu":
         raise MtpipeError("decode.precision=int8 runs on CPU only; use bf16 on a GPU")
@@ -208,6 +209,8 @@ def decoding_model(model: Any, precision: str, device: torch.device, compile: bo
         model = int8_copy(model)
     if compile:
         model.compile_step()
+    elif cuda_graphs and cache and device.type == "cuda" and precision != "int8":
+        model.graph_step()
     return model.eval()
 
 
@@ -223,20 +226,22 @@ def translate(model: Any, sources: Sequence[Sequence[int]], cfg: DecodeConfig, d
     """
     return translate_batches(model, sources, DecodeRules.from_config(cfg), max_tokens=cfg.max_tokens,
                              precision=cfg.precision, device=device, cache=cache, on_done=on_done,
-                             compile=cfg.compile)
+                             compile=cfg.compile, cuda_graphs=cfg.cuda_graphs)
 
 
 def translate_batches(model: Any, sources: Sequence[Sequence[int]], rules: DecodeRules, *, max_tokens: int,
                       precision: str = "fp32", device: torch.device | str = "cpu", cache: bool = True,
-                      on_done: Callable[[int], None] | None = None, compile: bool = False) -> list[list[Hypothesis]]:
+                      on_done: Callable[[int], None] | None = None, compile: bool = False,
+                      cuda_graphs: bool = False) -> list[list[Hypothesis]]:
     """:func:`translate` with the rules given as :class:`~mtpipe.search.DecodeRules`; ``compile``: ``decode.compile``
-    (:meth:`~mtpipe.model.Transformer.compile_step`)."""
+    (:meth:`~mtpipe.model.Transformer.compile_step`), ``cuda_graphs``: ``decode.cuda_graphs``
+    (:meth:`~mtpipe.model.Transformer.graph_step`)."""
     device = torch.device(device)
     max_positions = model.cfg.max_positions
     lengths = [len(s) + 1 for s in sources]  # + EOS
     results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] if not s else [] for s in sources]
     todo = [i for i, s in enumerate(sources) if s]
-    model = decoding_model(model, precision, device, compile, cache)
+    model = decoding_model(model, precision, device, compile, cache, cuda_graphs)
     step = (lambda tokens, state: model.step(tokens, state, lazy=True)) if cache else uncached_step(model)
     if on_done is not None and len(todo) < len(sources):
         on_done(len(sources) - len(todo))
@@ -272,6 +277,7 @@ class MtpipeEngine:
     threads: int = 0  # torch's CPU threads while translating (0: leave them)
     plan: Any = None  # the mtpipe.pruning.PrunePlan applied (decode.prune), or None
     compile: bool = False  # decode.compile
+    cuda_graphs: bool = False  # decode.cuda_graphs
     _prepared: Any = field(default=None, repr=False)  # :meth:`prepared`'s model, once made
 
     @classmethod
@@ -288,7 +294,8 @@ class MtpipeEngine:
         device = decoding_device(cfg.device, cfg.precision)
         if device.type == "cpu":
             runtime.tune_cpu_allocator()
-        return cls(model.to(device), device, cfg.precision, cfg.max_tokens, cfg.threads, plan, cfg.compile)
+        return cls(model.to(device), device, cfg.precision, cfg.max_tokens, cfg.threads, plan, cfg.compile,
+                   cfg.cuda_graphs)
 
     @property
     def max_positions(self) -> int:
@@ -322,7 +329,8 @@ class MtpipeEngine:
         step), made on first use and kept. Once, not per call: stdin's lines and a server's requests are many calls,
         and each new copy would copy (or quantise) every weight again."""
         if self._prepared is None:
-            self._prepared = decoding_model(self.model, self.precision, self.device, self.compile)
+            self._prepared = decoding_model(self.model, self.precision, self.device, self.compile,
+                                            cuda_graphs=self.cuda_graphs)
         return self._prepared
 
     def translate(self, sources: Sequence[Sequence[int]], rules: DecodeRules,

@@ -101,7 +101,8 @@ def unit_rows(w: Tensor) -> Tensor:
     """FixNorm's output side: the embedding matrix ``[V, D]`` with every row scaled to unit length, PAD's row zero
     (a constant logit that is never a target; it gets no gradient, as with ``padding_idx``)."""
     inv = torch.linalg.vector_norm(w, dim=-1, keepdim=True).clamp_min(_FIXNORM_EPS).reciprocal()  # [V, 1]
-    return w * inv.index_fill(0, torch.tensor([PAD_ID], device=w.device), 0.0)
+    # the index made on the device (not copied from the host): decode.cuda_graphs records this in a CUDA graph
+    return w * inv.index_fill(0, torch.full((1,), PAD_ID, device=w.device), 0.0)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -445,6 +446,9 @@ class Transformer(nn.Module):
         # must not run its original's weights, so it uses its own or none.
         self._compiled_step: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None
         self._compiled_for = 0
+        # graph_step's graphs and the id of the model they run (as for compile_step; a deep copy gets none)
+        self._graphed: Any = None
+        self._graphed_for = 0
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -623,6 +627,12 @@ class Transformer(nn.Module):
         # Each row's own position: the step count, less the cache slot it started at when it joined later.
         offset = state.length if state.start is None else state.length - state.start[:, None]  # int or [R, 1]
         x = self.embed_tokens(tokens[:, None], offset=offset, target=True)  # [R] -> [R, 1] -> [R, 1, D]
+        if self._graphed_for == id(self) and self._graphed.takes(x.size(0)) and not self._recording():
+            # decode.cuda_graphs: layers, projection and log-softmax replayed from a recorded graph
+            logp, k_new, v_new = self._graphed(x, state)  # [R, V], [layers, R, h, d] x 2
+            state.write(k_new, v_new)
+            new_state = dataclasses.replace(state, length=state.length + 1)
+            return ((lambda lo, hi: logp[lo:hi]) if lazy else logp), new_state
         k_prev, v_prev, prev_mask = state.prefix(x, len(self.decoder), self.cfg.heads, self.cfg.d_k, self.cfg.d_v)
         if self._compiled() and state.length >= 2 and not self._recording():
             mark_step_dynamic(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask)
@@ -686,6 +696,19 @@ class Transformer(nn.Module):
             self._compiled_step = torch.compile(self.step_layers, dynamic=True,
                                                 options={"cpp_wrapper": True} if on_cpu else None)
             self._compiled_for = id(self)
+
+    def graph_step(self, capture: bool = True) -> None:
+        """``decode.cuda_graphs``: run :meth:`step`'s layers, projection and log-softmax as CUDA graphs over fixed
+        shapes (:mod:`mtpipe.cuda_graphs`: on a GPU a few sentences' step is bound by launching its ~200 kernels).
+        Not with restricted self-attention (its window is the last r cached positions, which the graphs' padded
+        cache would move) nor with ``decode.compile`` (the compiled step runs instead). ``capture=False``: the same
+        padded computation without recording graphs (the tests, on CPU)."""
+        from mtpipe.cuda_graphs import GraphedStep
+
+        if self.cfg.attention_window or self._compiled():
+            return
+        if self._graphed_for != id(self) or self._graphed.capture != capture:  # else keep the graphs recorded so far
+            self._graphed, self._graphed_for = GraphedStep(self, capture=capture), id(self)
 
     def _compiled(self) -> bool:
         return self._compiled_step is not None and self._compiled_for == id(self)

@@ -532,6 +532,119 @@ def test_compiled_step_decodes_what_the_eager_step_decodes(model):
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
 
 
+def test_graphed_step_decodes_what_the_eager_step_decodes(model, monkeypatch):
+    """decode.cuda_graphs: the step on fixed-shape buffers (rows, cached positions and source positions rounded up to
+    powers of two, the extra ones masked or never read), run here without recording graphs, finds the eager step's
+    hypotheses and scores: sentences of mixed lengths (sources past the smallest source bucket), outputs past two
+    cache buckets, a batch that shrinks through the row buckets."""
+    from mtpipe import cuda_graphs
+
+    srcs = sources(7, seed=12, lo=2, hi=14) + sources(2, seed=13, lo=34, hi=40)  # source buckets 32 and 64
+    cfg = DecodeConfig(beam=3, max_len_b=30, max_tokens=120, nbest=3)  # the short and the long in batches apart
+    eager = translate(model, srcs, cfg)
+    twin = copy.deepcopy(model)
+    twin.graph_step(capture=False)
+    seen: list[tuple[int, tuple]] = []  # (rows, bucket) of every graphed step
+    real_call = cuda_graphs.GraphedStep.__call__
+
+    def counting(self, x, state):
+        n = state.src_mask.size(0)
+        key = (cuda_graphs.bucket(n), x.size(0) // n, cuda_graphs.bucket(state.src_mask.size(-1), 32),
+               cuda_graphs.bucket(state.length, 16))
+        seen.append((x.size(0), key))
+        return real_call(self, x, state)
+
+    monkeypatch.setattr(cuda_graphs.GraphedStep, "__call__", counting)
+    out = translate(twin, srcs, cfg)
+    buckets = {key for _, key in seen}
+    assert {key[3] for key in buckets} >= {16, 32} and {key[2] for key in buckets} == {32, 64}
+    assert any(rows < key[0] * key[1] for rows, key in seen)  # padded rows
+    assert len(twin._graphed.buckets) == len(buckets) and not any(b.graph for b in twin._graphed.buckets.values())
+    kept = twin._graphed
+    twin.graph_step(capture=False)  # as every translate() of the same model asks again: the graphs so far are kept
+    assert twin._graphed is kept
+    for a, b in zip(eager, out):
+        assert [h.tokens for h in a] == [h.tokens for h in b]
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
+    # A copy (bf16_copy and prune make them) does not replay its original's graphs, which hold the original weights.
+    twin2, calls = copy.deepcopy(twin), len(seen)
+    assert twin2._graphed is None and translate(twin2, srcs[:2], cfg)[0][0].tokens == eager[0][0].tokens
+    assert len(seen) == calls
+
+
+def test_graphed_step_takes_sentences_joining_a_running_search(model):
+    """Continuous batching with decode.cuda_graphs: rows that joined later (their own start slot, masked earlier
+    slots) decode as they would alone, through the graphs' fixed-shape buffers."""
+    from mtpipe.search import DecodeRules
+    from mtpipe.streaming import StreamDecoder
+
+    rules = DecodeRules(beam=4, nbest=2, penalty=LengthPenalty("gnmt", 0.6), max_len_b=24)
+    srcs = sources(8, seed=21)
+    alone = [translate_batches(model, [s], rules, max_tokens=1000)[0] for s in srcs]
+    twin = copy.deepcopy(model)
+    twin.graph_step(capture=False)
+    stream = StreamDecoder(twin, rules, max_tokens=10_000)
+    got: dict[int, list] = {}
+    arrivals = {0: [0, 1], 2: [2, 3], 5: [4], 9: [5, 6, 7]}
+    step, joined_late = 0, False
+    with torch.inference_mode():
+        while len(got) < len(srcs):
+            for i in arrivals.get(step, []):
+                stream.add(i, srcs[i])
+            got.update(stream.step())
+            state = stream.search.state
+            joined_late |= state is not None and state.start is not None
+            step += 1
+            assert step < 200
+    assert joined_late and twin._graphed.buckets
+    for i, hyps in enumerate(alone):
+        assert [h.tokens for h in got[i]] == [h.tokens for h in hyps], i
+        assert [h.score for h in got[i]] == pytest.approx([h.score for h in hyps], abs=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="optional: needs a CUDA GPU (CPU runs check the same buckets unrecorded, above)")
+@pytest.mark.parametrize("precision,variant", [("fp32", ""), ("bf16", ""), ("fp32", "fixnorm")])
+def test_recorded_cuda_graphs_decode_what_the_eager_step_decodes(model, precision, variant):
+    """decode.cuda_graphs on a GPU: the steps replayed from recorded graphs (several buckets, a batch that shrinks)
+    find the eager step's hypotheses, and every bucket's graph was recorded once; also for the pre-norm, ScaleNorm +
+    FixNorm, learned-positions variant (its output projection normalises the embedding inside the graph)."""
+    if variant:
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig(preset="tiny", dropout=0.0, max_positions=128, norm_position="pre",
+                                        norm="scale", fixnorm=True, positions="learned"), 40).eval()
+    gpu = copy.deepcopy(model).cuda()
+    srcs = sources(7, seed=12, lo=2, hi=14) + sources(2, seed=13, lo=34, hi=40)
+    cfg = DecodeConfig(beam=3, max_len_b=30, max_tokens=120, nbest=3, precision=precision, device="cuda")
+    eager = translate(gpu, srcs, dataclasses.replace(cfg, cuda_graphs=False), device="cuda")
+    twin = copy.deepcopy(gpu)
+    out = translate(twin, srcs, cfg, device="cuda")
+    prepared = twin if precision == "fp32" else None
+    if prepared is not None:
+        assert prepared._graphed is not None and len(prepared._graphed.buckets) > 3
+        assert all(b.graph is not None for b in prepared._graphed.buckets.values())
+    same = sum([h.tokens for h in a] == [h.tokens for h in b] for a, b in zip(eager, out))
+    assert same >= len(srcs) - (0 if precision == "fp32" else 2)  # bf16: a near tie may go the other way
+    for a, b in zip(eager, out):
+        if [h.tokens for h in a] == [h.tokens for h in b]:
+            assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-3 if precision == "fp32" else 0.1)
+
+
+def test_cuda_graphs_apply_on_a_gpu_only_and_not_to_restricted_attention(model):
+    from mtpipe.decode import decoding_model
+
+    cpu = decoding_model(copy.deepcopy(model), "fp32", torch.device("cpu"), cuda_graphs=True)
+    assert cpu._graphed is None  # decode.cuda_graphs has no effect on CPU
+    torch.manual_seed(0)
+    windowed = Transformer(ModelConfig(preset="tiny", dropout=0.0, attention_window=3), 40).eval()
+    windowed.graph_step(capture=False)
+    assert windowed._graphed is None  # its window is the last r cached positions, which padding would move
+    compiled = copy.deepcopy(model)
+    compiled.compile_step()
+    compiled.graph_step(capture=False)
+    assert compiled._graphed is None  # decode.compile's step runs instead
+
+
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
 def test_the_engine_makes_its_precision_copy_once(model, precision):
     """A bf16 or int8 engine copies (quantises) the weights once, not per call (stdin's lines and a server's

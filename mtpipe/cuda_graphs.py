@@ -1,0 +1,178 @@
+"""The decoding step as CUDA graphs over fixed shapes (``decode.cuda_graphs``).
+
+Why: on a GPU a decoding step of a few sentences is bound by the host, not the device. Measured on an H200 with the
+quickstart model, a step for ~8 sentences took 5.35 ms while its kernels ran 0.46 ms: the host launched ~200 kernels a
+step and paid ~25 us of dispatch around each operation (BENCHMARKS.md, "On one GPU, a third time"). A CUDA graph
+records those launches once and replays them with one call, so the decoder stack, the pre-softmax projection and the
+log-softmax (section 3.4) of a step cost one launch instead of ~200.
+
+A graph replays fixed shapes and fixed addresses, while a step's shapes change all the time: the rows shrink as
+sentences finish, the self-attention cache grows by one position per step, and each batch has its own source length.
+So each graph is built for a *bucket* -- sentences ``n``, beams per sentence, source positions ``S`` and cached
+positions ``t``, each but the beams rounded up to a power of two -- over static buffers at that bucket's size:
+
+* the rows past a step's real ones are padding whose outputs are never read (rows never interact: each attends only
+  to its own cache slots and its own sentence's source);
+* the cache is held at the bucket's capacity and the positions at or past ``t`` (and, in a continuous batch, before
+  a row's start) are masked out of self-attention, which gives them weight exactly 0;
+* the source is padded to the bucket's length and the padding masked, as any batch's padding is.
+
+Before each replay the step's inputs are copied into the bucket's buffers (the new position's embedded input, the
+cache prefix, the length; the encoder keys/values only when the batch's sentences changed); its outputs are views of
+the graph's own, read by the beam search before the next step. A bucket's graph is recorded the first time the
+bucket is met (a few milliseconds; ``mtpipe serve``'s warm-up meets the common ones), and the graphs share one memory
+pool. Batches of more than :data:`MAX_ROWS` rows, restricted self-attention (its window is the *last* r cached
+positions, which padding would move), attention recording and compiled steps keep the eager step.
+
+``capture=False`` runs the same padded computation without recording a graph: how the tests check on a CPU that
+bucketing, padding and masking leave every hypothesis as the eager step finds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# Rows (sentences x beams) above which the eager step runs: a full batch's step keeps a GPU busy on its own, and each
+# bucket holds its cache at capacity (rows x positions x layers x d).
+MAX_ROWS = 256
+_LEAST_POSITIONS = 16  # the smallest cache bucket (a step's cached positions, rounded up to a power of two)
+_LEAST_SOURCE = 32  # the smallest source bucket
+
+
+def bucket(n: int, least: int = 1) -> int:
+    """The smallest power of two that is at least ``n`` and ``least``."""
+    return max(least, 1 << max(0, n - 1).bit_length())
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """One graph's static inputs and outputs (see the module docstring)."""
+
+    x: Tensor  # [R', 1, D] the new position's embedded input
+    keys: Tensor  # [T', layers, R', h, d_k] the self-attention cache at capacity
+    values: Tensor  # [T', layers, R', h, d_v]
+    start: Tensor  # [R', 1] each row's first cache slot (continuous batching; else 0)
+    length: Tensor  # [1] the cached positions t of this step
+    slots: Tensor  # [T'] 0 .. T'-1
+    cross: list[tuple[Tensor, Tensor]]  # per layer [n', h, S', d]
+    src_mask: Tensor  # [n', 1, 1, S']
+    graph: Any = None  # torch.cuda.CUDAGraph once recorded
+    outputs: tuple[Tensor, Tensor, Tensor] | None = None  # log-probs [R', V], new keys / values [layers, R', h, d]
+    sources: Tensor | None = None  # the src_mask whose sentences the cross buffers hold (kept: its identity is the key)
+    started: bool = False  # whether ``start`` holds anything but zeros
+
+
+class GraphedStep:
+    """:meth:`mtpipe.model.Transformer.step`'s layers, projection and log-softmax replayed from CUDA graphs, one per
+    bucket of shapes (module docstring). ``model`` is the decoding model itself (its bf16 copy for bf16)."""
+
+    def __init__(self, model: Any, capture: bool = True, max_rows: int | None = None):
+        self.model, self.capture = model, capture
+        self.max_rows = MAX_ROWS if max_rows is None else max_rows
+        self.buckets: dict[tuple, _Bucket] = {}
+        self.pool: Any = None  # the graphs' shared memory pool (outputs are read before the next replay)
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None  # a copy of the model (bf16_copy, prune) records its own graphs, of its own weights
+
+    def takes(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows runs from a graph."""
+        return rows <= self.max_rows
+
+    def __call__(self, x: Tensor, state: Any) -> tuple[Tensor, Tensor, Tensor]:
+        """The step for the new position's input ``x`` ``[R, 1, D]`` and ``state``
+        (:class:`mtpipe.model.DecoderState`): log-probabilities ``[R, V]`` (float32) and the new position's keys /
+        values ``[layers, R, h, d]``, views of the graph's outputs that the next call overwrites."""
+        rows, t = x.size(0), state.length
+        n, source = state.src_mask.size(0), state.src_mask.size(-1)
+        beams = rows // n
+        kv_dtype = state.cache.keys.dtype if state.cache is not None else self._kv_dtype(x)
+        key = (bucket(n), beams, bucket(source, _LEAST_SOURCE), bucket(t, _LEAST_POSITIONS), x.dtype, kv_dtype)
+        b = self.buckets.get(key)
+        fresh = b is None
+        if b is None:
+            b = self.buckets[key] = self._allocate(key, x)
+        b.x[:rows].copy_(x)
+        if t:
+            assert state.cache is not None
+            b.keys[:t, :, :rows].copy_(state.cache.keys[:t])  # [t, layers, R, h, d] into [T', layers, R', h, d]
+            b.values[:t, :, :rows].copy_(state.cache.values[:t])
+        b.length.fill_(t)
+        if state.start is not None:
+            b.start[:rows, 0].copy_(state.start)
+            b.started = True
+        elif b.started:
+            b.start.zero_()
+            b.started = False
+        if b.sources is not state.src_mask:  # the batch's sentences changed: their encoder keys/values and mask
+            b.src_mask[:n, ..., :source].copy_(state.src_mask)
+            b.src_mask[:n, ..., source:] = False
+            for (k, v), (kb, vb) in zip(state.cross, b.cross):
+                kb[:n, :, :source].copy_(k)
+                vb[:n, :, :source].copy_(v)
+            b.sources = state.src_mask
+        if not self.capture:
+            b.outputs = self._body(b)
+        elif fresh:
+            self._record(b)
+        else:
+            b.graph.replay()
+        assert b.outputs is not None
+        logp, k_new, v_new = b.outputs
+        return logp[:rows], k_new[:, :rows], v_new[:, :rows]
+
+    @staticmethod
+    def _kv_dtype(x: Tensor) -> torch.dtype:
+        """The cache's dtype before it exists: the keys' dtype, autocast's where it is on (bf16 decoding)."""
+        device = x.device.type
+        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+    def _allocate(self, key: tuple, x: Tensor) -> _Bucket:
+        n, beams, source, positions, dtype, kv_dtype = key
+        cfg, device = self.model.cfg, x.device
+        rows, layers, heads = n * beams, len(self.model.decoder), cfg.heads
+        # Zeros, not garbage: masked slots get weight 0, and 0 x NaN would be NaN.
+        zeros = lambda *shape, dt=kv_dtype: torch.zeros(shape, dtype=dt, device=device)  # noqa: E731
+        return _Bucket(
+            x=zeros(rows, 1, cfg.d_model, dt=dtype),
+            keys=zeros(positions, layers, rows, heads, cfg.d_k),
+            values=zeros(positions, layers, rows, heads, cfg.d_v),
+            start=zeros(rows, 1, dt=torch.long),
+            length=zeros(1, dt=torch.long),
+            slots=torch.arange(positions, device=device),
+            cross=[(zeros(n, heads, source, cfg.d_k), zeros(n, heads, source, cfg.d_v)) for _ in range(layers)],
+            # padding sentences may attend to their first position, so that none of their rows is all -inf
+            src_mask=torch.ones(n, 1, 1, source, dtype=torch.bool, device=device),
+        )
+
+    def _body(self, b: _Bucket) -> tuple[Tensor, Tensor, Tensor]:
+        """The step on the bucket's buffers: what a graph records."""
+        m = self.model
+        # [R', 1] vs [T'] -> [R', T'] -> [R', 1, 1, T']: a row attends to its own slots start .. t-1 (and itself)
+        prev_mask = ((b.slots >= b.start) & (b.slots < b.length))[:, None, None, :]
+        h, k_new, v_new = m.step_layers(b.x, b.keys, b.values, prev_mask, b.cross, b.src_mask)
+        logp = F.log_softmax(m.decoding_logits(h), dim=-1, dtype=torch.float32)  # [R', V]
+        return logp, k_new, v_new
+
+    def _record(self, b: _Bucket) -> None:
+        """Warm up on a side stream (kernel choice, cuBLAS's workspace), then record the bucket's graph and replay it
+        once for this step."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._body(b)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            b.outputs = self._body(b)
+        self.pool = graph.pool()
+        b.graph = graph
+        graph.replay()
+
+
+__all__ = ["GraphedStep", "MAX_ROWS", "bucket"]
