@@ -50,6 +50,16 @@ def read_lines(path: Path, n: int) -> list[str]:
     return [line for line in lines if line][:n]
 
 
+def _tensors(x: object) -> list:
+    """Every tensor in nested dicts, lists and tuples (decode.cuda_graphs' buffers)."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return [x]
+    items = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else []
+    return [t for item in items for t in _tensors(item)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", type=Path, required=True, help="a trained or averaged mtpipe checkpoint")
@@ -134,7 +144,9 @@ def main() -> None:
     for name, engine in engines.items():
         graphed = engine.prepared()._graphed
         if graphed is not None:
-            console.print(f"{name}: {len(graphed.buckets)} buckets recorded (rows <= {graphed.max_rows})")
+            held = sum(t.numel() * t.element_size() for t in _tensors(graphed.buffers))
+            console.print(f"{name}: {len(graphed.buckets)} buckets recorded (rows <= {graphed.max_rows}), their "
+                          f"buffers {held / 2**20:.1f} MiB")
 
     def spread(values: list[float]) -> str:
         return " / ".join(fmt(v) for v in (min(values), statistics.median(values), max(values)))

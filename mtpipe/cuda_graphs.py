@@ -18,10 +18,11 @@ positions ``t``, each but the beams rounded up to a power of two -- over static 
 * the source is padded to the bucket's length and the padding masked, as any batch's padding is.
 
 Before each replay the step's inputs are copied into the bucket's buffers (the new position's embedded input, the
-cache prefix, the length; the encoder keys/values only when the batch's sentences changed); its outputs are views of
-the graph's own, read by the beam search before the next step. A bucket's graph is recorded the first time the
-bucket is met (a few milliseconds; ``mtpipe serve``'s warm-up meets the common ones), and the graphs share one memory
-pool. Batches of more than :data:`MAX_ROWS` rows, restricted self-attention (its window is the *last* r cached
+cache prefix, the length; the encoder keys/values only when the sentences those buffers hold are not the step's);
+the graph writes its outputs into output buffers, read by the beam search before the next step. Buckets of the same
+sizes share their buffers (one graph replays at a time), so memory grows with the distinct sizes met rather than
+with the number of graphs, and the graphs share one memory pool. A bucket's graph is recorded the first time the
+bucket is met (a few milliseconds; ``mtpipe serve``'s warm-up meets the common ones). Batches of more than :data:`MAX_ROWS` rows, restricted self-attention (its window is the *last* r cached
 positions, which padding would move), attention recording and compiled steps keep the eager step.
 
 ``capture=False`` runs the same padded computation without recording a graph: how the tests check on a CPU that
@@ -31,10 +32,9 @@ bucketing, padding and masking leave every hypothesis as the eager step finds it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 # Rows (sentences x beams) above which the eager step runs: a full batch's step keeps a GPU busy on its own, and each
@@ -51,7 +51,9 @@ def bucket(n: int, least: int = 1) -> int:
 
 @dataclass(eq=False)
 class _Bucket:
-    """One graph's static inputs and outputs (see the module docstring)."""
+    """One graph's static inputs and outputs (see the module docstring): views of :class:`GraphedStep`'s buffers,
+    which buckets of the same sizes share (a graph reads and writes them only while it replays, and one graph replays
+    at a time)."""
 
     x: Tensor  # [R', 1, D] the new position's embedded input
     keys: Tensor  # [T', layers, R', h, d_k] the self-attention cache at capacity
@@ -61,10 +63,12 @@ class _Bucket:
     slots: Tensor  # [T'] 0 .. T'-1
     cross: list[tuple[Tensor, Tensor]]  # per layer [n', h, S', d]
     src_mask: Tensor  # [n', 1, 1, S']
+    logp: Tensor  # [R', V] float32: the outputs, written by the graph
+    k_new: Tensor  # [layers, R', h, d_k]
+    v_new: Tensor  # [layers, R', h, d_v]
+    sources_key: tuple  # the key of the cross / src_mask buffers (GraphedStep.loaded)
+    start_key: tuple  # the key of the start buffer (GraphedStep.started)
     graph: Any = None  # torch.cuda.CUDAGraph once recorded
-    outputs: tuple[Tensor, Tensor, Tensor] | None = None  # log-probs [R', V], new keys / values [layers, R', h, d]
-    sources: Tensor | None = None  # the src_mask whose sentences the cross buffers hold (kept: its identity is the key)
-    started: bool = False  # whether ``start`` holds anything but zeros
 
 
 class GraphedStep:
@@ -75,7 +79,12 @@ class GraphedStep:
         self.model, self.capture = model, capture
         self.max_rows = MAX_ROWS if max_rows is None else max_rows
         self.buckets: dict[tuple, _Bucket] = {}
-        self.pool: Any = None  # the graphs' shared memory pool (outputs are read before the next replay)
+        # Static buffers by what they hold and their sizes, shared by the buckets that need the same: memory grows
+        # with the distinct sizes met, not with the number of graphs.
+        self.buffers: dict[tuple, Any] = {}
+        self.loaded: dict[tuple, Tensor] = {}  # cross / src_mask buffers -> the src_mask whose sentences they hold
+        self.started: dict[tuple, bool] = {}  # start buffer -> whether it holds anything but zeros
+        self.pool: Any = None  # the graphs' shared memory pool (one graph replays at a time)
 
     def __deepcopy__(self, memo: dict) -> None:
         return None  # a copy of the model (bf16_copy, prune) records its own graphs, of its own weights
@@ -87,7 +96,7 @@ class GraphedStep:
     def __call__(self, x: Tensor, state: Any) -> tuple[Tensor, Tensor, Tensor]:
         """The step for the new position's input ``x`` ``[R, 1, D]`` and ``state``
         (:class:`mtpipe.model.DecoderState`): log-probabilities ``[R, V]`` (float32) and the new position's keys /
-        values ``[layers, R, h, d]``, views of the graph's outputs that the next call overwrites."""
+        values ``[layers, R, h, d]``, views of buffers that the next call overwrites."""
         rows, t = x.size(0), state.length
         n, source = state.src_mask.size(0), state.src_mask.size(-1)
         beams = rows // n
@@ -105,26 +114,24 @@ class GraphedStep:
         b.length.fill_(t)
         if state.start is not None:
             b.start[:rows, 0].copy_(state.start)
-            b.started = True
-        elif b.started:
+            self.started[b.start_key] = True
+        elif self.started.get(b.start_key):
             b.start.zero_()
-            b.started = False
-        if b.sources is not state.src_mask:  # the batch's sentences changed: their encoder keys/values and mask
+            self.started[b.start_key] = False
+        if self.loaded.get(b.sources_key) is not state.src_mask:  # other sentences: their encoder keys/values, mask
             b.src_mask[:n, ..., :source].copy_(state.src_mask)
             b.src_mask[:n, ..., source:] = False
             for (k, v), (kb, vb) in zip(state.cross, b.cross):
                 kb[:n, :, :source].copy_(k)
                 vb[:n, :, :source].copy_(v)
-            b.sources = state.src_mask
+            self.loaded[b.sources_key] = state.src_mask  # kept: its identity is the marker
         if not self.capture:
-            b.outputs = self._body(b)
+            self._body(b)
         elif fresh:
             self._record(b)
         else:
             b.graph.replay()
-        assert b.outputs is not None
-        logp, k_new, v_new = b.outputs
-        return logp[:rows], k_new[:, :rows], v_new[:, :rows]
+        return b.logp[:rows], b.k_new[:, :rows], b.v_new[:, :rows]
 
     @staticmethod
     def _kv_dtype(x: Tensor) -> torch.dtype:
@@ -132,32 +139,54 @@ class GraphedStep:
         device = x.device.type
         return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
+    def _buffer(self, key: tuple, make: Callable[[], Any]) -> Any:
+        if key not in self.buffers:
+            self.buffers[key] = make()
+        return self.buffers[key]
+
     def _allocate(self, key: tuple, x: Tensor) -> _Bucket:
         n, beams, source, positions, dtype, kv_dtype = key
         cfg, device = self.model.cfg, x.device
         rows, layers, heads = n * beams, len(self.model.decoder), cfg.heads
+        vocab = self.model.vocab_size
+
         # Zeros, not garbage: masked slots get weight 0, and 0 x NaN would be NaN.
-        zeros = lambda *shape, dt=kv_dtype: torch.zeros(shape, dtype=dt, device=device)  # noqa: E731
-        return _Bucket(
-            x=zeros(rows, 1, cfg.d_model, dt=dtype),
-            keys=zeros(positions, layers, rows, heads, cfg.d_k),
-            values=zeros(positions, layers, rows, heads, cfg.d_v),
-            start=zeros(rows, 1, dt=torch.long),
-            length=zeros(1, dt=torch.long),
-            slots=torch.arange(positions, device=device),
-            cross=[(zeros(n, heads, source, cfg.d_k), zeros(n, heads, source, cfg.d_v)) for _ in range(layers)],
+        def zeros(*shape: int, dt: torch.dtype = kv_dtype) -> Tensor:
+            return torch.zeros(shape, dtype=dt, device=device)
+
+        def sources() -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
+            cross = [(zeros(n, heads, source, cfg.d_k), zeros(n, heads, source, cfg.d_v)) for _ in range(layers)]
             # padding sentences may attend to their first position, so that none of their rows is all -inf
-            src_mask=torch.ones(n, 1, 1, source, dtype=torch.bool, device=device),
+            return cross, torch.ones(n, 1, 1, source, dtype=torch.bool, device=device)
+
+        sources_key, start_key = ("sources", n, source, kv_dtype), ("start", rows)
+        cross, src_mask = self._buffer(sources_key, sources)
+        keys, values = self._buffer(("cache", positions, rows, kv_dtype),
+                                    lambda: (zeros(positions, layers, rows, heads, cfg.d_k),
+                                             zeros(positions, layers, rows, heads, cfg.d_v)))
+        logp, k_new, v_new = self._buffer(("out", rows, kv_dtype),
+                                          lambda: (zeros(rows, vocab, dt=torch.float32),
+                                                   zeros(layers, rows, heads, cfg.d_k),
+                                                   zeros(layers, rows, heads, cfg.d_v)))
+        return _Bucket(
+            x=self._buffer(("x", rows, dtype), lambda: zeros(rows, 1, cfg.d_model, dt=dtype)),
+            keys=keys, values=values,
+            start=self._buffer(start_key, lambda: zeros(rows, 1, dt=torch.long)),
+            length=self._buffer(("length",), lambda: zeros(1, dt=torch.long)),
+            slots=self._buffer(("slots", positions), lambda: torch.arange(positions, device=device)),
+            cross=cross, src_mask=src_mask, logp=logp, k_new=k_new, v_new=v_new,
+            sources_key=sources_key, start_key=start_key,
         )
 
-    def _body(self, b: _Bucket) -> tuple[Tensor, Tensor, Tensor]:
-        """The step on the bucket's buffers: what a graph records."""
+    def _body(self, b: _Bucket) -> None:
+        """The step on the bucket's buffers, its results written into the output buffers: what a graph records."""
         m = self.model
         # [R', 1] vs [T'] -> [R', T'] -> [R', 1, 1, T']: a row attends to its own slots start .. t-1 (and itself)
         prev_mask = ((b.slots >= b.start) & (b.slots < b.length))[:, None, None, :]
         h, k_new, v_new = m.step_layers(b.x, b.keys, b.values, prev_mask, b.cross, b.src_mask)
-        logp = F.log_softmax(m.decoding_logits(h), dim=-1, dtype=torch.float32)  # [R', V]
-        return logp, k_new, v_new
+        torch.log_softmax(m.decoding_logits(h), dim=-1, dtype=torch.float32, out=b.logp)  # [R', V]
+        b.k_new.copy_(k_new)
+        b.v_new.copy_(v_new)
 
     def _record(self, b: _Bucket) -> None:
         """Warm up on a side stream (kernel choice, cuBLAS's workspace), then record the bucket's graph and replay it
@@ -169,7 +198,7 @@ class GraphedStep:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            b.outputs = self._body(b)
+            self._body(b)
         self.pool = graph.pool()
         b.graph = graph
         graph.replay()

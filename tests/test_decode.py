@@ -602,6 +602,34 @@ def test_graphed_step_takes_sentences_joining_a_running_search(model):
         assert [h.score for h in got[i]] == pytest.approx([h.score for h in hyps], abs=1e-4)
 
 
+def test_graphed_step_serves_two_searches_taking_turns(model):
+    """Two continuous-batching streams (``mtpipe serve`` keeps one per distinct beam / alpha / nbest) step in turn on
+    one model with decode.cuda_graphs: the buckets they share (same shapes) hold one stream's sentences, then the
+    other's, and each stream still decodes as its sentences would alone."""
+    from mtpipe.search import DecodeRules
+    from mtpipe.streaming import StreamDecoder
+
+    rules = [DecodeRules(beam=2, max_len_b=12), DecodeRules(beam=2, max_len_b=12, penalty=LengthPenalty("gnmt", 1.0))]
+    srcs = [sources(3, seed=31), sources(3, seed=32)]
+    alone = [[translate_batches(model, [s], r, max_tokens=1000)[0] for s in ss] for r, ss in zip(rules, srcs)]
+    twin = copy.deepcopy(model)
+    twin.graph_step(capture=False)
+    streams = [StreamDecoder(twin, r, max_tokens=10_000) for r in rules]
+    got: list[dict] = [{}, {}]
+    with torch.inference_mode():
+        for stream, ss in zip(streams, srcs):
+            for i, s in enumerate(ss):
+                stream.add(i, s)
+        for _ in range(100):
+            for stream, g in zip(streams, got):
+                if len(stream):
+                    g.update(stream.step())
+    for want, g in zip(alone, got):
+        for i, hyps in enumerate(want):
+            assert [h.tokens for h in g[i]] == [h.tokens for h in hyps], i
+            assert [h.score for h in g[i]] == pytest.approx([h.score for h in hyps], abs=1e-4)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="optional: needs a CUDA GPU (CPU runs check the same buckets unrecorded, above)")
 @pytest.mark.parametrize("precision,variant", [("fp32", ""), ("bf16", ""), ("fp32", "fixnorm")])
