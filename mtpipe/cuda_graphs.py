@@ -128,10 +128,28 @@ class GraphedStep:
         if not self.capture:
             self._body(b)
         elif fresh:
-            self._record(b)
+            try:
+                self._record(b)
+            except (RuntimeError, AssertionError) as e:  # what torch raises where a graph cannot be recorded
+                self._give_up(e)
+                self._body(b)
         else:
             b.graph.replay()
         return b.logp[:rows], b.k_new[:, :rows], b.v_new[:, :rows]
+
+    def _give_up(self, error: BaseException) -> None:
+        """A graph could not be recorded (a driver, GPU or operation that does not allow it): say so once and take the
+        eager step from now on, which gives the same translations."""
+        from mtpipe.console import warn
+
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        warn(f"decode.cuda_graphs: a CUDA graph of the decoding step could not be recorded ({first}); decoding with "
+             "the eager step (--no-cuda-graphs skips the attempt)")
+        self.max_rows = -1  # takes() is False from now on
+        self.buckets.clear()
+        self.buffers.clear()
+        self.loaded.clear()
+        self.started.clear()
 
     @staticmethod
     def _kv_dtype(x: Tensor) -> torch.dtype:

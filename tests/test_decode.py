@@ -602,6 +602,22 @@ def test_graphed_step_takes_sentences_joining_a_running_search(model):
         assert [h.score for h in got[i]] == pytest.approx([h.score for h in hyps], abs=1e-4)
 
 
+def test_a_graph_that_cannot_be_recorded_falls_back_to_the_eager_step(model, capsys):
+    """Where recording fails (here: a CPU, where torch has no CUDA streams; on a GPU a driver or an operation that
+    does not allow it), decoding says so once and goes on with the eager step: the same translations."""
+    srcs = sources(4, seed=41)
+    cfg = DecodeConfig(beam=2, max_len_b=8)
+    eager = translate(model, srcs, cfg)
+    twin = copy.deepcopy(model)
+    twin.graph_step(capture=True)
+    out = translate(twin, srcs, cfg)
+    assert [[h.tokens for h in a] for a in out] == [[h.tokens for h in a] for a in eager]
+    err = capsys.readouterr()
+    warnings = [line for line in (err.out + err.err).splitlines() if "decode.cuda_graphs" in line]
+    assert len(warnings) == 1 and "could not be recorded" in warnings[0] and "eager step" in warnings[0]
+    assert not twin._graphed.takes(1) and not twin._graphed.buckets
+
+
 def test_graphed_step_serves_two_searches_taking_turns(model):
     """Two continuous-batching streams (``mtpipe serve`` keeps one per distinct beam / alpha / nbest) step in turn on
     one model with decode.cuda_graphs: the buckets they share (same shapes) hold one stream's sentences, then the
