@@ -22,8 +22,11 @@ cache prefix, the length; the encoder keys/values only when the sentences those 
 the graph writes its outputs into output buffers, read by the beam search before the next step. Buckets of the same
 sizes share their buffers (one graph replays at a time), so memory grows with the distinct sizes met rather than
 with the number of graphs, and the graphs share one memory pool. A bucket's graph is recorded the first time the
-bucket is met (a few milliseconds; ``mtpipe serve``'s warm-up meets the common ones). Batches of more than :data:`MAX_ROWS` rows, restricted self-attention (its window is the *last* r cached
-positions, which padding would move), attention recording and compiled steps keep the eager step.
+bucket is met (a few milliseconds; ``mtpipe serve``'s warm-up meets the common ones). A graph reads the weights at
+the addresses they had when it was recorded: updates in place (``load_state_dict``) are seen, and weights that moved
+(``model.to(...)``) are noticed at the next batch (:meth:`GraphedStep.check`), which records new graphs. Batches of
+more than :data:`MAX_ROWS` rows, restricted self-attention (its window is the *last* r cached positions, which
+padding would move), attention recording and compiled steps keep the eager step.
 
 ``capture=False`` runs the same padded computation without recording a graph: how the tests check on a CPU that
 bucketing, padding and masking leave every hypothesis as the eager step finds it.
@@ -31,6 +34,7 @@ bucketing, padding and masking leave every hypothesis as the eager step finds it
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -85,6 +89,27 @@ class GraphedStep:
         self.loaded: dict[tuple, Tensor] = {}  # cross / src_mask buffers -> the src_mask whose sentences they hold
         self.started: dict[tuple, bool] = {}  # start buffer -> whether it holds anything but zeros
         self.pool: Any = None  # the graphs' shared memory pool (one graph replays at a time)
+        self.weights = self._weights()
+
+    def _weights(self) -> list[int]:
+        """Where the model's weights and buffers are: what the graphs read."""
+        return [t.data_ptr() for t in itertools.chain(self.model.parameters(), self.model.buffers())]
+
+    def check(self) -> None:
+        """At each batch's start (:meth:`mtpipe.model.Transformer.start`): when the weights moved since the graphs
+        were recorded (``model.to(...)``, new tensors loaded), forget the graphs and their buffers; the next steps
+        record new ones."""
+        weights = self._weights()
+        if weights != self.weights:
+            self._forget()
+            self.weights = weights
+
+    def _forget(self) -> None:
+        self.buckets.clear()
+        self.buffers.clear()
+        self.loaded.clear()
+        self.started.clear()
+        self.pool = None
 
     def __deepcopy__(self, memo: dict) -> None:
         return None  # a copy of the model (bf16_copy, prune) records its own graphs, of its own weights
@@ -146,10 +171,7 @@ class GraphedStep:
         warn(f"decode.cuda_graphs: a CUDA graph of the decoding step could not be recorded ({first}); decoding with "
              "the eager step (--no-cuda-graphs skips the attempt)")
         self.max_rows = -1  # takes() is False from now on
-        self.buckets.clear()
-        self.buffers.clear()
-        self.loaded.clear()
-        self.started.clear()
+        self._forget()
 
     @staticmethod
     def _kv_dtype(x: Tensor) -> torch.dtype:

@@ -613,6 +613,8 @@ class Transformer(nn.Module):
         # copy at every step of every layer.
         cross = [(k.contiguous(), v.contiguous()) for k, v in (layer.cross_attn.project_kv(memory)
                                                                for layer in self.decoder)]
+        if self._graphed_for == id(self):
+            self._graphed.check()  # graphs read the weights where they were recorded: not after model.to(...)
         return DecoderState(src_mask=src_mask, cross=cross)
 
     def step(self, tokens: Tensor, state: DecoderState, lazy: bool = False) -> tuple[Any, DecoderState]:

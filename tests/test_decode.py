@@ -560,9 +560,15 @@ def test_graphed_step_decodes_what_the_eager_step_decodes(model, monkeypatch):
     assert {key[3] for key in buckets} >= {16, 32} and {key[2] for key in buckets} == {32, 64}
     assert any(rows < key[0] * key[1] for rows, key in seen)  # padded rows
     assert len(twin._graphed.buckets) == len(buckets) and not any(b.graph for b in twin._graphed.buckets.values())
-    kept = twin._graphed
+    kept, buckets_before = twin._graphed, dict(twin._graphed.buckets)
     twin.graph_step(capture=False)  # as every translate() of the same model asks again: the graphs so far are kept
-    assert twin._graphed is kept
+    translate(twin, srcs[:2], cfg)
+    assert twin._graphed is kept and all(kept.buckets.get(k) is b for k, b in buckets_before.items())
+    # Weights that moved (model.to(...), here a round trip through float64) leave the graphs reading freed memory:
+    # the next batch's start forgets them and records new ones, and the translations stay the eager step's.
+    twin.to(torch.float64).to(torch.float32)
+    assert translate(twin, srcs[:2], cfg)[0][0].tokens == eager[0][0].tokens
+    assert kept.buckets and not any(kept.buckets.get(k) is b for k, b in buckets_before.items())
     for a, b in zip(eager, out):
         assert [h.tokens for h in a] == [h.tokens for h in b]
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
