@@ -65,6 +65,13 @@ $PY bench/step_cost.py --checkpoint "$W/average" --tokens "$ART/bpe" --sentences
   --rounds 2 --cuda-graphs both --profile > "$OUT/step_cost.log" 2>&1; echo "rc=$?"
 grep -E "│ (full|small)|small / full|graphs / eager|buckets|cudaLaunchKernel|cudaGraphLaunch|Self (CPU|CUDA) time total" \
   "$OUT/step_cost.log"
+el "the same with graphs for up to 1,024 rows (the default: 256), and with 32,000-token full batches: the next defaults?"
+$PY bench/step_cost.py --checkpoint "$W/average" --tokens "$ART/bpe" --sentences "$W/test.src" --device cuda \
+  --rounds 2 --cuda-graphs both --graph-rows 1024 > "$OUT/step_cost_1024.log" 2>&1; echo "rc=$?"
+grep -E "│ (full|small)|graphs / eager|buckets" "$OUT/step_cost_1024.log"
+$PY bench/step_cost.py --checkpoint "$W/average" --tokens "$ART/bpe" --sentences "$W/test.src" --device cuda \
+  --rounds 2 --cuda-graphs on --max-tokens 32000 --small-tokens 8000 > "$OUT/step_cost_32k.log" 2>&1; echo "rc=$?"
+grep -E "│ (full|small)|small / full" "$OUT/step_cost_32k.log"
 
 el "fp16 + grad scaler, $SHORT updates"
 train --out "$W/fp16" --max-steps "$SHORT" --max-time 0 --precision fp16 > "$OUT/fp16.log" 2>&1; echo "rc=$?"

@@ -16,7 +16,8 @@ Padding is on the right and uses :data:`mtpipe.artifacts.PAD_ID`.
 Decoding: :meth:`Transformer.encode` runs the encoder once, :meth:`Transformer.start` projects each decoder layer's
 cross-attention keys/values once per sentence, and :meth:`Transformer.step` runs the decoder layers
 (:meth:`Transformer.step_layers`: the same :meth:`DecoderLayer.forward` as training; ``decode.compile`` runs it through
-``torch.compile``) on the newest position only, its self-attention keys/values cached (:class:`DecoderState`,
+``torch.compile``, ``decode.cuda_graphs`` replays it on a GPU from CUDA graphs, :mod:`mtpipe.cuda_graphs`) on the
+newest position only, its self-attention keys/values cached (:class:`DecoderState`,
 whose ``select`` reorders or shrinks the batch in beam search, and whose ``admit`` lets new sentences join a running
 batch: continuous batching, :mod:`mtpipe.streaming`).
 
