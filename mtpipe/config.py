@@ -372,7 +372,8 @@ class DecodeConfig(Section):
         "graphs recorded for a few fixed shapes (rows, cached and source positions rounded up to powers of two), "
         "for batches of up to 256 rows: a few sentences' step is bound by launching its ~200 kernels, which a "
         "graph launches at once. No effect on CPU, with decode.compile (its step runs instead) or with restricted "
-        "self-attention. Outputs equal the eager step's up to float rounding.",
+        "self-attention. Outputs equal the eager step's up to float rounding. Where a graph cannot be made (GPU "
+        "memory, a driver that does not allow it): one warning, then the eager step.",
         default=True,
     )
 

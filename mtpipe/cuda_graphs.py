@@ -21,12 +21,16 @@ Before each replay the step's inputs are copied into the bucket's buffers (the n
 cache prefix, the length; the encoder keys/values only when the sentences those buffers hold are not the step's);
 the graph writes its outputs into output buffers, read by the beam search before the next step. Buckets of the same
 sizes share their buffers (one graph replays at a time), so memory grows with the distinct sizes met rather than
-with the number of graphs, and the graphs share one memory pool. A bucket's graph is recorded the first time the
-bucket is met (a few milliseconds; ``mtpipe serve``'s warm-up meets the common ones). A graph reads the weights at
-the addresses they had when it was recorded: updates in place (``load_state_dict``) are seen, and weights that moved
-(``model.to(...)``) are noticed at the next batch (:meth:`GraphedStep.check`), which records new graphs. Batches of
-more than :data:`MAX_ROWS` rows, restricted self-attention (its window is the *last* r cached positions, which
-padding would move), attention recording and compiled steps keep the eager step.
+with the number of graphs (the cache buffers, powers of two in rows and positions, add up to at most ~4x a cache of
+the largest rows and positions met), and the graphs share one memory pool. A bucket's graph is recorded the first
+time the bucket is met (a few milliseconds; ``mtpipe serve``'s warm-up meets the common ones). Where a bucket's
+buffers or graph cannot be made (GPU memory, a driver or an operation that does not allow recording), decoding warns
+once and takes the eager step from then on.
+
+A graph reads the weights at the addresses they had when it was recorded: updates in place (``load_state_dict``)
+are seen, and weights that moved (``model.to(...)``) are noticed at the next batch (:meth:`GraphedStep.check`),
+which records new graphs. Batches of more than :data:`MAX_ROWS` rows, restricted self-attention (its window is the
+*last* r cached positions, which padding would move), attention recording and compiled steps keep the eager step.
 
 ``capture=False`` runs the same padded computation without recording a graph: how the tests check on a CPU that
 bucketing, padding and masking leave every hypothesis as the eager step finds it.
@@ -118,10 +122,12 @@ class GraphedStep:
         """Whether a step of ``rows`` rows runs from a graph."""
         return rows <= self.max_rows
 
-    def __call__(self, x: Tensor, state: Any) -> tuple[Tensor, Tensor, Tensor]:
+    def __call__(self, x: Tensor, state: Any) -> tuple[Tensor, Tensor, Tensor] | None:
         """The step for the new position's input ``x`` ``[R, 1, D]`` and ``state``
         (:class:`mtpipe.model.DecoderState`): log-probabilities ``[R, V]`` (float32) and the new position's keys /
-        values ``[layers, R, h, d]``, views of buffers that the next call overwrites."""
+        values ``[layers, R, h, d]``, views of buffers that the next call overwrites; or None where a bucket's buffers
+        or graph could not be made (GPU memory, a driver or an operation that does not allow recording): then a
+        warning, and the eager step from now on."""
         rows, t = x.size(0), state.length
         n, source = state.src_mask.size(0), state.src_mask.size(-1)
         beams = rows // n
@@ -130,7 +136,11 @@ class GraphedStep:
         b = self.buckets.get(key)
         fresh = b is None
         if b is None:
-            b = self.buckets[key] = self._allocate(key, x)
+            try:
+                b = self.buckets[key] = self._allocate(key, x)
+            except (RuntimeError, AssertionError) as e:  # torch.OutOfMemoryError is a RuntimeError
+                self._give_up(e)
+                return None
         b.x[:rows].copy_(x)
         if t:
             assert state.cache is not None
@@ -157,18 +167,18 @@ class GraphedStep:
                 self._record(b)
             except (RuntimeError, AssertionError) as e:  # what torch raises where a graph cannot be recorded
                 self._give_up(e)
-                self._body(b)
+                return None
         else:
             b.graph.replay()
         return b.logp[:rows], b.k_new[:, :rows], b.v_new[:, :rows]
 
     def _give_up(self, error: BaseException) -> None:
-        """A graph could not be recorded (a driver, GPU or operation that does not allow it): say so once and take the
-        eager step from now on, which gives the same translations."""
+        """A bucket's buffers or graph could not be made: say so once, free what the graphs held and take the eager
+        step from now on, which gives the same translations."""
         from mtpipe.console import warn
 
         first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-        warn(f"decode.cuda_graphs: a CUDA graph of the decoding step could not be recorded ({first}); decoding with "
+        warn(f"decode.cuda_graphs: a CUDA graph of the decoding step could not be made ({first}); decoding with "
              "the eager step (--no-cuda-graphs skips the attempt)")
         self.max_rows = -1  # takes() is False from now on
         self._forget()

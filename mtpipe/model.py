@@ -632,10 +632,12 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens[:, None], offset=offset, target=True)  # [R] -> [R, 1] -> [R, 1, D]
         if self._graphed_for == id(self) and self._graphed.takes(x.size(0)) and not self._recording():
             # decode.cuda_graphs: layers, projection and log-softmax replayed from a recorded graph
-            logp, k_new, v_new = self._graphed(x, state)  # [R, V], [layers, R, h, d] x 2
-            state.write(k_new, v_new)
-            new_state = dataclasses.replace(state, length=state.length + 1)
-            return ((lambda lo, hi: logp[lo:hi]) if lazy else logp), new_state
+            graphed = self._graphed(x, state)  # [R, V], [layers, R, h, d] x 2; None: no graph (the eager step)
+            if graphed is not None:
+                logp, k_new, v_new = graphed
+                state.write(k_new, v_new)
+                new_state = dataclasses.replace(state, length=state.length + 1)
+                return ((lambda lo, hi: logp[lo:hi]) if lazy else logp), new_state
         k_prev, v_prev, prev_mask = state.prefix(x, len(self.decoder), self.cfg.heads, self.cfg.d_k, self.cfg.d_v)
         if self._compiled() and state.length >= 2 and not self._recording():
             mark_step_dynamic(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask)

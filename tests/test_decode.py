@@ -608,19 +608,30 @@ def test_graphed_step_takes_sentences_joining_a_running_search(model):
         assert [h.score for h in got[i]] == pytest.approx([h.score for h in hyps], abs=1e-4)
 
 
-def test_a_graph_that_cannot_be_recorded_falls_back_to_the_eager_step(model, capsys):
+@pytest.mark.parametrize("failing", ["record", "allocate"])
+def test_a_graph_that_cannot_be_made_falls_back_to_the_eager_step(model, capsys, monkeypatch, failing):
     """Where recording fails (here: a CPU, where torch has no CUDA streams; on a GPU a driver or an operation that
-    does not allow it), decoding says so once and goes on with the eager step: the same translations."""
+    does not allow it) or a bucket's buffers do not fit in GPU memory, decoding says so once and goes on with the
+    eager step: the same translations."""
+    from mtpipe import cuda_graphs
+
     srcs = sources(4, seed=41)
     cfg = DecodeConfig(beam=2, max_len_b=8)
     eager = translate(model, srcs, cfg)
     twin = copy.deepcopy(model)
-    twin.graph_step(capture=True)
+    twin.graph_step(capture=failing == "record")
+    if failing == "allocate":
+        def no_memory(self, key, x):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+
+        monkeypatch.setattr(cuda_graphs.GraphedStep, "_allocate", no_memory)
     out = translate(twin, srcs, cfg)
     assert [[h.tokens for h in a] for a in out] == [[h.tokens for h in a] for a in eager]
+    assert [[h.score for h in a] for a in out] == [[h.score for h in a] for a in eager]
     err = capsys.readouterr()
     warnings = [line for line in (err.out + err.err).splitlines() if "decode.cuda_graphs" in line]
-    assert len(warnings) == 1 and "could not be recorded" in warnings[0] and "eager step" in warnings[0]
+    assert len(warnings) == 1 and "could not be made" in warnings[0] and "eager step" in warnings[0]
+    assert ("out of memory" in warnings[0]) == (failing == "allocate")
     assert not twin._graphed.takes(1) and not twin._graphed.buckets
 
 
