@@ -209,7 +209,7 @@ def decoding_model(model: Any, precision: str, device: torch.device, compile: bo
         model = int8_copy(model)
     if compile:
         model.compile_step()
-    elif cuda_graphs and cache and device.type == "cuda" and precision != "int8":
+    elif cuda_graphs and cache and device.type == "cuda":  # (int8 was refused above: it runs on CPU only)
         model.graph_step()
     return model.eval()
 

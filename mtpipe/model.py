@@ -630,33 +630,37 @@ class Transformer(nn.Module):
         # Each row's own position: the step count, less the cache slot it started at when it joined later.
         offset = state.length if state.start is None else state.length - state.start[:, None]  # int or [R, 1]
         x = self.embed_tokens(tokens[:, None], offset=offset, target=True)  # [R] -> [R, 1] -> [R, 1, D]
+        graphed = None
         if self._graphed_for == id(self) and self._graphed.takes(x.size(0)) and not self._recording():
             # decode.cuda_graphs: layers, projection and log-softmax replayed from a recorded graph
             graphed = self._graphed(x, state)  # [R, V], [layers, R, h, d] x 2; None: no graph (the eager step)
-            if graphed is not None:
-                logp, k_new, v_new = graphed
-                state.write(k_new, v_new)
-                new_state = dataclasses.replace(state, length=state.length + 1)
-                return ((lambda lo, hi: logp[lo:hi]) if lazy else logp), new_state
+        if graphed is not None:
+            logp, k_new, v_new = graphed
+
+            def log_probs(lo: int, hi: int) -> Tensor:
+                return logp[lo:hi]  # [hi-lo, V], a view of the graph's output
+        else:
+            h, k_new, v_new = self._cached_layers(x, state)
+
+            def log_probs(lo: int, hi: int) -> Tensor:
+                # float32 straight from (bf16) logits: one pass, no separate cast of the logits
+                return F.log_softmax(self.decoding_logits(h[lo:hi]), dim=-1, dtype=torch.float32)  # [hi-lo, V]
+        state.write(k_new, v_new)
+        new_state = dataclasses.replace(state, length=state.length + 1)
+        return (log_probs if lazy else log_probs(0, x.size(0))), new_state
+
+    def _cached_layers(self, x: Tensor, state: DecoderState) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`step_layers` on ``state``'s cache, compiled (``decode.compile``) from a batch's third step on."""
         k_prev, v_prev, prev_mask = state.prefix(x, len(self.decoder), self.cfg.heads, self.cfg.d_k, self.cfg.d_v)
         if self._compiled() and state.length >= 2 and not self._recording():
             mark_step_dynamic(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask)
             try:
-                h, k_new, v_new = self._compiled_step(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask)
+                return self._compiled_step(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask)
             except torch._dynamo.exc.TorchDynamoException as e:  # building the graph failed (e.g. no C++ compiler)
                 first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
                 raise MtpipeError(f"decode.compile: torch.compile could not build the decoder step ({first.strip()}); "
                                   "decode without --compile") from e
-        else:
-            h, k_new, v_new = self.step_layers(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask)
-        state.write(k_new, v_new)
-
-        def log_probs(lo: int, hi: int) -> Tensor:
-            # float32 straight from (bf16) logits: one pass, no separate cast of the logits
-            return F.log_softmax(self.decoding_logits(h[lo:hi]), dim=-1, dtype=torch.float32)  # [hi-lo, V]
-
-        new_state = dataclasses.replace(state, length=state.length + 1)
-        return (log_probs if lazy else log_probs(0, h.size(0))), new_state
+        return self.step_layers(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask)
 
     def step_layers(self, x: Tensor, k_prev: Tensor, v_prev: Tensor, prev_mask: Tensor | None,
                     cross: list[tuple[Tensor, Tensor]], src_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
