@@ -618,12 +618,12 @@ def fairseq_decode(e: Env, s: DecodeSetup, dm: DecodeModel, beam: int, log: Path
 
 
 def mtpipe_decode(e: Env, s: DecodeSetup, dm: DecodeModel, precision: str, penalty: str, stop: str, log: Path,
-                  beam: int = 4, compile: bool = False) -> dict[str, Any]:
+                  beam: int = 4, compile: bool = False, processes: int = 1) -> dict[str, Any]:
     js, txt, pcs = log.with_suffix(".json"), log.with_suffix(".txt"), log.with_suffix(".pieces")
     sh(e.worker(PY, "_mtpipe-decode", "--checkpoint", dm.ckpt, "--spm", dm.spm, "--src", s.src_raw,
                 "--precision", precision, "--penalty", penalty, "--stop", stop, "--threads", e.threads, "--json", js,
                 "--hyps", txt, "--pieces", pcs, "--max-tokens", s.max_tokens, "--beam", beam,
-                *(["--compile"] if compile else [])),
+                "--processes", processes, *(["--compile"] if compile else [])),
        log, e.env)
     res = json.loads(js.read_text())
     res["hyps"] = txt.read_text(encoding="utf-8").split("\n")[:-1]
@@ -642,6 +642,8 @@ def worker_mtpipe_decode(argv: list[str]) -> None:
     ap.add_argument("--max-tokens", type=int, required=True)
     ap.add_argument("--beam", type=int, required=True)
     ap.add_argument("--compile", action="store_true", help="decode.compile (built in the warm-up)")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="decode.processes: a DecodePool of N processes, --threads split among them")
     a = ap.parse_args(argv)
     import sentencepiece as spm
     import torch
@@ -662,12 +664,29 @@ def worker_mtpipe_decode(argv: list[str]) -> None:
     # min_len 1: fairseq-generate's --min-len and CTranslate2's min_decoding_length default (never an empty output)
     cfg = DecodeConfig(beam=a.beam, alpha=0.6, length_penalty=a.penalty, max_len_a=1.0, max_len_b=50,
                        precision=a.precision, stop=a.stop, max_tokens=a.max_tokens, min_len=1, compile=a.compile)
-    translate(model, sources[: warmup_count(len(sources))], cfg, "cpu")  # warm-up: allocator, oneDNN kernels
-    if a.compile:  # and the graph for one sentence alone (a batch's tail), which the line above may not need
-        translate(model, sources[:1], cfg, "cpu")
-    t0 = time.perf_counter()
-    results = translate(model, sources, cfg, "cpu")
-    secs = time.perf_counter() - t0
+    if a.processes > 1:
+        # What `mtpipe decode --processes N` runs: the processes (started, loaded and warmed up here, untimed)
+        # share the sentences out; the same warm-up decode as below.
+        from mtpipe.search import DecodeRules
+        from mtpipe.workers import DecodePool
+
+        pool = DecodePool(dataclasses.replace(cfg, processes=a.processes, threads=max(1, a.threads // a.processes)),
+                          Path(a.checkpoint), None, a.processes)
+        try:
+            rules = DecodeRules.from_config(cfg)
+            pool.translate(sources[: warmup_count(len(sources))], rules)
+            t0 = time.perf_counter()
+            results = pool.translate(sources, rules)
+            secs = time.perf_counter() - t0
+        finally:
+            pool.close()
+    else:
+        translate(model, sources[: warmup_count(len(sources))], cfg, "cpu")  # warm-up: allocator, oneDNN kernels
+        if a.compile:  # and the graph for one sentence alone (a batch's tail), which the line above may not need
+            translate(model, sources[:1], cfg, "cpu")
+        t0 = time.perf_counter()
+        results = translate(model, sources, cfg, "cpu")
+        secs = time.perf_counter() - t0
     hyps = [r[0].tokens for r in results]
     Path(a.hyps).write_text("".join(line + "\n" for line in sp.decode(hyps)), encoding="utf-8")
     Path(a.pieces).write_text("".join(" ".join(sp.id_to_piece(hyp)) + "\n" for hyp in hyps), encoding="utf-8")
@@ -676,11 +695,12 @@ def worker_mtpipe_decode(argv: list[str]) -> None:
 
 
 def ct2_decode(e: Env, s: DecodeSetup, dm: DecodeModel, compute_type: str, limit: str,
-               log: Path) -> dict[str, Any]:
+               log: Path, replicas: int = 1) -> dict[str, Any]:
     js, txt = log.with_suffix(".json"), log.with_suffix(".txt")
     sh(e.worker(e.ct2_py, "_ct2-decode", "--model", dm.export, "--spm", dm.spm, "--src", s.src_raw,
                 "--compute-type", compute_type, "--batch", s.max_tokens, "--batch-type", "tokens", "--limit", limit,
-                "--threads", e.threads, "--json", js, "--hyps", txt), log, {**e.env, "CT2_VERBOSE": "1"})
+                "--threads", e.threads, "--replicas", replicas, "--json", js, "--hyps", txt), log,
+       {**e.env, "CT2_VERBOSE": "1"})
     res = json.loads(js.read_text())
     isa = re.search(r"ISA:?\s*([\w-]+)", log.read_text(errors="replace"))  # CTranslate2 logs the ISA it dispatches to
     res["isa"] = isa[1] if isa else "?"
@@ -701,14 +721,17 @@ def worker_ct2_decode(argv: list[str]) -> None:
     ap.add_argument("--batch", type=int, required=True)
     ap.add_argument("--batch-type", choices=["examples", "tokens"], default="examples")
     ap.add_argument("--threads", type=int, required=True)
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="CTranslate2's inter_threads (model replicas decoding batches side by side), --threads "
+                         "split among them")
     a = ap.parse_args(argv)
     import ctranslate2
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=a.spm)
     pieces = sp.encode(read_raw(Path(a.src)), out_type=str)
-    tr = ctranslate2.Translator(a.model, device="cpu", compute_type=a.compute_type, inter_threads=1,
-                                intra_threads=a.threads)
+    tr = ctranslate2.Translator(a.model, device="cpu", compute_type=a.compute_type, inter_threads=a.replicas,
+                                intra_threads=max(1, a.threads // a.replicas))
 
     def run(idx: list[int]) -> dict[int, list[str]]:
         groups: dict[int, list[int]] = {}
@@ -859,6 +882,17 @@ def run_rounds(e: Env, args: argparse.Namespace, parts: list[str]) -> dict[str, 
                         say(f"round {r}: decode {dm.key}: CTranslate2 {ct}")
                         row[f"CTranslate2 {ct}"] = decode_result(
                             ct2_decode(e, dec, dm, ct, args.ct2_limit, e.logs / f"{tag}_ct2_{ct}.log"), dec.refs)
+                    n = args.decode_processes
+                    if n > 1:  # each side's own way of decoding batches side by side, --threads split among them
+                        for p, ct in (("fp32", "float32"), ("int8", "int8")):
+                            say(f"round {r}: decode {dm.key}: mtpipe {p}, {n} processes")
+                            row[f"mtpipe {p}, {n} processes"] = decode_result(
+                                mtpipe_decode(e, dec, dm, p, "fairseq", "finished",
+                                              e.logs / f"{tag}_mtpipe_{p}_p{n}.log", processes=n), dec.refs)
+                            say(f"round {r}: decode {dm.key}: CTranslate2 {ct}, {n} replicas")
+                            row[f"CTranslate2 {ct}, {n} replicas"] = decode_result(
+                                ct2_decode(e, dec, dm, ct, args.ct2_limit, e.logs / f"{tag}_ct2_{ct}_r{n}.log",
+                                           replicas=n), dec.refs)
                     res[f"decode {dm.key}"] = row
             elif part == "data":
                 for pairs in (M30K_TRAIN, args.data_pairs):
@@ -894,6 +928,9 @@ def summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     base = [("fairseq", "fairseq fp32", False)]
                 elif decode:
                     base = [("fairseq", "fairseq fp32", False), ("ct2 fp32", "CTranslate2 float32", False)]
+                    if system.endswith(" processes"):  # decode.processes: also against CTranslate2's replicas
+                        n = system.split(", ")[1].split()[0]
+                        base.append((f"ct2 fp32, {n} replicas", f"CTranslate2 float32, {n} replicas", False))
                 elif g.startswith("data"):
                     base = [("fairseq", "fairseq-preprocess", True)]  # times: ratio = fairseq s / mtpipe s
                 ratios = {}
@@ -966,19 +1003,28 @@ def decode_verdict(rows: list[dict[str, Any]], rounds: list[dict[str, Any]] | No
         if compiled is not None:  # --decode-compile
             cc = compiled["median_ratios"].get("ct2 fp32", float("nan"))
             parts.append(f"with decode.compile {cc:.2f}x (>= 1.0x: {'pass' if cc >= 1.0 else 'MISSED'})")
+        for par in (r for r in rows if r["group"] == g and r["system"].startswith("mtpipe fp32, ")
+                    and r["unit"] == "tgt tok/s"):  # --decode-processes: against CTranslate2's replicas
+            n = par["system"].split(", ")[1].split()[0]
+            pr = par["median_ratios"].get(f"ct2 fp32, {n} replicas", float("nan"))
+            parts.append(f"with {n} processes {pr:.2f}x CTranslate2 fp32 with {n} replicas (>= 1.0x: "
+                         f"{'pass' if pr >= 1.0 else 'MISSED'})")
         if rounds:
             best = []
             for rd in rounds:
                 mt = max(v["tgt_tok_s"] for k, v in rd[g].items() if k.startswith("mtpipe"))
                 c2 = max(v["tgt_tok_s"] for k, v in rd[g].items() if k.startswith("CTranslate2"))
+                # against fairseq-generate, which decodes in one process: mtpipe's best in one process too
+                mt1 = max(v["tgt_tok_s"] for k, v in rd[g].items() if k.startswith("mtpipe") and "processes" not in k)
                 fs = rd[g].get("fairseq fp32", {}).get("tgt_tok_s")
-                best.append((mt / c2, mt / fs if fs else float("nan")))
+                best.append((mt / c2, mt1 / fs if fs else float("nan")))
             b = median([x for x, _ in best])
-            parts.append(f"best mode vs best mode = {b:.2f}x ({min(x for x, _ in best):.2f}-"
-                         f"{max(x for x, _ in best):.2f}; >= 1.0x: {'pass' if b >= 1.0 else 'MISSED'})")
+            parts.append(f"best mode vs best mode (processes / replicas included) = {b:.2f}x "
+                         f"({min(x for x, _ in best):.2f}-{max(x for x, _ in best):.2f}; >= 1.0x: "
+                         f"{'pass' if b >= 1.0 else 'MISSED'})")
             if all(y == y for _, y in best):
                 f = median([y for _, y in best])
-                parts.append(f"best vs fairseq = {f:.2f}x (>= 3x: {'pass' if f >= 3.0 else 'MISSED'})")
+                parts.append(f"best in one process vs fairseq = {f:.2f}x (>= 3x: {'pass' if f >= 3.0 else 'MISSED'})")
         lines.append("; ".join(parts))
     return "\n".join(lines) or None
 
@@ -1426,6 +1472,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-max-tokens", type=int, default=8000,
                     help="source tokens per decoding batch, the same budget for every system (mtpipe's "
                          "decode.max_tokens, fairseq's --max-tokens, CTranslate2's max_batch_size in tokens)")
+    ap.add_argument("--decode-processes", type=int, default=1,
+                    help="N > 1: also mtpipe fp32 / int8 with decode.processes N and CTranslate2 float32 / int8 with "
+                         "N replicas (inter_threads), --threads split among them on both sides")
     ap.add_argument("--decode-compile", action="store_true",
                     help="also decode with mtpipe fp32 and decode.compile (its graphs built in the warm-up)")
     ap.add_argument("--isa", choices=["native", "avx2"], default="native",

@@ -309,7 +309,12 @@ class DecodeConfig(Section):
     precision: str = _h("fp32, bf16 (autocast, CPU and GPU) or int8 (CPU: every linear layer and the output "
                         "projection with int8 weights, activations quantised on the fly).", default="fp32",
                         choices=("fp32", "bf16", "int8"))
-    threads: int = _h("CPU threads (0 = torch's default).", default=0, ge=0)
+    threads: int = _h("CPU threads (0 = torch's default; with processes > 1: per process, 0 = the CPUs split "
+                      "evenly).", default=0, ge=0)
+    processes: int = _h("Decoding processes for a file or split, each with its own copy of the model, each decoding "
+                        "its own batches (CTranslate2's inter_threads): a decoding step's small products use several "
+                        "cores better side by side than split. 1 = this process. Stdin is translated in one process; "
+                        "mtpipe serve has serve.workers.", default=1, ge=1)
     prune: str = _h(PRUNE_HELP, default="")
     engine: str = _h(
         "mtpipe (this package's beam search) or ctranslate2 (CTranslate2, `pip install 'mtpipe\\[ctranslate2]'`). "

@@ -11,7 +11,9 @@ encoder runs once per batch and its keys/values are projected once (:meth:`Trans
 sentence, its beams attending to them together; each step computes the new position only (self-attention cache
 written in place, :meth:`Transformer.step`); sentences that are done leave the batch at once (``state.select``);
 ``torch.inference_mode`` and optional bf16 autocast (CPU and GPU); ``decode.compile``: the decoder's step through
-``torch.compile`` (:meth:`~mtpipe.model.Transformer.compile_step`).
+``torch.compile`` (:meth:`~mtpipe.model.Transformer.compile_step`). ``decode.processes`` N > 1: a file or a split
+is shared out among N decoding processes, each with its own copy of the model and 1/N of the CPU threads, each
+decoding its own batches (:class:`mtpipe.workers.DecodePool`), as CTranslate2's ``inter_threads`` does.
 
 Text from stdin (``--input -``) is translated as it arrives (:func:`stream_batches`): a line, with whatever else is
 already waiting, is translated and its output flushed before more input is read, so typed input and a program that
@@ -486,9 +488,10 @@ class Model:
     open: Callable[[], tuple[Engine, dict[str, list[int]] | None]]  # -> (the engine, decode.prune's kept layers)
 
 
-def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None) -> Model:
+def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, processes: int = 1) -> Model:
     """The model and its SentencePiece model: that of ``tokens``, else the checkpoint's (or export's) own
-    (:func:`mtpipe.loading.vocab_source`), checked against the vocabulary it was trained with."""
+    (:func:`mtpipe.loading.vocab_source`), checked against the vocabulary it was trained with. ``processes`` > 1:
+    the engine it opens is a :class:`~mtpipe.workers.DecodePool` of that many processes (``decode.processes``)."""
     if cfg.engine == "ctranslate2":
         from mtpipe import engine_ct2
 
@@ -510,6 +513,22 @@ def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None) -> Mode
                                                       "decoder_kept": list(plan.decoder)}
 
         opener = open_mtpipe
+    if processes > 1:
+        def open_pool() -> tuple[Engine, dict[str, list[int]] | None]:
+            from mtpipe.pruning import prune_plan
+            from mtpipe.workers import DecodePool
+
+            pruned = None
+            if cfg.engine == "mtpipe":  # the processes prune their copies by the same plan
+                plan = prune_plan(loaded.model.cfg, cfg.prune, where="decode.prune")
+                pruned = None if plan is None else {"encoder_kept": list(plan.encoder),
+                                                    "decoder_kept": list(plan.decoder)}
+            from mtpipe.console import info
+
+            info(f"starting {processes} decoding processes (decode.processes): each loads the model and warms up")
+            return DecodePool(cfg, checkpoint, tokens, processes), pruned
+
+        opener = open_pool
     upstream = {"checkpoint": checkpoint, **({"tokens": used} if used is not None else {})}
     return Model(sp, step, upstream, opener)
 
@@ -538,7 +557,7 @@ def resolve_inputs(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None,
 
     if input is None and tokens is None:
         tokens = Path(PATHS["bpe"])
-    model = open_model(cfg, checkpoint, tokens)
+    model = open_model(cfg, checkpoint, tokens, processes=cfg.processes)
     ids, sources, split, desc = read_sources(cfg, tokens, input, model.sp)
     engine, pruned = model.open()
     sources, truncated = fit_sources(sources, engine.max_positions, lambda row: f"with id {ids[row]}")
@@ -656,6 +675,10 @@ def translate_stream(cfg: DecodeConfig, rules: DecodeRules, checkpoint: Path, to
     model = open_model(cfg, checkpoint, tokens)
     engine, pruned = model.open()
     _log_start("translating stdin as lines arrive", checkpoint, model.step, engine, cfg, rules)
+    if cfg.processes > 1:
+        from mtpipe.console import info
+
+        info(f"decode.processes={cfg.processes} applies to a file or a split: stdin is translated in this process")
     if cfg.compile and isinstance(engine, MtpipeEngine):  # built now, not while the first line waits for it
         from mtpipe.console import info
 
@@ -681,6 +704,21 @@ def translate_stream(cfg: DecodeConfig, rules: DecodeRules, checkpoint: Path, to
     inputs = Inputs(list(range(len(sources))), sources, None, "stdin", model.sp, model.step, model.upstream,
                     truncated, pruned)
     return inputs, results, totals, engine.describe()
+
+
+@contextlib.contextmanager
+def _closing(engine: Engine) -> Iterator[None]:
+    """Close an engine that holds processes (:class:`~mtpipe.workers.DecodePool`) when its work ends: at once when
+    it ended in an error or an interrupt (a process may be mid-batch), else after the processes finish."""
+    close = getattr(engine, "close", None)
+    try:
+        yield
+    except BaseException:
+        if close is not None:
+            close(wait=0)
+        raise
+    if close is not None:
+        close()
 
 
 def _isatty(stream: Any) -> bool:
@@ -715,11 +753,12 @@ def translate_inputs(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None = 
                              force=force)
     else:
         inputs, engine = resolve_inputs(cfg, checkpoint, tokens, input)
-        _log_start(f"decoding {len(inputs.sources):,} sentences of {inputs.desc}", checkpoint, inputs.step, engine,
-                   cfg, rules)
-        if isinstance(engine, MtpipeEngine):
-            build = engine.build(inputs.sources, rules)  # decode.compile: not part of the decoding seconds
-        results, seconds = translate_sources(engine, inputs.sources, rules)
+        with _closing(engine):  # decode.processes: the processes end with the decoding
+            _log_start(f"decoding {len(inputs.sources):,} sentences of {inputs.desc}", checkpoint, inputs.step,
+                       engine, cfg, rules)
+            if isinstance(engine, MtpipeEngine):
+                build = engine.build(inputs.sources, rules)  # decode.compile: not part of the decoding seconds
+            results, seconds = translate_sources(engine, inputs.sources, rules)
         rows = hypothesis_rows(results, inputs, cfg.nbest)
         if out is not None:
             write_hypotheses(out, rows, inputs, cfg, checkpoint, engine.describe(), force=force)
@@ -739,6 +778,8 @@ def translate_inputs(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None = 
             ["sentences/s", n / max(seconds, 1e-9)],
             ["tokens/s", totals.out_tokens / max(seconds, 1e-9)],
             ["mean score", totals.score / max(n, 1)],
+            *([["processes x threads", f"{cfg.processes} x {engine.threads}"]]
+              if not from_stdin and cfg.processes > 1 else []),
             ["written to", str(out) if out is not None else "stdout"],
             *([["compile seconds (before decoding)", round(build, 2)]] if build else []),
         ])

@@ -19,9 +19,10 @@ Dynamic batching (:class:`Batcher`): the event loop only parses, encodes and que
 requests from the queue into its :class:`Lane`, which runs the model, in the process's main thread while uvicorn's
 event loop runs in a second one: torch's CPU thread pool (OpenMP) parallelises the small operations of a decoding step
 well only from the main thread (from any other thread a 2-thread decode of 8 sentences ran 3x slower on a 2-core CPU).
-With ``serve.workers`` N > 1, N worker processes (:class:`WorkerProcess`) each run a copy of the model in their own
-main thread with 1/N of the CPU threads, and each decodes its own requests: a server's batches are small, and the small
-matrix products of a few sentences use several cores poorly, where separate batches use them fully.
+With ``serve.workers`` N > 1, N worker processes (:class:`mtpipe.workers.WorkerProcess`) each run a copy of the
+model in their own main thread with 1/N of the CPU threads, and each decodes its own requests: a server's batches are
+small, and the small matrix products of a few sentences use several cores poorly, where separate batches use them
+fully.
 
 An idle worker takes the oldest waiting request, waits until it has waited ``serve.batch_wait_ms`` (counted from the
 later of its arrival and the end of the worker's last work), or until the waiting requests fill ``serve.batch_tokens``
@@ -65,6 +66,7 @@ from typing import Any, Callable, Sequence
 
 from mtpipe.config import DecodeConfig, ServeConfig, to_dict
 from mtpipe.errors import MtpipeError
+from mtpipe.workers import WorkerProcess, first_line, worker_threads
 
 REQUEST_FIELDS = ("text", "beam", "alpha", "nbest")
 RETRY_AFTER_S = 1  # a full queue drains within a batch or two: ask clients to come back after a second
@@ -298,9 +300,15 @@ def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, batchin
             lane = lambda: BatchLane(engine.translate)  # noqa: E731 - mtpipe decode's batches, on the prepared model
         model_config = to_dict(engine.model.cfg)  # after decode.prune, the model that runs
         precision = cfg.precision
+    from mtpipe.decode import validate
+
+    rules = validate(cfg)  # decode's rules: how the engine searches under them (a DecodePool logs these words)
     info.update({"step": step, "engine": cfg.engine, "device": engine.describe(), "precision": precision,
-                 "vocab_size": sp.get_piece_size(), "max_positions": engine.max_positions,
-                 "model_config": model_config})
+                 "search": engine.settings(rules), "vocab_size": sp.get_piece_size(),
+                 "max_positions": engine.max_positions, "model_config": model_config})
+    note = engine.note(rules)
+    if note:
+        info["note"] = note
     return ServedModel(lane, sp, engine.max_positions, info)
 
 
@@ -384,7 +392,7 @@ class StreamLane:
                 with torch.inference_mode(), decoding_context(self.device, self.precision):
                     done = stream.step()
             except Exception as e:  # noqa: BLE001 - the stream's requests fail (500); the server goes on
-                error = RuntimeError(f"decoding failed: {_first_line(e)}")
+                error = RuntimeError(f"decoding failed: {first_line(e)}")
                 finished += [(key, error) for key in self.members.pop(rules) if self.pending.pop(key, None)]
                 del self.streams[rules]
                 continue
@@ -424,153 +432,13 @@ class BatchLane:
             try:
                 results = self.translate([s for _, sources in group for s in sources], rules)
             except Exception as e:  # noqa: BLE001 - the group's requests fail (500); the server goes on
-                finished += [(key, RuntimeError(f"decoding failed: {_first_line(e)}")) for key, _ in group]
+                finished += [(key, RuntimeError(f"decoding failed: {first_line(e)}")) for key, _ in group]
                 continue
             pos = 0
             for key, sources in group:
                 finished.append((key, results[pos : pos + len(sources)]))
                 pos += len(sources)
         return finished
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Worker processes (serve.workers > 1)
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def _worker_main(conn: Any, cfg: DecodeConfig, checkpoint: str, tokens: str | None, batching: str,
-                 beams: tuple[int, ...] = ()) -> None:
-    """A worker process: open the model as the server does, warm it up (also at ``beams``: :func:`warm_beams`),
-    then run a lane: lists of ``(key, sources, rules)`` in (what the server took at once), lists of ``(key, result)``
-    out (what one poll of the lane finished; an exception travels as its one-line reason), until the server closes
-    the pipe."""
-    # The server drains and stops on SIGTERM / Ctrl-C (which a terminal sends to the whole process group): a worker
-    # must go on decoding what the server still hands it, and ends when the server closes its pipe.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from mtpipe.decode import validate
-
-    try:
-        model = open_model(cfg, Path(checkpoint), Path(tokens) if tokens is not None else None, batching)
-        model.warm_up(validate(cfg), beams)
-    except Exception as e:  # noqa: BLE001 - reported to the server, which stops with it
-        conn.send(("error", _first_line(e)))
-        return
-    conn.send(("ready", model.description()))
-    lane = model.lane()
-    while True:
-        try:
-            # Between decoder steps take whatever arrived; with nothing to decode, wait for it.
-            while conn.poll(0 if lane.busy() else None):
-                for request in conn.recv():
-                    lane.add(*request)
-        except (EOFError, OSError):
-            return
-        done = lane.poll()
-        if done:  # one message: the answers of a batch arrive together, as they were decoded
-            conn.send([(key, ("error", _first_line(result)) if isinstance(result, Exception) else ("ok", result))
-                       for key, result in done])
-
-
-class WorkerProcess:
-    """One decoding process of ``serve.workers`` (spawned: a fresh interpreter, its model in its own main thread,
-    ``cfg.threads`` CPU threads), as a :class:`Lane` of the server: requests go down its pipe as they are taken and
-    come back as they finish. Driven by one server thread. A worker that dies (e.g. killed for memory) fails the
-    requests it held; the next request starts a new one."""
-
-    def __init__(self, index: int, cfg: DecodeConfig, checkpoint: Path, tokens: Path | None,
-                 batching: str = "batch", beams: tuple[int, ...] = ()) -> None:
-        self.index = index
-        self.continuous = batching == "continuous"
-        self._args = (cfg, str(checkpoint), str(tokens) if tokens is not None else None, batching, tuple(beams))
-        self._held: set[int] = set()
-        self._outbox: list[tuple[int, list[list[int]], Any]] = []  # sent at the next poll, as one message
-        self._start()
-
-    def _start(self) -> None:
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("spawn")  # no fork of a process with torch's threads and uvicorn's loop
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker_main, name=f"mtpipe-decode-{self.index}", daemon=True,
-                                 args=(child, *self._args))
-        self._proc.start()
-        child.close()
-        self._dead = False
-
-    def ready(self) -> dict[str, Any]:
-        """Wait until the model is loaded and warm: its :meth:`ServedModel.description`; its start-up error as a
-        :class:`MtpipeError`."""
-        try:
-            status, payload = self._conn.recv()
-        except (EOFError, OSError):
-            status, payload = "error", f"exited (code {self._proc.exitcode})"
-        if status != "ready":
-            raise MtpipeError(f"serve.workers: worker {self.index} could not open the model ({payload})")
-        return payload
-
-    def add(self, key: int, sources: list[list[int]], rules: Any) -> None:
-        if self._dead:
-            self._conn.close()
-            self._start()
-            self.ready()
-        self._held.add(key)
-        self._outbox.append((key, [list(s) for s in sources], rules))
-
-    def busy(self) -> bool:
-        return bool(self._held)
-
-    def poll(self) -> list[tuple[int, Any]]:
-        finished: list[tuple[int, Any]] = []
-        if self._outbox and not self._dead:
-            try:
-                self._conn.send(self._outbox)  # one message: a batch arrives whole
-            except OSError:
-                self._dead = True  # below: fail what it held
-            self._outbox = []
-        try:
-            # Continuous: a short wait, since this thread also hands the worker new requests; batch by batch it
-            # takes none while the worker decodes, so it sleeps until the answers come.
-            if not self._dead and self._conn.poll(0.002 if self.continuous else 0.5):
-                while True:
-                    for key, (status, payload) in self._conn.recv():
-                        self._held.discard(key)
-                        finished.append((key, payload if status == "ok" else RuntimeError(payload)))
-                    if not self._conn.poll(0):
-                        break
-        except (EOFError, OSError):
-            self._dead = True
-        if self._dead and self._held:
-            self._proc.join(5)
-            error = RuntimeError(f"worker process {self.index} exited (code {self._proc.exitcode}); it is restarted "
-                                 "for the next request")
-            finished += [(key, error) for key in self._held]
-            self._held.clear()
-            self._outbox = []
-        return finished
-
-    def close(self) -> None:
-        """Close the pipe (the worker then exits) and wait for the process."""
-        self._conn.close()
-        self._proc.join(30)
-        if self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join(5)
-
-
-def worker_threads(cfg: DecodeConfig, workers: int) -> int:
-    """CPU threads per worker process: ``decode.threads`` when set, else this process's CPUs split evenly."""
-    import os
-
-    if cfg.threads > 0:
-        return cfg.threads
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cpus // workers)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -752,7 +620,7 @@ class Batcher:
             try:
                 texts = self._detok([h.tokens for hyps in result for h in hyps])
             except Exception as e:  # noqa: BLE001 - answered (500), the server goes on
-                result = RuntimeError(f"decoding failed: {_first_line(e)}")
+                result = RuntimeError(f"decoding failed: {first_line(e)}")
         if isinstance(result, Exception):
             with self._cond:
                 self.counters["failed"] += 1
@@ -1010,6 +878,6 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
     table("served", ["", "value"], [[k.replace("_", " "), v] for k, v in counters.items() if k != "queued"])
 
 
-__all__ = ["Answer", "BatchLane", "Batcher", "Job", "Lane", "QueueFull", "RequestError", "ServedModel", "TranslateRequest", "WorkerProcess",
-           "build_app", "check_defaults", "listen", "max_body_bytes", "open_model", "parse_request", "require_serve",
-           "serve_model", "StreamLane", "warm_beams", "worker_threads"]
+__all__ = ["Answer", "BatchLane", "Batcher", "Job", "Lane", "QueueFull", "RequestError", "ServedModel",
+           "TranslateRequest", "build_app", "check_defaults", "listen", "max_body_bytes", "open_model", "parse_request", "require_serve",
+           "serve_model", "StreamLane", "warm_beams"]

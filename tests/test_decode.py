@@ -1139,6 +1139,89 @@ def test_cli_stats_flag(trained, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# decode.processes: a file or split shared out among decoding processes
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("processes", [1, 2, 3])
+def test_deal_gives_every_sentence_once_in_batches_of_the_budget(processes):
+    """Every index exactly once; a share fits max_tokens padded tokens (or is one over-long sentence); the shares
+    of a group are the same size to within one sentence, longest groups first (what keeps every process busy)."""
+    from mtpipe.workers import deal
+
+    rng = torch.Generator().manual_seed(processes)
+    lengths = [int(n) for n in torch.randint(1, 60, (300,), generator=rng)] + [200, 150]  # two over the budget
+    shares = deal(lengths, 100, processes)
+    assert sorted(i for share in shares for i in share) == list(range(len(lengths)))
+    for share in shares:
+        assert len(share) * max(lengths[i] for i in share) <= 100 or len(share) == 1
+    widths = [max(lengths[i] for i in share) for share in shares]
+    assert widths == sorted(widths, reverse=True)
+    full = [share for share in shares if len(share) > 1]
+    groups = [full[k : k + processes] for k in range(0, len(full) - processes, processes)]
+    assert all(max(map(len, g)) - min(map(len, g)) <= 1 for g in groups[:-1])
+    assert deal([], 100, processes) == []
+
+
+def test_cli_processes_decode_what_one_process_decodes(trained, tmp_path):
+    """decode.processes 2 with batches small enough for several shares: the same hypotheses and scores as one
+    process (nbest 2), in input order, the artifact otherwise the same; the summary names the processes."""
+    rows = {}
+    for p in (1, 2):
+        out = tmp_path / f"out_p{p}"
+        r = cli(trained, *decode_args(trained, out, "--nbest", "2", "--max-tokens", "24", "--processes", str(p),
+                                      "--stats"))
+        assert r.exit_code == 0, r.output
+        rows[p] = artifacts.read_table(out, "test.parquet", "hypotheses").to_pylist()
+        if p == 2:
+            assert "processes x threads" in r.stderr and "2 x 1" in r.stderr
+            assert "2 processes x 1 thread(s)" in artifacts.read_manifest(out, "hypotheses").extra["device"]
+    assert [r["id"] for r in rows[2]] == [r["id"] for r in rows[1]]
+    assert [r["nbest"] for r in rows[2]] == [r["nbest"] for r in rows[1]]
+    for a, b in zip(rows[1], rows[2]):
+        assert a["nbest_scores"] == pytest.approx(b["nbest_scores"], abs=1e-4)
+
+
+def test_cli_processes_with_ctranslate2_and_stdin(trained, tmp_path):
+    """The processes run whichever engine decode.engine names (CTranslate2 here: its note still logged); stdin that
+    is not a terminal or pipe to stream from is read whole and shared out like a file."""
+    pytest.importorskip("ctranslate2", reason="optional: the ctranslate2 extra is not installed")
+    infile = tmp_path / "in.en"
+    infile.write_text("".join(src + "\n" for src, _ in trained["pairs"]), encoding="utf-8")
+    args = ["--checkpoint", str(trained["checkpoint"]), "--tokens", str(trained["tokens"]), "--threads", "1",
+            "--engine", "ctranslate2", "--input", str(infile)]
+    one, two = cli(trained, *args), cli(trained, *args, "--processes", "2", "--max-tokens", "24")
+    assert one.exit_code == 0 and two.exit_code == 0, two.output
+    assert two.stdout == one.stdout and two.stdout.count("\n") == len(trained["pairs"])
+    assert "starting 2 decoding processes" in two.stderr and "CTranslate2 stops a sentence" in two.stderr
+    r = cli(trained, *args[:8], "--input", "-", "--processes", "2", input=trained["pairs"][1][0] + "\n")
+    assert r.exit_code == 0, r.output
+    assert "starting 2 decoding processes" in r.stderr and r.stdout == one.stdout.splitlines(True)[1]
+
+
+def test_processes_that_fail_give_one_line_and_no_hang(trained, tmp_path):
+    """A process that cannot open the model, and one killed while decoding: one MtpipeError line naming
+    decode.processes and the process, not a hang or a traceback; the pool's processes are ended."""
+    from mtpipe.workers import DecodePool
+
+    cfg = DecodeConfig(threads=1)
+    with pytest.raises(MtpipeError, match=r"^decode.processes: worker process 0 could not open the model \("):
+        DecodePool(cfg, tmp_path / "missing", trained["tokens"], 2)
+    pool = DecodePool(cfg, trained["checkpoint"], trained["tokens"], 2)
+    try:
+        sources = [[5, 6, 7]] * 40
+        assert len(pool.translate(sources, validate(cfg))) == 40  # it works ...
+        pool.procs[0]._proc.kill()  # ... until a process dies (e.g. killed for memory)
+        pool.procs[0]._proc.join(5)
+        with pytest.raises(MtpipeError, match=r"^decode.processes: worker process 0 exited \(code -9\)$"):
+            pool.translate(sources, dataclasses.replace(validate(cfg), beam=2))
+    finally:
+        procs = [w._proc for w in pool.procs]
+        pool.close(wait=0)
+    assert not any(p.is_alive() for p in procs)
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # A checkpoint decodes on its own: it carries its SentencePiece model and the decode settings it was trained with
 # --------------------------------------------------------------------------------------------------------------------
 

@@ -1,0 +1,281 @@
+"""Decoding processes: a copy of the model in a process of its own, driven through a pipe.
+
+Two users: ``mtpipe serve`` with ``serve.workers`` > 1 (each worker process decodes the requests its server thread
+hands it, :class:`WorkerProcess` as one of the server's lanes) and ``mtpipe decode`` with ``decode.processes`` > 1
+(:class:`DecodePool`: a file or split shared out among N processes, each decoding its own batches).
+
+Why processes and not threads: the small matrix products of a decoding step (one new position per row, d_model
+128-1,024) use several cores poorly when split, while separate batches use them fully, and torch's CPU thread pool
+serves the process's main thread best (a decode driven from another thread ran 3x slower on a 2-core CPU). Each
+process is spawned (a fresh interpreter: no fork of a process that already runs torch's threads), opens the model as
+``mtpipe decode`` opens it (:func:`mtpipe.serve.open_model`), decodes a few sentences to warm up, and then decodes
+what comes down its pipe with ``decode.threads`` threads, or this process's CPUs split evenly.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import signal
+import threading
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from mtpipe.config import DecodeConfig
+from mtpipe.errors import MtpipeError
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's first line of text (its type's name when it has none): what travels between processes."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _worker_main(conn: Any, cfg: DecodeConfig, checkpoint: str, tokens: str | None, batching: str,
+                 beams: tuple[int, ...] = ()) -> None:
+    """A worker process: open the model as the server does, warm it up (also at ``beams``: :func:`warm_beams`),
+    then run a lane: lists of ``(key, sources, rules)`` in (what the server took at once), lists of ``(key, result)``
+    out (what one poll of the lane finished; an exception travels as its one-line reason), until the server closes
+    the pipe."""
+    # The server drains and stops on SIGTERM / Ctrl-C (which a terminal sends to the whole process group): a worker
+    # must go on decoding what the server still hands it, and ends when the server closes its pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from mtpipe.decode import validate
+    from mtpipe.serve import open_model
+
+    try:
+        model = open_model(cfg, Path(checkpoint), Path(tokens) if tokens is not None else None, batching)
+        model.warm_up(validate(cfg), beams)
+    except Exception as e:  # noqa: BLE001 - reported to the server, which stops with it
+        conn.send(("error", first_line(e)))
+        return
+    conn.send(("ready", model.description()))
+    lane = model.lane()
+    while True:
+        try:
+            # Between decoder steps take whatever arrived; with nothing to decode, wait for it.
+            while conn.poll(0 if lane.busy() else None):
+                for request in conn.recv():
+                    lane.add(*request)
+        except (EOFError, OSError):
+            return
+        done = lane.poll()
+        if done:  # one message: the answers of a batch arrive together, as they were decoded
+            conn.send([(key, ("error", first_line(result)) if isinstance(result, Exception) else ("ok", result))
+                       for key, result in done])
+
+
+class WorkerProcess:
+    """One decoding process (spawned: a fresh interpreter, its model in its own main thread, ``cfg.threads`` CPU
+    threads), as a :class:`~mtpipe.serve.Lane`: requests go down its pipe as they are taken and come back as they
+    finish. Driven by one thread. A worker that dies (e.g. killed for memory) fails the requests it held; with
+    ``restart`` (a server's) the next request starts a new one. ``role`` names the setting in error messages."""
+
+    def __init__(self, index: int, cfg: DecodeConfig, checkpoint: Path, tokens: Path | None,
+                 batching: str = "batch", beams: tuple[int, ...] = (), *, role: str = "serve.workers",
+                 restart: bool = True) -> None:
+        self.index = index
+        self.role, self.restart = role, restart
+        self.continuous = batching == "continuous"
+        self._args = (cfg, str(checkpoint), str(tokens) if tokens is not None else None, batching, tuple(beams))
+        self._held: set[int] = set()
+        self._outbox: list[tuple[int, list[list[int]], Any]] = []  # sent at the next poll, as one message
+        self._start()
+
+    def _start(self) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process with torch's threads and uvicorn's loop
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_worker_main, name=f"mtpipe-decode-{self.index}", daemon=True,
+                                 args=(child, *self._args))
+        self._proc.start()
+        child.close()
+        self._dead = False
+
+    def ready(self) -> dict[str, Any]:
+        """Wait until the model is loaded and warm: its :meth:`ServedModel.description`; its start-up error as a
+        :class:`MtpipeError`."""
+        try:
+            status, payload = self._conn.recv()
+        except (EOFError, OSError):
+            status, payload = "error", f"exited (code {self._proc.exitcode})"
+        if status != "ready":
+            raise MtpipeError(f"{self.role}: worker process {self.index} could not open the model ({payload})")
+        return payload
+
+    def add(self, key: int, sources: list[list[int]], rules: Any) -> None:
+        if self._dead:
+            self._conn.close()
+            self._start()
+            self.ready()
+        self._held.add(key)
+        self._outbox.append((key, [list(s) for s in sources], rules))
+
+    def busy(self) -> bool:
+        return bool(self._held)
+
+    def poll(self) -> list[tuple[int, Any]]:
+        finished: list[tuple[int, Any]] = []
+        if self._outbox and not self._dead:
+            try:
+                self._conn.send(self._outbox)  # one message: a batch arrives whole
+            except OSError:
+                self._dead = True  # below: fail what it held
+            self._outbox = []
+        try:
+            # Continuous: a short wait, since this thread also hands the worker new requests; batch by batch it
+            # takes none while the worker decodes, so it sleeps until the answers come.
+            if not self._dead and self._conn.poll(0.002 if self.continuous else 0.5):
+                while True:
+                    for key, (status, payload) in self._conn.recv():
+                        self._held.discard(key)
+                        finished.append((key, payload if status == "ok" else RuntimeError(payload)))
+                    if not self._conn.poll(0):
+                        break
+        except (EOFError, OSError):
+            self._dead = True
+        if self._dead and self._held:
+            self._proc.join(5)
+            error = RuntimeError(f"worker process {self.index} exited (code {self._proc.exitcode})"
+                                 + ("; it is restarted for the next request" if self.restart else ""))
+            finished += [(key, error) for key in self._held]
+            self._held.clear()
+            self._outbox = []
+        return finished
+
+    def close(self, wait: float = 30) -> None:
+        """Close the pipe (the worker then exits once its work in hand is done) and wait up to ``wait`` seconds for
+        the process, then end it (0: at once, e.g. when the command was interrupted)."""
+        self._conn.close()
+        self._proc.join(wait)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(5)
+
+
+def worker_threads(cfg: DecodeConfig, workers: int) -> int:
+    """CPU threads per worker process: ``decode.threads`` when set, else this process's CPUs split evenly."""
+    import os
+
+    if cfg.threads > 0:
+        return cfg.threads
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // workers)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# decode.processes > 1: a file or split shared out among decoding processes
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def deal(lengths: Sequence[int], max_tokens: int, processes: int) -> list[list[int]]:
+    """Indices of ``lengths`` (source tokens, EOS included) in shares for ``processes`` processes, the longest
+    first. The sentences, sorted by length, are grouped ``processes`` batches at a time (as many sentences as
+    ``processes`` batches of ``max_tokens`` padded tokens hold at the group's longest length), and each group is
+    dealt round-robin: a share is one batch of at most ``max_tokens`` padded tokens (a sentence longer than that
+    alone), the shares of a group have the same lengths and take about the same time, so every process is busy
+    until the end."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    shares: list[list[int]] = []
+    pos = 0
+    while pos < len(order):
+        per_share = max(1, max_tokens // lengths[order[pos]])  # sentences of this width in one batch
+        group = order[pos : pos + processes * per_share]
+        pos += len(group)
+        shares += [part for part in (group[k::processes] for k in range(processes)) if part]
+    return shares
+
+
+class DecodePool:
+    """``decode.processes`` > 1: an :class:`~mtpipe.search.Engine` whose translations are made by N
+    :class:`WorkerProcess` es, each with its own copy of the model (the engine ``decode.engine`` names: mtpipe's or
+    CTranslate2's) and ``threads`` CPU threads. The sources are dealt out in shares of about one batch each
+    (:func:`deal`); one thread per process hands it the next share as soon as it returns one, so a slower process
+    takes fewer. Each sentence is decoded as ``mtpipe decode`` in one process decodes it: beam search is per sentence
+    and a batch's padding is masked.
+
+    The processes start, load the model and warm up in the constructor (outside the timed decoding, as
+    ``decode.compile``'s build is); :meth:`close` ends them."""
+
+    def __init__(self, cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, processes: int) -> None:
+        self.processes, self.threads = processes, worker_threads(cfg, processes)
+        self.max_tokens = cfg.max_tokens
+        self.procs: list[WorkerProcess] = []
+        try:
+            worker_cfg = dataclasses.replace(cfg, threads=self.threads)
+            for i in range(processes):  # started together: they load and warm up side by side
+                self.procs.append(WorkerProcess(i, worker_cfg, checkpoint, tokens, role="decode.processes",
+                                                restart=False))
+            description = [w.ready() for w in self.procs][0]
+        except BaseException:
+            self.close(wait=0)
+            raise
+        self.info: dict[str, Any] = description["info"]
+        self.max_positions = int(description["max_positions"])
+
+    def describe(self) -> str:
+        return f"{self.info['device']}, {self.processes} processes x {self.threads} thread(s)"
+
+    def settings(self, rules: Any) -> str:
+        return str(self.info["search"])  # the processes' engine's own words, under decode's rules (as these are)
+
+    def note(self, rules: Any) -> str | None:
+        return self.info.get("note")
+
+    def translate(self, sources: Sequence[Sequence[int]], rules: Any,
+                  on_done: Callable[[int], None] | None = None) -> list[list[Any]]:
+        from mtpipe.search import Hypothesis
+
+        results: list[list[Any]] = [[Hypothesis([], 0.0, 0.0)] if not s else [] for s in sources]
+        todo = [i for i, s in enumerate(sources) if s]
+        if on_done is not None and len(todo) < len(sources):
+            on_done(len(sources) - len(todo))
+        shares = collections.deque([todo[j] for j in share]
+                                   for share in deal([len(sources[i]) + 1 for i in todo], self.max_tokens,
+                                                     len(self.procs)))
+        lock = threading.Lock()
+        errors: list[str] = []
+
+        def drive(w: WorkerProcess) -> None:
+            for key in itertools.count():
+                with lock:
+                    if errors or not shares:
+                        return
+                    share = shares.popleft()
+                w.add(key, [list(sources[i]) for i in share], rules)
+                done: list[tuple[int, Any]] = []
+                while not done:
+                    done = w.poll()
+                result = done[0][1]
+                if isinstance(result, Exception):
+                    with lock:
+                        errors.append(f"worker process {w.index}: {result}" if "worker process" not in str(result)
+                                      else str(result))
+                    return
+                for i, hyps in zip(share, result):
+                    results[i] = hyps
+                if on_done is not None:
+                    with lock:
+                        on_done(len(share))
+
+        drivers = [threading.Thread(target=drive, args=(w,), name=f"mtpipe-pool-{w.index}", daemon=True)
+                   for w in self.procs]
+        for t in drivers:
+            t.start()
+        for t in drivers:
+            t.join()
+        if errors:
+            raise MtpipeError(f"decode.processes: {errors[0]}")
+        return results
+
+    def close(self, wait: float = 30) -> None:
+        """End the processes (``wait`` 0: at once)."""
+        for w in self.procs:
+            w.close(wait)
+        self.procs = []
+
+
+__all__ = ["DecodePool", "WorkerProcess", "deal", "first_line", "worker_threads"]
