@@ -15,6 +15,7 @@ what comes down its pipe with ``decode.threads`` threads, or this process's CPUs
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import signal
@@ -49,9 +50,13 @@ def _worker_main(conn: Any, cfg: DecodeConfig, checkpoint: str, tokens: str | No
         model = open_model(cfg, Path(checkpoint), Path(tokens) if tokens is not None else None, batching)
         model.warm_up(validate(cfg), beams)
     except Exception as e:  # noqa: BLE001 - reported to the server, which stops with it
-        conn.send(("error", first_line(e)))
+        with contextlib.suppress(OSError):
+            conn.send(("error", first_line(e)))
         return
-    conn.send(("ready", model.description()))
+    try:
+        conn.send(("ready", model.description()))
+    except OSError:
+        return
     lane = model.lane()
     while True:
         try:
@@ -63,8 +68,11 @@ def _worker_main(conn: Any, cfg: DecodeConfig, checkpoint: str, tokens: str | No
             return
         done = lane.poll()
         if done:  # one message: the answers of a batch arrive together, as they were decoded
-            conn.send([(key, ("error", first_line(result)) if isinstance(result, Exception) else ("ok", result))
-                       for key, result in done])
+            try:
+                conn.send([(key, ("error", first_line(result)) if isinstance(result, Exception) else ("ok", result))
+                           for key, result in done])
+            except OSError:  # the other end has gone (e.g. decode interrupted): nobody waits for these answers
+                return
 
 
 class WorkerProcess:
