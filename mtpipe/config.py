@@ -313,8 +313,9 @@ class DecodeConfig(Section):
                       "evenly).", default=0, ge=0)
     processes: int = _h("Decoding processes for a file or split, each with its own copy of the model, each decoding "
                         "its own batches (CTranslate2's inter_threads): a decoding step's small products use several "
-                        "cores better side by side than split. 1 = this process. Stdin is translated in one process; "
-                        "mtpipe serve has serve.workers.", default=1, ge=1)
+                        "cores better side by side than split; on a machine with several GPUs process i decodes on "
+                        "GPU i mod their number. 1 = this process. Stdin is translated in one process; mtpipe serve "
+                        "has serve.workers.", default=1, ge=1)
     prune: str = _h(PRUNE_HELP, default="")
     engine: str = _h(
         "mtpipe (this package's beam search) or ctranslate2 (CTranslate2, `pip install 'mtpipe\\[ctranslate2]'`). "
@@ -446,7 +447,8 @@ class ServeConfig(Section):
                        "step and are answered the step they end).", default="batch", choices=("batch", "continuous"))
     workers: int = _h("Decoding processes, each with its own copy of the model and 1/N of the CPU threads (unless "
                       "decode.threads is set), each decoding its own requests: the small batches of a server use "
-                      "several cores better side by side than split. 1 = the model in the server's own process.",
+                      "several cores better side by side than split; with several GPUs worker i decodes on GPU i "
+                      "mod their number. 1 = the model in the server's own process.",
                       default=1, ge=1)
     max_beam: int = _h("Largest beam a request may ask for (decode.beam is the default).", default=8, ge=1)
     max_nbest: int = _h("Largest nbest a request may ask for (decode.nbest is the default).", default=4, ge=1)

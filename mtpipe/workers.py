@@ -33,9 +33,10 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def _worker_main(conn: Any, cfg: DecodeConfig, checkpoint: str, tokens: str | None, batching: str,
+def _worker_main(conn: Any, index: int, cfg: DecodeConfig, checkpoint: str, tokens: str | None, batching: str,
                  beams: tuple[int, ...] = ()) -> None:
-    """A worker process: open the model as the server does, warm it up (also at ``beams``: :func:`warm_beams`),
+    """Worker process ``index``: on a machine with several GPUs, pick its own (:func:`worker_gpu`); open the model as
+    the server does, warm it up (also at ``beams``: :func:`warm_beams`),
     then run a lane: lists of ``(key, sources, rules)`` in (what the server took at once), lists of ``(key, result)``
     out (what one poll of the lane finished; an exception travels as its one-line reason), until the server closes
     the pipe."""
@@ -47,6 +48,11 @@ def _worker_main(conn: Any, cfg: DecodeConfig, checkpoint: str, tokens: str | No
     from mtpipe.serve import open_model
 
     try:
+        gpu = worker_gpu(index, cfg)
+        if gpu is not None:
+            import torch
+
+            torch.cuda.set_device(gpu)  # "cuda" below means this GPU in this process
         model = open_model(cfg, Path(checkpoint), Path(tokens) if tokens is not None else None, batching)
         model.warm_up(validate(cfg), beams)
     except Exception as e:  # noqa: BLE001 - reported to the server, which stops with it
@@ -98,7 +104,7 @@ class WorkerProcess:
         ctx = multiprocessing.get_context("spawn")  # no fork of a process with torch's threads and uvicorn's loop
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_worker_main, name=f"mtpipe-decode-{self.index}", daemon=True,
-                                 args=(child, *self._args))
+                                 args=(child, self.index, *self._args))
         self._proc.start()
         child.close()
         self._dead = False
@@ -162,6 +168,18 @@ class WorkerProcess:
         if self._proc.is_alive():
             self._proc.terminate()
             self._proc.join(5)
+
+
+def worker_gpu(index: int, cfg: DecodeConfig) -> int | None:
+    """The GPU that worker process ``index`` decodes on when ``decode.device`` lets it use one and the machine has
+    several: worker i on GPU i mod count, so N processes on N GPUs decode side by side; None (torch's current device,
+    or the CPU) otherwise. Only asks torch when a GPU may be used, so that CPU workers never initialise CUDA."""
+    if cfg.device == "cpu" or (cfg.device == "auto" and cfg.precision == "int8"):  # int8 runs on the CPU only
+        return None
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return index % count if count > 1 else None
 
 
 def worker_threads(cfg: DecodeConfig, workers: int) -> int:
@@ -286,4 +304,4 @@ class DecodePool:
         self.procs = []
 
 
-__all__ = ["DecodePool", "WorkerProcess", "deal", "first_line", "worker_threads"]
+__all__ = ["DecodePool", "WorkerProcess", "deal", "first_line", "worker_gpu", "worker_threads"]

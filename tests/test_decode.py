@@ -1199,6 +1199,23 @@ def test_cli_processes_with_ctranslate2_and_stdin(trained, tmp_path):
     assert "starting 2 decoding processes" in r.stderr and r.stdout == one.stdout.splitlines(True)[1]
 
 
+def test_worker_processes_spread_over_the_gpus(monkeypatch):
+    """With several GPUs, worker i decodes on GPU i mod count (decode.processes, serve.workers); with one GPU or none,
+    or when the settings keep decoding on the CPU (device cpu, int8 under auto), no GPU is picked and CUDA is never
+    asked."""
+    from mtpipe.workers import worker_gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert [worker_gpu(i, DecodeConfig()) for i in range(6)] == [0, 1, 2, 3, 0, 1]
+    assert worker_gpu(1, DecodeConfig(device="cuda", precision="bf16")) == 1
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert worker_gpu(1, DecodeConfig()) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("CUDA asked for a CPU worker"))
+    assert worker_gpu(1, DecodeConfig(device="cpu")) is None
+    assert worker_gpu(1, DecodeConfig(precision="int8")) is None
+
+
 def test_processes_that_fail_give_one_line_and_no_hang(trained, tmp_path):
     """A process that cannot open the model, and one killed while decoding: one MtpipeError line naming
     decode.processes and the process, not a hang or a traceback; the pool's processes are ended."""
