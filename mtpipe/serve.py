@@ -799,6 +799,9 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
 
     check_defaults(cfg, defaults)
     default_rules = validate(defaults)  # decode's own cross-key rules (nbest <= beam, ctranslate2's limits)
+    if defaults.processes > 1:  # set for the decode stage, say, in the params.yaml a server shares
+        info(f"decode.processes={defaults.processes} applies to mtpipe decode; the server's decoding processes are "
+             f"serve.workers ({cfg.workers})")
     sock = listen(cfg.host, cfg.port)
     workers: list[WorkerProcess] = []
     beams = warm_beams(cfg, defaults)

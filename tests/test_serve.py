@@ -433,13 +433,17 @@ def test_continuous_batching_answers_as_mtpipe_decode(model):
 def test_worker_processes_share_the_load_and_answer_as_mtpipe_decode(model, batching):
     """``--workers 2``: two decoding processes, each taking its own requests (one at a time here: the token
     budget is below one sentence), every answer still `mtpipe decode`'s; a killed worker fails at most the requests
-    it held; SIGTERM drains both and exits 0."""
+    it held; SIGTERM drains both and exits 0. decode.processes (mtpipe decode's) is not the server's: two
+    processes, and a line saying so."""
     sentences = [s for s, _ in PAIRS]
     want = decode(model, sentences)
-    s = Server(model, "--workers", "2", "--batch-wait-ms", "0", "--batch-tokens", "1", "--batching", batching)
+    s = Server(model, "--workers", "2", "--batch-wait-ms", "0", "--batch-tokens", "1", "--batching", batching,
+               "--processes", "3")
     try:
         info = s.client.get("/info").json()
         assert info["workers"] == 2 and info["batching"] == batching and info["step"] == 100
+        assert info["search"].startswith("fp32, stop ")  # how the workers' engine searches, in its own words
+        assert any("decode.processes=3 applies to mtpipe decode" in line for line in s.log), "".join(s.log)
         assert info["model"] == artifacts.manifest_hash(model["checkpoint"]) and info["model_config"]["d_model"] == 64
         workers_seen: set[int] = set()
         for _ in range(3):  # concurrent requests: while one worker decodes, the other takes the next request
