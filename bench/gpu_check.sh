@@ -1,7 +1,8 @@
 #!/bin/bash
 # mtpipe's GPU paths in one short run on the visible GPU: bf16 training and its throughput, average, beam-search
 # decoding in fp32 and bf16 (sentences/s and sacreBLEU on valid and test), `mtpipe serve` under 8 concurrent clients
-# against offline decoding (bench/serve.py; needs the serve extra: fastapi, uvicorn), a search step's cost for a
+# against offline decoding, with one decoding process and with two (bench/serve.py; needs the serve extra: fastapi,
+# uvicorn), decoding with decode.processes 2, a search step's cost for a
 # server's few sentences against a full batch, each with and without decode.cuda_graphs (bench/step_cost.py), fp16
 # training with the grad scaler, torch.compile, and exact resume (one run of N updates against N/2 then resumed; the
 # weights compared bitwise).
@@ -59,6 +60,12 @@ $PY -c "import pyarrow.parquet as pq; print('\\n'.join(pq.read_table('$ART/fetch
 $PY bench/serve.py --checkpoint "$W/average" --tokens "$ART/bpe" --sentences "$W/test.src" --clients 8 --rounds 2 \
   --out "$OUT/serve" > "$OUT/serve.log" 2>&1; echo "rc=$?"
 grep -E "^(round|server / offline)" "$OUT/serve.log"
+el "serve again with 2 decoding processes (serve.workers 2: one GPU shared, or one GPU each), and decode with 2"
+$PY bench/serve.py --checkpoint "$W/average" --tokens "$ART/bpe" --sentences "$W/test.src" --clients 8 --rounds 2 \
+  --serve-args="--workers 2" --out "$OUT/serve_w2" > "$OUT/serve_w2.log" 2>&1; echo "rc=$?"
+grep -E "^(round|server / offline)" "$OUT/serve_w2.log"
+$M decode --checkpoint "$W/average" --tokens "$ART/bpe" --split test --processes 2 --stats > "$W/p2.txt" \
+  2> "$OUT/decode-test-p2.log"; echo "rc=$? decode.processes 2: $(stats "$OUT/decode-test-p2.log" | tr '\n' ' ')"
 
 el "one search step: ~8-sentence batches (a server's at 8 clients) against 8,000-token batches, fp32, + profile"
 $PY bench/step_cost.py --checkpoint "$W/average" --tokens "$ART/bpe" --sentences "$W/test.src" --device cuda \
