@@ -508,9 +508,7 @@ def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, process
 
         def open_mtpipe() -> tuple[Engine, dict[str, list[int]] | None]:
             engine = MtpipeEngine.open(loaded.model, cfg)
-            plan = engine.plan
-            return engine, None if plan is None else {"encoder_kept": list(plan.encoder),
-                                                      "decoder_kept": list(plan.decoder)}
+            return engine, _kept_layers(engine.plan)
 
         opener = open_mtpipe
     if processes > 1:
@@ -518,11 +516,9 @@ def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, process
             from mtpipe.pruning import prune_plan
             from mtpipe.workers import DecodePool
 
-            pruned = None
-            if cfg.engine == "mtpipe":  # the processes prune their copies by the same plan
-                plan = prune_plan(loaded.model.cfg, cfg.prune, where="decode.prune")
-                pruned = None if plan is None else {"encoder_kept": list(plan.encoder),
-                                                    "decoder_kept": list(plan.decoder)}
+            # the processes prune their copies by the same plan
+            pruned = (_kept_layers(prune_plan(loaded.model.cfg, cfg.prune, where="decode.prune"))
+                      if cfg.engine == "mtpipe" else None)
             from mtpipe.console import info
 
             info(f"starting {processes} decoding processes (decode.processes): each loads the model and warms up")
@@ -531,6 +527,11 @@ def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, process
         opener = open_pool
     upstream = {"checkpoint": checkpoint, **({"tokens": used} if used is not None else {})}
     return Model(sp, step, upstream, opener)
+
+
+def _kept_layers(plan: Any) -> dict[str, list[int]] | None:
+    """decode.prune's plan (:class:`mtpipe.pruning.PrunePlan`, or None) as the hypotheses manifest records it."""
+    return None if plan is None else {"encoder_kept": list(plan.encoder), "decoder_kept": list(plan.decoder)}
 
 
 def fit_sources(sources: list[list[int]], max_positions: int,
@@ -675,13 +676,11 @@ def translate_stream(cfg: DecodeConfig, rules: DecodeRules, checkpoint: Path, to
     model = open_model(cfg, checkpoint, tokens)
     engine, pruned = model.open()
     _log_start("translating stdin as lines arrive", checkpoint, model.step, engine, cfg, rules)
-    if cfg.processes > 1:
-        from mtpipe.console import info
+    from mtpipe.console import info
 
+    if cfg.processes > 1:
         info(f"decode.processes={cfg.processes} applies to a file or a split: stdin is translated in this process")
     if cfg.compile and isinstance(engine, MtpipeEngine):  # built now, not while the first line waits for it
-        from mtpipe.console import info
-
         warm = [model.sp.encode(t, out_type=int)[: engine.max_positions - 1] for t in WARM_UP_TEXTS]
         info(f"compiled step built in {engine.build(warm, rules):.0f} s (decode.compile); reading stdin")
     sources: list[list[int]] = []
