@@ -878,12 +878,18 @@ class DecoderState:
         capacity, layers, _, heads = old.shape
         new = SelfAttentionCache.allocate(old.keys, (capacity, layers, rows, heads), old.keys.size(-1),
                                           old.values.size(-1), self.spare)
-        # [t, layers, R, h, d] -> [(t - first) * layers, R, h * d] -> [(t - first) * layers, R', h * d]: as 3-D views
-        # (contiguous prefixes of the stores), the select along the middle dimension ran ~20 % faster than along
-        # dimension 2 of the 5-D tensors (a microbenchmark, 1 thread, t 15, 2,400 rows).
+        # One index_select along dimension 0 of 2-D views: [t - first, layers, R, h, d] -> [B * R, h * d] rows, B =
+        # (t - first) * layers blocks of R rows each; row r of block b is row b * R + r. torch parallelises a select
+        # along dimension 0 over the rows it gathers, but a select along the middle dimension of the 3-D view
+        # [B, R, h * d] runs on one thread whatever the thread count (same time at 1 and 2 threads): with 2 threads
+        # this copy was ~15 % of a decode and the flat select makes the whole decode ~1.05x faster (d 256; 1.035x
+        # at d 128; 1.01x at 1 thread; BENCHMARKS.md).
+        blocks, old_rows = (t - first) * layers, old.keys.size(2)
+        flat_index = (torch.arange(blocks, device=index.device)[:, None] * old_rows
+                      + index[None, :]).view(-1)  # [B, R'] -> [B * R']
         for src, dst in ((old.keys, new.keys), (old.values, new.values)):
-            torch.index_select(src[first:t].flatten(0, 1).flatten(2), 1, index,
-                               out=dst[: t - first].view((t - first) * layers, rows, -1))
+            torch.index_select(src[first:t].reshape(blocks * old_rows, -1), 0, flat_index,  # [B * R, h * d]
+                               out=dst[: t - first].view(blocks * rows, -1))  # [B * R', h * d]
         return DecoderState(src_mask, cross, new, old.stores, t - first, beams, start)
 
     def admit(self, fresh: DecoderState) -> DecoderState:
