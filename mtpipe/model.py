@@ -882,8 +882,8 @@ class DecoderState:
         # (t - first) * layers blocks of R rows each; row r of block b is row b * R + r. torch parallelises a select
         # along dimension 0 over the rows it gathers, but a select along the middle dimension of the 3-D view
         # [B, R, h * d] runs on one thread whatever the thread count (same time at 1 and 2 threads): with 2 threads
-        # this copy was ~15 % of a decode and the flat select makes the whole decode ~1.05x faster (d 256; 1.035x
-        # at d 128; 1.01x at 1 thread; BENCHMARKS.md).
+        # this copy was ~15 % of a decode's CPU time; the flat select runs 1.6x faster there and whole decodes
+        # 1.02-1.03x (d 128 and d 256, 4 interleaved rounds; 1.01x at 1 thread; BENCHMARKS.md).
         blocks, old_rows = (t - first) * layers, old.keys.size(2)
         flat_index = (torch.arange(blocks, device=index.device)[:, None] * old_rows
                       + index[None, :]).view(-1)  # [B, R'] -> [B * R']
