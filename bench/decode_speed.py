@@ -65,6 +65,7 @@ sys.path.insert(0, str(REPO))
 from bench.machine import cpu_ticks, own_cpu, patched  # noqa: E402
 from mtpipe import (
     artifacts,  # noqa: E402
+    runtime,
     writing,
 )
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: E402
@@ -378,6 +379,7 @@ def main() -> None:
     else:
         tokens, checkpoint = args.tokens, args.checkpoint
     torch.set_num_threads(args.threads)
+    runtime.tune_cpu_allocator()  # as `mtpipe decode` does on CPU: every system timed here gets it
     ck = artifacts.load_checkpoint(checkpoint)
     model = build_model(ck.model_config, ck.vocab["size"])
     model.load_state_dict(ck.state_dict)

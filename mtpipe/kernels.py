@@ -395,15 +395,24 @@ def attention_kernels(device: torch.device) -> contextlib.AbstractContextManager
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
+# Queries up to which inference attention on CPU is two matmuls rather than torch's fused kernel. Measured on a 2-core
+# AMD EPYC Zen 5 (an encoder layer's attention, d_k 32-64, 4-16 heads, padding mask, warm allocator): 18-60
+# positions, two matmuls 1.05-1.3x the fused kernel on 1 thread and 1.6-3.4x on 2; at 128 positions 0.86x / 1.29x;
+# at 256, 0.83x / 1.0x. On whole decodes at 2 threads 1.01-1.02x, the same translations.
+_EXPLICIT_MAX_QUERIES = 64
+
+
 def prefer_explicit_attention(q: Tensor) -> bool:
     """Whether :func:`explicit_attention` beats ``F.scaled_dot_product_attention`` for queries ``q [B, h, Lq, d]``.
 
     Why, on CPU only: in training (gradients on), torch's CPU flash-attention backward is slower than three plain
     ops on these short sentences (L ~ 10-60, d_k 64), in fp32 and much more so in bf16. In decoding (a step's query
     per row, or a sentence's ``beams`` queries in cross-attention: at most 8 queries), two batched matmuls beat the
-    fused kernel, which reads the keys/values at a fraction of memory bandwidth on these shapes.
+    fused kernel, which reads the keys/values at a fraction of memory bandwidth on these shapes. Without gradients
+    (encoding a batch to decode it, validation) up to :data:`_EXPLICIT_MAX_QUERIES` queries too: torch's CPU kernel
+    did not run faster on 2 threads than on 1 for sentences of 18-60 positions, where the two matmuls did.
     """
-    return q.device.type == "cpu" and (torch.is_grad_enabled() or q.size(2) <= 8)
+    return q.device.type == "cpu" and (torch.is_grad_enabled() or q.size(2) <= _EXPLICIT_MAX_QUERIES)
 
 
 def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
