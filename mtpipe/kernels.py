@@ -398,7 +398,8 @@ def attention_kernels(device: torch.device) -> contextlib.AbstractContextManager
 # Queries up to which inference attention on CPU is two matmuls rather than torch's fused kernel. Measured on a 2-core
 # AMD EPYC Zen 5 (an encoder layer's attention, d_k 32-64, 4-16 heads, padding mask, warm allocator): 18-60
 # positions, two matmuls 1.05-1.3x the fused kernel on 1 thread and 1.6-3.4x on 2; at 128 positions 0.86x / 1.29x;
-# at 256, 0.83x / 1.0x. On whole decodes at 2 threads 1.01-1.02x, the same translations.
+# at 256, 0.83x / 1.0x. On whole decodes at 2 threads 1.01-1.02x, the same fp32 translations (bf16 and int8 round
+# differently: BENCHMARKS.md, "Decoding on two threads").
 _EXPLICIT_MAX_QUERIES = 64
 
 
