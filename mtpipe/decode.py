@@ -513,14 +513,13 @@ def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, process
         opener = open_mtpipe
     if processes > 1:
         def open_pool() -> tuple[Engine, dict[str, list[int]] | None]:
+            from mtpipe.console import info
             from mtpipe.pruning import prune_plan
             from mtpipe.workers import DecodePool
 
             # the processes prune their copies by the same plan
             pruned = (_kept_layers(prune_plan(loaded.model.cfg, cfg.prune, where="decode.prune"))
                       if cfg.engine == "mtpipe" else None)
-            from mtpipe.console import info
-
             info(f"starting {processes} decoding processes (decode.processes): each loads the model and warms up")
             return DecodePool(cfg, checkpoint, tokens, processes), pruned
 

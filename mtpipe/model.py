@@ -875,7 +875,7 @@ class DecoderState:
         if first == 0 and rows == old.keys.size(2) and torch.equal(index, torch.arange(rows, device=index.device)):
             # nothing moved (e.g. greedy search)
             return DecoderState(src_mask, cross, old, self.spare, t, beams, start)
-        capacity, layers, _, heads = old.shape
+        capacity, layers, old_rows, heads = old.shape
         new = SelfAttentionCache.allocate(old.keys, (capacity, layers, rows, heads), old.keys.size(-1),
                                           old.values.size(-1), self.spare)
         # One index_select along dimension 0 of 2-D views: [t - first, layers, R, h, d] -> [B * R, h * d] rows, B =
@@ -884,7 +884,7 @@ class DecoderState:
         # [B, R, h * d] runs on one thread whatever the thread count (same time at 1 and 2 threads): with 2 threads
         # this copy was ~15 % of a decode's CPU time; the flat select runs 1.6x faster there and whole decodes
         # 1.02-1.03x (d 128 and d 256, 4 interleaved rounds; 1.01x at 1 thread; BENCHMARKS.md).
-        blocks, old_rows = (t - first) * layers, old.keys.size(2)
+        blocks = (t - first) * layers
         flat_index = (torch.arange(blocks, device=index.device)[:, None] * old_rows
                       + index[None, :]).view(-1)  # [B, R'] -> [B * R']
         for src, dst in ((old.keys, new.keys), (old.values, new.values)):
