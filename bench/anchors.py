@@ -873,11 +873,13 @@ def run_rounds(e: Env, args: argparse.Namespace, parts: list[str]) -> dict[str, 
                         row[f"mtpipe {p}"] = decode_result(
                             mtpipe_decode(e, dec, dm, p, "fairseq", "finished", e.logs / f"{tag}_mtpipe_{p}.log"),
                             dec.refs)
-                    if args.decode_compile:
-                        say(f"round {r}: decode {dm.key}: mtpipe fp32, decode.compile")
-                        row["mtpipe fp32 compiled"] = decode_result(
-                            mtpipe_decode(e, dec, dm, "fp32", "fairseq", "finished",
-                                          e.logs / f"{tag}_mtpipe_fp32_compiled.log", compile=True), dec.refs)
+                    compiled_precisions = [p for p in ("fp32", "bf16") if args.decode_compile
+                                           and (p == "fp32" or e.probe["native_bf16"])]
+                    for p in compiled_precisions:
+                        say(f"round {r}: decode {dm.key}: mtpipe {p}, decode.compile")
+                        row[f"mtpipe {p} compiled"] = decode_result(
+                            mtpipe_decode(e, dec, dm, p, "fairseq", "finished",
+                                          e.logs / f"{tag}_mtpipe_{p}_compiled.log", compile=True), dec.refs)
                     for ct in ("float32", "int8"):
                         say(f"round {r}: decode {dm.key}: CTranslate2 {ct}")
                         row[f"CTranslate2 {ct}"] = decode_result(
@@ -889,6 +891,12 @@ def run_rounds(e: Env, args: argparse.Namespace, parts: list[str]) -> dict[str, 
                             row[f"mtpipe {p}, {n} processes"] = decode_result(
                                 mtpipe_decode(e, dec, dm, p, "fairseq", "finished",
                                               e.logs / f"{tag}_mtpipe_{p}_p{n}.log", processes=n), dec.refs)
+                            for cp in compiled_precisions if p == "fp32" else ():
+                                say(f"round {r}: decode {dm.key}: mtpipe {cp} compiled, {n} processes")
+                                row[f"mtpipe {cp} compiled, {n} processes"] = decode_result(
+                                    mtpipe_decode(e, dec, dm, cp, "fairseq", "finished",
+                                                  e.logs / f"{tag}_mtpipe_{cp}_compiled_p{n}.log", compile=True,
+                                                  processes=n), dec.refs)
                             say(f"round {r}: decode {dm.key}: CTranslate2 {ct}, {n} replicas")
                             row[f"CTranslate2 {ct}, {n} replicas"] = decode_result(
                                 ct2_decode(e, dec, dm, ct, args.ct2_limit, e.logs / f"{tag}_ct2_{ct}_r{n}.log",
@@ -910,6 +918,13 @@ def run_rounds(e: Env, args: argparse.Namespace, parts: list[str]) -> dict[str, 
     return {"rounds": rounds, "setup": info}
 
 
+def side_by_side(system: str) -> int:
+    """How many processes (mtpipe, "..., N processes") or replicas (CTranslate2, "..., N replicas") a decoding row's
+    system ran side by side: 1 for the one-process rows."""
+    m = re.search(r", (\d+) (?:processes|replicas)$", system)
+    return int(m[1]) if m else 1
+
+
 def summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (group, system, unit): per-round values, per-round ratios to the group's baselines measured in
     the same round, and min / median / max of both."""
@@ -928,8 +943,8 @@ def summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     base = [("fairseq", "fairseq fp32", False)]
                 elif decode:
                     base = [("fairseq", "fairseq fp32", False), ("ct2 fp32", "CTranslate2 float32", False)]
-                    if system.endswith(" processes"):  # decode.processes: also against CTranslate2's replicas
-                        n = system.split(", ")[1].split()[0]
+                    n = side_by_side(system)
+                    if n > 1 and system.startswith("mtpipe"):  # decode.processes: also against CTranslate2's replicas
                         base.append((f"ct2 fp32, {n} replicas", f"CTranslate2 float32, {n} replicas", False))
                 elif g.startswith("data"):
                     base = [("fairseq", "fairseq-preprocess", True)]  # times: ratio = fairseq s / mtpipe s
@@ -1003,11 +1018,12 @@ def decode_verdict(rows: list[dict[str, Any]], rounds: list[dict[str, Any]] | No
         if compiled is not None:  # --decode-compile
             cc = compiled["median_ratios"].get("ct2 fp32", float("nan"))
             parts.append(f"with decode.compile {cc:.2f}x (>= 1.0x: {'pass' if cc >= 1.0 else 'MISSED'})")
-        for par in (r for r in rows if r["group"] == g and r["system"].startswith("mtpipe fp32, ")
-                    and r["unit"] == "tgt tok/s"):  # --decode-processes: against CTranslate2's replicas
-            n = par["system"].split(", ")[1].split()[0]
+        for par in (r for r in rows if r["group"] == g and r["unit"] == "tgt tok/s" and side_by_side(r["system"]) > 1
+                    and r["system"].split(",")[0] in ("mtpipe fp32", "mtpipe fp32 compiled")):
+            n = side_by_side(par["system"])  # --decode-processes: against CTranslate2's replicas
+            how = " compiled" if "compiled" in par["system"] else ""
             pr = par["median_ratios"].get(f"ct2 fp32, {n} replicas", float("nan"))
-            parts.append(f"with {n} processes {pr:.2f}x CTranslate2 fp32 with {n} replicas (>= 1.0x: "
+            parts.append(f"with {n} processes{how} {pr:.2f}x CTranslate2 fp32 with {n} replicas (>= 1.0x: "
                          f"{'pass' if pr >= 1.0 else 'MISSED'})")
         if rounds:
             best = []
@@ -1015,7 +1031,7 @@ def decode_verdict(rows: list[dict[str, Any]], rounds: list[dict[str, Any]] | No
                 mt = max(v["tgt_tok_s"] for k, v in rd[g].items() if k.startswith("mtpipe"))
                 c2 = max(v["tgt_tok_s"] for k, v in rd[g].items() if k.startswith("CTranslate2"))
                 # against fairseq-generate, which decodes in one process: mtpipe's best in one process too
-                mt1 = max(v["tgt_tok_s"] for k, v in rd[g].items() if k.startswith("mtpipe") and "processes" not in k)
+                mt1 = max(v["tgt_tok_s"] for k, v in rd[g].items() if k.startswith("mtpipe") and side_by_side(k) == 1)
                 fs = rd[g].get("fairseq fp32", {}).get("tgt_tok_s")
                 best.append((mt / c2, mt1 / fs if fs else float("nan")))
             b = median([x for x, _ in best])
@@ -1473,10 +1489,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="source tokens per decoding batch, the same budget for every system (mtpipe's "
                          "decode.max_tokens, fairseq's --max-tokens, CTranslate2's max_batch_size in tokens)")
     ap.add_argument("--decode-processes", type=int, default=1,
-                    help="N > 1: also mtpipe fp32 / int8 with decode.processes N and CTranslate2 float32 / int8 with "
-                         "N replicas (inter_threads), --threads split among them on both sides")
+                    help="N > 1: also mtpipe fp32 / int8 (and with --decode-compile its compiled modes) with "
+                         "decode.processes N and CTranslate2 float32 / int8 with N replicas (inter_threads), --threads "
+                         "split among them on both sides")
     ap.add_argument("--decode-compile", action="store_true",
-                    help="also decode with mtpipe fp32 and decode.compile (its graphs built in the warm-up)")
+                    help="also decode with mtpipe fp32 and bf16 (where native) with decode.compile (its graphs built "
+                         "in the warm-up)")
     ap.add_argument("--isa", choices=["native", "avx2"], default="native",
                     help=f"avx2: restrict every library to AVX2 ({', '.join(AVX2_ONLY)}), as most users' CPUs are; "
                          "the ISA probe in the results shows whether it took effect")

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -447,6 +448,7 @@ class Transformer(nn.Module):
         # must not run its original's weights, so it uses its own or none.
         self._compiled_step: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None
         self._compiled_for = 0
+        self._frozen_key: tuple | None = None  # the weights a frozen compiled step was built with (_weights_key)
         # graph_step's graphs and the id of the model they run (as for compile_step; a deep copy gets none)
         self._graphed: Any = None
         self._graphed_for = 0
@@ -616,6 +618,8 @@ class Transformer(nn.Module):
                                                                for layer in self.decoder)]
         if self._graphed_for == id(self):
             self._graphed.check()  # graphs read the weights where they were recorded: not after model.to(...)
+        if self._compiled():
+            self._refreeze()  # a frozen graph holds the weights it was built with
         return DecoderState(src_mask=src_mask, cross=cross)
 
     def step(self, tokens: Tensor, state: DecoderState, lazy: bool = False) -> tuple[Any, DecoderState]:
@@ -655,7 +659,9 @@ class Transformer(nn.Module):
         if self._compiled() and state.length >= 2 and not self._recording():
             mark_step_dynamic(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask)
             try:
-                return self._compiled_step(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask)
+                # frozen on CPU: the setting is read while the graph is traced, which happens inside the call
+                with _freezing() if self._frozen_key is not None else contextlib.nullcontext():
+                    return self._compiled_step(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask)
             except torch._dynamo.exc.TorchDynamoException as e:  # building the graph failed (e.g. no C++ compiler)
                 first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
                 raise MtpipeError(f"decode.compile: torch.compile could not build the decoder step ({first.strip()}); "
@@ -700,11 +706,44 @@ class Transformer(nn.Module):
         per-kernel cost is what is left of a small batch's step (1.03-1.04x at ~8 sentences a batch, none at 8,000
         tokens, the same build time; BENCHMARKS.md)."""
         if not self._compiled():
-            on_cpu = next(self.parameters()).device.type == "cpu"
-            separate_compile_cache()
-            self._compiled_step = torch.compile(self.step_layers, dynamic=True,
-                                                options={"cpp_wrapper": True} if on_cpu else None)
-            self._compiled_for = id(self)
+            self._build_compiled_step()
+
+    def _build_compiled_step(self) -> None:
+        """:meth:`compile_step`'s ``torch.compile``; on CPU with the weights frozen into the graph.
+
+        Why frozen (inductor's ``freezing``): the weights become constants of the graph, which inductor packs once
+        into oneDNN's blocked layout for the products (as the eager step's :class:`~mtpipe.kernels.PackedWeight`
+        does); unfrozen, the graph multiplies by the plain weights. The compiled step ran 1.07-1.11x the eager one
+        frozen, for a server's ~8 sentences and for 8,000-token batches, at d 128 and d 256 (unfrozen 0.84-1.22x;
+        frozen without the packing the same as unfrozen; BENCHMARKS.md, "The compiled step with frozen weights").
+
+        A frozen graph would go on computing with the weights it was built with after they change in place
+        (``load_state_dict``, an optimizer step): torch guards on the weights' identity, not on their values.
+        :meth:`start` compares the weights' versions with :attr:`_frozen_key` and builds again
+        (:meth:`_refreeze`). float32 weights only: each of the bf16 copies that :func:`mtpipe.decode.translate`
+        makes per call would build a graph of its own, and bf16's compiled step gained nothing from freezing.
+        Not on GPU, where it is untested (CUDA graphs are the GPU's way, ``decode.cuda_graphs``)."""
+        weight = next(self.parameters())
+        on_cpu = weight.device.type == "cpu"
+        separate_compile_cache()
+        self._compiled_step = torch.compile(self.step_layers, dynamic=True,
+                                            options={"cpp_wrapper": True} if on_cpu else None)
+        self._compiled_for = id(self)
+        self._frozen_key = self._weights_key() if on_cpu and weight.dtype == torch.float32 else None
+
+    def _weights_key(self) -> tuple:
+        """Where each parameter and buffer lives and how often it was changed in place (its version counter; an
+        inference tensor has none, and counts by its storage only)."""
+        return tuple((t.data_ptr(), -1 if t.is_inference() else t._version)
+                     for t in itertools.chain(self.parameters(), self.buffers()))
+
+    def _refreeze(self) -> None:
+        """Build the frozen compiled step again if the weights changed since it was built (:meth:`_build_compiled_step`).
+        torch's compile caches are reset first: a new ``torch.compile`` of the same method would find the graph
+        built for the old weights."""
+        if self._frozen_key is not None and self._frozen_key != self._weights_key():
+            torch.compiler.reset()
+            self._build_compiled_step()
 
     def graph_step(self, capture: bool = True) -> None:
         """``decode.cuda_graphs``: run :meth:`step`'s layers, projection and log-softmax as CUDA graphs over fixed
@@ -724,6 +763,15 @@ class Transformer(nn.Module):
 
     def _recording(self) -> bool:
         return any(layer.self_attn.record is not None or layer.cross_attn.record is not None for layer in self.decoder)
+
+
+def _freezing() -> contextlib.AbstractContextManager:
+    """inductor's ``freezing`` for the graphs built inside the block (:meth:`Transformer._build_compiled_step`).
+    Not ``torch.compile``'s ``options``: those reach inductor only, after the tracer has already taken the weights
+    for inputs, so nothing would be frozen."""
+    import torch._inductor.config
+
+    return torch._inductor.config.patch(freezing=True)
 
 
 def mark_step_dynamic(x: Tensor, k_prev: Tensor, v_prev: Tensor, prev_mask: Tensor | None,

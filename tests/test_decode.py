@@ -531,6 +531,19 @@ def test_compiled_step_decodes_what_the_eager_step_decodes(model):
         assert [h.tokens for h in a] == [h.tokens for h in b]
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
 
+    # On CPU the graph holds the weights as constants (inductor's freezing). After an in-place update of the weights
+    # the step is built again, so it decodes with the new ones: not a mix of new cross-attention keys (projected
+    # eagerly) and the old layers.
+    assert compiled._frozen_key is not None
+    fresh = copy.deepcopy(model)
+    torch.manual_seed(123)
+    fresh.reset_parameters()
+    expected = translate(fresh, srcs, cfg)
+    assert [h[0].tokens for h in expected] != [h[0].tokens for h in eager]  # the update changes the translations
+    compiled.load_state_dict(fresh.state_dict())
+    again = translate(compiled, srcs, dataclasses.replace(cfg, compile=True))
+    assert [[h.tokens for h in hyps] for hyps in again] == [[h.tokens for h in hyps] for hyps in expected]
+
 
 def test_graphed_step_decodes_what_the_eager_step_decodes(model, monkeypatch):
     """decode.cuda_graphs: the step on fixed-shape buffers (rows, cached positions and source positions rounded up to
