@@ -368,9 +368,9 @@ class DecodeConfig(Section):
         default="auto", choices=("auto", "cpu", "cuda"))
     compile: bool = _h(
         "Engine mtpipe, fp32 or bf16: run the decoder's step through torch.compile (fused kernels, fewer "
-        "operations: faster steps for a few sentences, as a server or interactive input decodes them), at the cost "
-        "of building it first (tens of seconds on a small CPU, once per process; needs a C++ compiler on CPU). "
-        "Outputs equal the uncompiled step's up to float rounding.",
+        "operations; on CPU float32 weights frozen into the graph, packed once for oneDNN), at the cost of building "
+        "it first (tens of seconds on a small CPU, once per process; needs a C++ compiler on CPU). Outputs equal the "
+        "uncompiled step's up to float rounding.",
         default=False,
     )
     cuda_graphs: bool = _h(

@@ -713,7 +713,7 @@ class Transformer(nn.Module):
 
         Why frozen (inductor's ``freezing``): the weights become constants of the graph, which inductor packs once
         into oneDNN's blocked layout for the products (as the eager step's :class:`~mtpipe.kernels.PackedWeight`
-        does); unfrozen, the graph multiplies by the plain weights. The compiled step ran 1.07-1.11x the eager one
+        does); unfrozen, the graph multiplies by the plain weights. The compiled step ran 1.06-1.11x the eager one
         frozen, for a server's ~8 sentences and for 8,000-token batches, at d 128 and d 256 (unfrozen 0.84-1.22x;
         frozen without the packing the same as unfrozen; BENCHMARKS.md, "The compiled step with frozen weights").
 
@@ -721,8 +721,8 @@ class Transformer(nn.Module):
         (``load_state_dict``, an optimizer step): torch guards on the weights' identity, not on their values.
         :meth:`start` compares the weights' versions with :attr:`_frozen_key` and builds again
         (:meth:`_refreeze`). float32 weights only: each of the bf16 copies that :func:`mtpipe.decode.translate`
-        makes per call would build a graph of its own, and bf16's compiled step gained nothing from freezing.
-        Not on GPU, where it is untested (CUDA graphs are the GPU's way, ``decode.cuda_graphs``)."""
+        makes per call would build a graph of its own (unfrozen, the compiled bf16 step already runs 1.4x the eager
+        one). Not on GPU, where it is untested (CUDA graphs are the GPU's way, ``decode.cuda_graphs``)."""
         weight = next(self.parameters())
         on_cpu = weight.device.type == "cpu"
         separate_compile_cache()
@@ -738,9 +738,9 @@ class Transformer(nn.Module):
                      for t in itertools.chain(self.parameters(), self.buffers()))
 
     def _refreeze(self) -> None:
-        """Build the frozen compiled step again if the weights changed since it was built (:meth:`_build_compiled_step`).
-        torch's compile caches are reset first: a new ``torch.compile`` of the same method would find the graph
-        built for the old weights."""
+        """Build the frozen compiled step again (:meth:`_build_compiled_step`) if the weights changed since it was
+        built. torch's compile caches are reset first: a new ``torch.compile`` of the same method would find the
+        graph built for the old weights."""
         if self._frozen_key is not None and self._frozen_key != self._weights_key():
             torch.compiler.reset()
             self._build_compiled_step()
