@@ -315,7 +315,7 @@ def profile(model: Transformer, sources: list[list[int]], cfg: DecodeConfig) -> 
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    translate(model, sources[:32], cfg, "cpu")  # warm-up
+    translate(model, sources[:48], cfg, "cpu")  # warm-up (with decode.compile: the graphs are built here)
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
         translate(model, sources, cfg, "cpu")
     console.print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
@@ -350,7 +350,9 @@ def main() -> None:
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                     help="First wait up to this long for other processes to leave the CPUs (< 15%% busy).")
     ap.add_argument("--markdown", type=Path, help="Also write the result table as Markdown here.")
-    ap.add_argument("--profile", action="store_true", help="Profile mtpipe's fp32 decode instead of benchmarking.")
+    ap.add_argument("--profile", action="store_true",
+                    help="Profile mtpipe's decode (the first --precisions; with --compiled, decode.compile's) instead "
+                         "of benchmarking.")
     ap.add_argument("--plain", default="", help="comma list of decoding tricks to time switched off, one row each: "
                     + "; ".join(f"{k}: {v}" for k, v in PLAIN.items()))
     ap.add_argument("--no-naive", action="store_true", help="Leave the (slow) naive decoder out.")
@@ -397,7 +399,7 @@ def main() -> None:
                   f"{len(sources):,} sentences, {sum(map(len, sources)):,} source pieces; {args.threads} threads; "
                   f"beam {args.beam}, alpha {args.alpha}")
     if args.profile:
-        profile(model, sources, cfgs[precisions[0]])
+        profile(model, sources, dataclasses.replace(cfgs[precisions[0]], compile=args.compiled))
         return
 
     if args.wait_quiet > 0:

@@ -143,9 +143,9 @@ class GraphedStep:
                 return None
         b.x[:rows].copy_(x)
         if t:
-            assert state.cache is not None
-            b.keys[:t, :, :rows].copy_(state.cache.keys[:t])  # [t, layers, R, h, d] into [T', layers, R', h, d]
-            b.values[:t, :, :rows].copy_(state.cache.values[:t])
+            keys, values = state.gathered()  # [t, layers, R, h, d], the rows' order
+            b.keys[:t, :, :rows].copy_(keys)  # into [T', layers, R', h, d]
+            b.values[:t, :, :rows].copy_(values)
         b.length.fill_(t)
         if state.start is not None:
             b.start[:rows, 0].copy_(state.start)

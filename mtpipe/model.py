@@ -655,37 +655,56 @@ class Transformer(nn.Module):
 
     def _cached_layers(self, x: Tensor, state: DecoderState) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`step_layers` on ``state``'s cache, compiled (``decode.compile``) from a batch's third step on."""
-        k_prev, v_prev, prev_mask = state.prefix(x, len(self.decoder), self.cfg.heads, self.cfg.d_k, self.cfg.d_v)
+        k_prev, v_prev, index, prev_mask = state.prefix(x, len(self.decoder), self.cfg.heads, self.cfg.d_k,
+                                                        self.cfg.d_v, self.cfg.attention_window)
         if self._compiled() and state.length >= 2 and not self._recording():
-            mark_step_dynamic(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask)
+            if k_prev.size(1) * k_prev.element_size() < _GATHER_IN_GRAPH_BYTES:
+                # Short rows (a position's keys of one layer): gathered here, in one copy, before the graph.
+                k_prev, v_prev = state.gathered(state.length - index.size(1))  # [w, layers, R, h, d]
+                index = None
+            mark_step_dynamic(x, k_prev, v_prev, index, prev_mask, state.cross, state.src_mask)
             try:
                 # frozen on CPU: the setting is read while the graph is traced, which happens inside the call
                 with _freezing() if self._frozen_key is not None else contextlib.nullcontext():
-                    return self._compiled_step(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask)
+                    return self._compiled_step(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask, index)
             except torch._dynamo.exc.TorchDynamoException as e:  # building the graph failed (e.g. no C++ compiler)
                 first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
                 raise MtpipeError(f"decode.compile: torch.compile could not build the decoder step ({first.strip()}); "
                                   "decode without --compile") from e
-        return self.step_layers(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask)
+        return self.step_layers(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask, index)
 
     def step_layers(self, x: Tensor, k_prev: Tensor, v_prev: Tensor, prev_mask: Tensor | None,
-                    cross: list[tuple[Tensor, Tensor]], src_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                    cross: list[tuple[Tensor, Tensor]], src_mask: Tensor,
+                    index: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """The decoder stack on the newest position ``x`` ``[R, 1, D]`` (the same :meth:`DecoderLayer.forward` as
-        training, with a cache): the earlier positions' keys/values ``k_prev``/``v_prev`` ``[t, layers, R, h, d]``
-        (masked by ``prev_mask`` ``[R, 1, 1, t]`` or None), each layer's encoder-decoder keys/values ``cross``, the
-        source mask ``[n, 1, 1, S]``. Returns the top of the stack ``[R, D]`` and the new position's keys/values
-        ``[layers, R, h, d]``, for :meth:`DecoderState.write`.
+        training, with a cache): the earlier positions' keys/values, each layer's encoder-decoder keys/values
+        ``cross``, the source mask ``[n, 1, 1, S]``. Returns the top of the stack ``[R, D]`` and the new position's
+        keys/values ``[layers, R, h, d]``, for :meth:`DecoderState.write`.
+
+        The earlier positions: with ``index`` ``[layers, w, R]`` (:meth:`DecoderState.prefix`), the rows of the
+        flat cache ``k_prev``/``v_prev`` ``[N, h * d]`` that hold each layer's w positions of each row, gathered
+        here, inside the step, so that under ``torch.compile`` the gather is part of attention's one pass over the
+        cache rather than a copy of it; without, ``k_prev``/``v_prev`` ``[w, layers, R, h, d]`` in the rows' order
+        (the CUDA graphs' buffers, :mod:`mtpipe.cuda_graphs`). ``prev_mask`` ``[R, 1, 1, w]`` or None masks them.
 
         A pure function of its inputs (nothing written in place): ``decode.compile`` runs it through
         ``torch.compile`` (:meth:`compile_step`)."""
+        rows = x.size(0)
+        heads, d_k, d_v = self.cfg.heads, self.cfg.d_k, self.cfg.d_v
         new_k: list[Tensor] = []
         new_v: list[Tensor] = []
         for i, layer in enumerate(self.decoder):
             def cache(k: Tensor, v: Tensor, i: int = i) -> tuple[Tensor, Tensor, Tensor | None]:
                 new_k.append(k[:, :, 0])  # [R, h, 1, d] -> [R, h, d]
                 new_v.append(v[:, :, 0])
-                # [t, R, h, d] -> [R, h, t, d] (strides only)
-                return k_prev[:, i].permute(1, 2, 0, 3), v_prev[:, i].permute(1, 2, 0, 3), prev_mask
+                if index is None:  # [w, R, h, d] -> [R, h, w, d] (strides only)
+                    return k_prev[:, i].permute(1, 2, 0, 3), v_prev[:, i].permute(1, 2, 0, 3), prev_mask
+                rows_i = index[i].reshape(-1)  # [w, R] -> [w * R]
+                # [w * R, h * d] -> [w, R, h, d] -> [R, h, w, d]: time-major, so that the eager matmuls see [R * h]
+                # batches of [w, d] without a copy
+                keys = k_prev.index_select(0, rows_i).view(-1, rows, heads, d_k).permute(1, 2, 0, 3)
+                values = v_prev.index_select(0, rows_i).view(-1, rows, heads, d_v).permute(1, 2, 0, 3)
+                return keys, values, prev_mask
 
             x = layer(x, cross[i], src_mask, cache=cache)
         if self.decoder_norm is not None:
@@ -765,6 +784,15 @@ class Transformer(nn.Module):
         return any(layer.self_attn.record is not None or layer.cross_attn.record is not None for layer in self.decoder)
 
 
+# decode.compile: the compiled step gathers the cached keys/values itself (fused into attention's pass over them, no
+# copy of the cache) when a position's keys of one layer take at least this many bytes; shorter rows are gathered
+# before the graph. Measured against the reorder it replaced (8,000-token batches, 2 threads, identical outputs;
+# BENCHMARKS.md, "The cache's slot table"): gathering in the graph ran float32 d 256 (1 KiB rows) 1.03-1.10x as fast,
+# but d 128 float32 and d 256 bf16 (512-byte rows) 0.87-1.03x (median 0.99x) and 0.87-1.02x; gathered first, d 128
+# float32 ran 1.01-1.02x.
+_GATHER_IN_GRAPH_BYTES = 1024
+
+
 def _freezing() -> contextlib.AbstractContextManager:
     """inductor's ``freezing`` for the graphs built inside the block (:meth:`Transformer._build_compiled_step`).
     Not ``torch.compile``'s ``options``: those reach inductor only, after the tracer has already taken the weights
@@ -774,15 +802,19 @@ def _freezing() -> contextlib.AbstractContextManager:
     return torch._inductor.config.patch(freezing=True)
 
 
-def mark_step_dynamic(x: Tensor, k_prev: Tensor, v_prev: Tensor, prev_mask: Tensor | None,
+def mark_step_dynamic(x: Tensor, k_prev: Tensor, v_prev: Tensor, index: Tensor | None, prev_mask: Tensor | None,
                       cross: list[tuple[Tensor, Tensor]], src_mask: Tensor) -> None:
     """Tell ``torch.compile`` which dimensions of :meth:`Transformer.step_layers`' inputs vary from call to call
-    (rows R, cached positions t, sentences n, source length S), so that it builds one graph for all of them rather
-    than one per shape."""
-    dims = [(x, 0), (k_prev, 0), (k_prev, 2), (v_prev, 0), (v_prev, 2), (src_mask, 0), (src_mask, 3)]
+    (rows R, the cache's size N, cached positions w, sentences n, source length S), so that it builds one graph for
+    all of them rather than one per shape."""
+    dims = [(x, 0), (src_mask, 0), (src_mask, 3)]
+    if index is not None:  # the flat cache [N, h * d] and the rows to gather [layers, w, R]
+        dims += [(k_prev, 0), (v_prev, 0), (index, 1), (index, 2)]
+    else:  # gathered [w, layers, R, h, d]
+        dims += [(k_prev, 0), (k_prev, 2), (v_prev, 0), (v_prev, 2)]
     dims += [(kv, d) for pair in cross for kv in pair for d in (0, 2)]  # [n, h, S, d]
     if prev_mask is not None:
-        dims += [(prev_mask, 0), (prev_mask, 3)]  # [R, 1, 1, t]
+        dims += [(prev_mask, 0), (prev_mask, 3)]  # [R, 1, 1, w]
     for tensor, dim in dims:
         torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
@@ -799,39 +831,36 @@ def build_model(model_config: dict | ModelConfig, vocab_size: int) -> Transforme
 
 
 class SelfAttentionCache:
-    """Every decoder layer's self-attention keys/values so far, time-major: ``keys`` ``[capacity, layers, R, h, d_k]``
-    and ``values`` likewise, views over flat storages so that a storage can be reused at another row count.
+    """Every decoder layer's self-attention keys/values so far, stored time-major: ``keys``
+    ``[capacity, layers, slots, h, d_k]`` and ``values`` likewise. Step p writes its rows' keys/values into slots
+    ``0 .. R_p - 1`` of position p, once, and nothing moves them afterwards: which slot holds a row's position p is
+    :class:`DecoderState`'s ``slots`` table.
 
-    Why this layout: step t writes one block ``[t, layer]`` in place (concatenating would copy the whole cache every
-    step); the positions in use are always a contiguous prefix ``[:t]``, so a beam reorder gathers exactly that
-    prefix into another storage with one ``index_select`` (no scattered pages first-touched per row, which cost more
-    than the copy on CPU), and growing (doubling the capacity) copies one block. Attention reads a layer's
-    ``[t, R, h, d]`` slice as ``[R, h, t, d]`` through strides, as fast on CPU as a row-major cache.
+    Why a table instead of reordering: in beam search a hypothesis continues another row's prefix, so the rows'
+    cached prefixes change order at every step (and shrink as sentences finish). Gathering the whole cache into the
+    new order each step copied ``t x layers x R x h x d`` values twice over (keys and values), 8-11 % of a decode's
+    CPU time at 8,000-token batches; the table's reorder copies ``R x capacity`` integers, and attention reads each
+    row's keys through the table (:meth:`DecoderState.prefix`). Growing (doubling the capacity, or more slots when
+    the rows outgrow them) gathers the live rows' written prefix into a new cache, once.
     """
 
-    def __init__(self, k_store: Tensor, v_store: Tensor, shape: tuple[int, ...], d_k: int, d_v: int):
-        capacity, layers, rows, heads = shape
-        self.k_store, self.v_store = k_store, v_store
-        # [>= n * d] flat storage -> [capacity, layers, R, h, d] (a prefix of it)
-        self.keys = k_store[: capacity * layers * rows * heads * d_k].view(capacity, layers, rows, heads, d_k)
-        self.values = v_store[: capacity * layers * rows * heads * d_v].view(capacity, layers, rows, heads, d_v)
+    def __init__(self, keys: Tensor, values: Tensor):
+        self.keys, self.values = keys, values  # [capacity, layers, slots, h, d]
 
     @staticmethod
-    def allocate(like: Tensor, shape: tuple[int, ...], d_k: int, d_v: int,
-                 stores: tuple[Tensor, Tensor] | None = None) -> SelfAttentionCache:
-        """A cache of ``shape`` = (capacity, layers, rows, heads), in ``stores`` when they are large enough."""
-        n = math.prod(shape)
-        if stores is None or stores[0].numel() < n * d_k or stores[1].numel() < n * d_v:
-            stores = (like.new_empty(n * d_k), like.new_empty(n * d_v))
-        return SelfAttentionCache(stores[0], stores[1], shape, d_k, d_v)
+    def allocate(like: Tensor, shape: tuple[int, ...], d_k: int, d_v: int) -> SelfAttentionCache:
+        """A cache of ``shape`` = (capacity, layers, slots, heads), in ``like``'s dtype and device."""
+        return SelfAttentionCache(like.new_empty(*shape, d_k), like.new_empty(*shape, d_v))
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.keys.shape[:4])
 
-    @property
-    def stores(self) -> tuple[Tensor, Tensor]:
-        return self.k_store, self.v_store
+    def flat(self) -> tuple[Tensor, Tensor]:
+        """Keys and values as ``[capacity * layers * slots, h * d]``: row ``(p * layers + l) * slots + s`` is layer
+        l's key (value) of position p in slot s. The form :meth:`Transformer.step_layers` gathers from."""
+        return (self.keys.view(-1, self.keys.size(-2) * self.keys.size(-1)),
+                self.values.view(-1, self.values.size(-2) * self.values.size(-1)))
 
 
 @dataclass
@@ -841,67 +870,103 @@ class DecoderState:
 
     Per sentence (shared by its beams): ``src_mask`` ``[n, 1, 1, S]`` and ``cross[l]``, layer l's encoder
     keys/values ``[n, h, S, d]`` (projected once, :meth:`Transformer.start`). Per row: the self-attention keys/values
-    of the ``length`` positions decoded so far (:class:`SelfAttentionCache`, allocated at the first step).
+    of the ``length`` positions decoded so far, in the :class:`SelfAttentionCache` (allocated at the first step) at
+    the slots ``slots[r, p]`` (``[R, capacity]``; position p of row r).
 
-    :meth:`select` gathers rows into ``spare`` storages, which then hold the new state's cache while this state's
-    storages become its spare: one copy per step into memory that is already mapped. Contract:
-    :meth:`Transformer.step` writes position ``length`` of this state's cache (:meth:`write`) and returns a state that
-    shares it; :meth:`select` never changes this state's cache, but the returned state reuses this state's storages
-    as its spare, so only the newest state may be selected from or stepped after that.
+    :meth:`select` reorders and shrinks the rows by reordering ``slots`` (never the cache); :meth:`write` adds a
+    position in place. Contract: :meth:`Transformer.step` writes position ``length`` of this state's cache and
+    returns a state that shares it, and states made by :meth:`select` share it too, so only the newest state may be
+    stepped.
     """
 
     src_mask: Tensor
     cross: list[tuple[Tensor, Tensor]]
     cache: SelfAttentionCache | None = None
-    spare: tuple[Tensor, Tensor] | None = None
+    slots: Tensor | None = None  # [R, capacity] int64: the cache slot of each row's position p (p < length)
     length: int = 0
     beams: int = 1  # rows per sentence: 1 until the first select widens the beam
     # Continuous batching (:meth:`admit`): each row's first cache slot ``[R]``, its position 0; None = all rows 0.
     start: Tensor | None = None
 
-    def prefix(self, like: Tensor, layers: int, heads: int, d_k: int, d_v: int) -> tuple[Tensor, Tensor, Tensor | None]:
-        """The self-attention keys/values of the ``length`` positions decoded so far, ``[t, layers, R, h, d]`` (views
-        of the cache; empty, in ``like``'s dtype, before the first step), and their mask ``[R, 1, 1, t]`` (False: the
+    def prefix(self, like: Tensor, layers: int, heads: int, d_k: int, d_v: int,
+               window: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """What :meth:`Transformer.step_layers` reads the earlier positions from: the cache's keys and values
+        ``[N, h * d]`` (:meth:`SelfAttentionCache.flat`; empty, in ``like``'s dtype, before the first step), the rows
+        of them holding each layer's positions ``[layers, w, R]`` (w = the ``length`` positions decoded so far, or
+        the last ``window`` of them for restricted self-attention), and their mask ``[R, 1, 1, w]`` (False: the
         slots before a row's ``start``), or None when every row started at slot 0."""
-        t = self.length
+        t, rows = self.length, like.size(0)
+        w = min(t, window) if window else t
         if self.cache is None or t == 0:
-            rows = like.size(0)
-            keys, values = like.new_empty(0, layers, rows, heads, d_k), like.new_empty(0, layers, rows, heads, d_v)
+            keys, values = like.new_empty(0, heads * d_k), like.new_empty(0, heads * d_v)
+            index = torch.zeros(layers, 0, rows, dtype=torch.long, device=like.device)
         else:
-            keys, values = self.cache.keys[:t], self.cache.values[:t]  # [t, layers, R, h, d]
+            assert self.slots is not None
+            keys, values = self.cache.flat()
+            slots_per_position = self.cache.keys.size(2)
+            positions = torch.arange(t - w, t, device=like.device)  # [w]
+            layer = torch.arange(layers, device=like.device)
+            # [layers, w, R]: row (p * layers + l) * slots + slot of the flat cache
+            index = ((positions[None, :, None] * layers + layer[:, None, None]) * slots_per_position
+                     + self.slots[:, t - w : t].t()[None])  # [R, w] -> [w, R] -> [1, w, R]
         mask = None
         if self.start is not None:
-            slots = torch.arange(t, device=self.start.device)
-            mask = (slots[None, :] >= self.start[:, None])[:, None, None, :]  # [R, t] -> [R, 1, 1, t]
-        return keys, values, mask
+            slots = torch.arange(t - w, t, device=self.start.device)
+            mask = (slots[None, :] >= self.start[:, None])[:, None, None, :]  # [R, w] -> [R, 1, 1, w]
+        return keys, values, index, mask
+
+    def gathered(self, first: int = 0, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """The cached keys and values of positions ``first`` .. ``length - 1`` in the rows' order,
+        ``[length - first, layers, R, h, d]``: a copy, into ``out`` when given (contiguous tensors of that shape).
+        The CUDA graphs' buffers take them in this form (:mod:`mtpipe.cuda_graphs`), and :meth:`write` when the
+        cache grows."""
+        assert self.cache is not None and self.slots is not None
+        t, (layers, slots_per_position) = self.length, self.cache.keys.shape[1:3]
+        rows = self.slots.size(0)
+        positions = torch.arange(first, t, device=self.slots.device)
+        layer = torch.arange(layers, device=self.slots.device)
+        index = ((positions[:, None, None] * layers + layer[None, :, None]) * slots_per_position
+                 + self.slots[:, first:t].t()[:, None, :]).reshape(-1)  # [t', layers, R] -> [t' * layers * R]
+        result = []
+        for flat, store, into in zip(self.cache.flat(), (self.cache.keys, self.cache.values), out or (None, None)):
+            got = (flat.index_select(0, index) if into is None  # [t * layers * R, h * d]
+                   else torch.index_select(flat, 0, index, out=into.view(-1, flat.size(1))))
+            result.append(got.view(t - first, layers, rows, *store.shape[3:]))  # -> [t', layers, R, h, d]
+        return result[0], result[1]
 
     def write(self, k: Tensor, v: Tensor) -> None:
-        """Write every layer's keys/values ``[layers, R, h, d]`` of position ``length`` into the cache (in place)."""
-        t = self.length
-        if self.cache is None or self.cache.keys.size(0) <= t:
+        """Write every layer's keys/values ``[layers, R, h, d]`` of position ``length`` into the cache (in place):
+        row r into slot r."""
+        t, rows = self.length, k.size(1)
+        if self.cache is None or self.cache.keys.size(0) <= t or self.cache.keys.size(2) < rows:
             self._grow(k, v)
-        assert self.cache is not None
-        self.cache.keys[t] = k
-        self.cache.values[t] = v
+        assert self.cache is not None and self.slots is not None
+        self.cache.keys[t, :, :rows] = k
+        self.cache.values[t, :, :rows] = v
+        self.slots[:, t] = torch.arange(rows, device=self.slots.device)
 
     def _grow(self, k: Tensor, v: Tensor) -> None:
-        """Allocate the cache at the first step (16 positions, enough for most sentences); double it when full."""
+        """Allocate the cache at the first step (16 positions, enough for most sentences, and a slot per row); when
+        the positions are full (double them) or the rows outnumber the slots (after the first step's beam widening,
+        or sentences that joined), a new cache with a slot per row, the written prefix gathered into it in the rows'
+        order: one copy of the live rows (the slots of rows that left are not carried over)."""
         t, (layers, rows, heads) = self.length, k.shape[:3]
-        capacity = 16 if self.cache is None else 2 * self.cache.keys.size(0)
+        old = self.cache
+        capacity = 16 if old is None else old.keys.size(0) * (2 if old.keys.size(0) <= t else 1)
         # In the keys' own dtype (bf16 when decoding in bf16): with attention as two matmuls (mtpipe.kernels) a bf16
         # cache is faster than a float32 one, which would cast every new key/value and every query.
-        like = k.new_empty(0)
-        grown = SelfAttentionCache.allocate(like, (capacity, layers, rows, heads), k.size(-1), v.size(-1), self.spare)
-        if self.cache is not None:
-            grown.keys[:t] = self.cache.keys[:t]  # contiguous prefixes: one block copy each
-            grown.values[:t] = self.cache.values[:t]
-            self.spare = self.cache.stores
-        self.cache = grown
+        grown = SelfAttentionCache.allocate(k, (capacity, layers, rows, heads), k.size(-1), v.size(-1))
+        table = torch.zeros(rows, capacity, dtype=torch.long, device=k.device)
+        if old is not None and t > 0:
+            self.gathered(out=(grown.keys[:t], grown.values[:t]))  # [t, layers, R, h, d], contiguous prefixes
+            table[:, :t] = torch.arange(rows, device=k.device)[:, None]
+        self.cache, self.slots = grown, table
 
     def select(self, index: Tensor, beams: int | None = None) -> DecoderState:
         """A state of rows ``index`` of this one (beam reordering, finished sentences leaving the batch), grouped
         ``beams`` consecutive rows per sentence (default: as now). Each group's sentence is that of its first row;
-        the per-sentence tensors are copied only when the sentences change, the cache only when the rows do."""
+        the per-sentence tensors are copied only when the sentences change; the cache is not copied (the rows'
+        ``slots`` are), except in a continuous batch when the oldest positions are no one's any more."""
         beams = self.beams if beams is None else beams
         n_new = index.numel() // beams
         sentences = index.view(n_new, beams)[:, 0] // self.beams  # [n'*beams] -> [n', beams] -> [n']
@@ -909,7 +974,7 @@ class DecoderState:
         if n_new != src_mask.size(0) or not torch.equal(sentences, torch.arange(n_new, device=index.device)):
             src_mask = src_mask.index_select(0, sentences)
             cross = [(k.index_select(0, sentences), v.index_select(0, sentences)) for k, v in cross]
-        t, old = self.length, self.cache
+        t = self.length
         start, first = self.start, 0
         if start is not None:
             # Continuous batching: the slots before every kept row's start belonged to rows that have left; the copy
@@ -917,36 +982,29 @@ class DecoderState:
             start = start.index_select(0, index)
             first = int(start.min())
             start = start - first if bool((start != first).any()) else None  # None: every row starts at slot 0
-        if old is None or t == 0:
+        if self.cache is None or t == 0:
             return DecoderState(src_mask, cross, length=t, beams=beams, start=start)
-        rows = index.numel()
-        if first == 0 and rows == old.keys.size(2) and torch.equal(index, torch.arange(rows, device=index.device)):
-            # nothing moved (e.g. greedy search)
-            return DecoderState(src_mask, cross, old, self.spare, t, beams, start)
-        capacity, layers, old_rows, heads = old.shape
-        new = SelfAttentionCache.allocate(old.keys, (capacity, layers, rows, heads), old.keys.size(-1),
-                                          old.values.size(-1), self.spare)
-        # One index_select along dimension 0 of 2-D views: [t - first, layers, R, h, d] -> [B * R, h * d] rows, B =
-        # (t - first) * layers blocks of R rows each; row r of block b is row b * R + r. torch parallelises a select
-        # along dimension 0 over the rows it gathers, but a select along the middle dimension of the 3-D view
-        # [B, R, h * d] runs on one thread whatever the thread count (same time at 1 and 2 threads): with 2 threads
-        # this copy was ~15 % of a decode's CPU time; the flat select runs 1.6x faster there and whole decodes
-        # 1.02-1.03x (d 128 and d 256, 4 interleaved rounds; 1.01x at 1 thread; BENCHMARKS.md).
-        blocks = (t - first) * layers
-        flat_index = (torch.arange(blocks, device=index.device)[:, None] * old_rows
-                      + index[None, :]).view(-1)  # [B, R'] -> [B * R']
-        for src, dst in ((old.keys, new.keys), (old.values, new.values)):
-            torch.index_select(src[first:t].reshape(blocks * old_rows, -1), 0, flat_index,  # [B * R, h * d]
-                               out=dst[: t - first].view(blocks * rows, -1))  # [B * R', h * d]
-        return DecoderState(src_mask, cross, new, old.stores, t - first, beams, start)
+        assert self.slots is not None
+        slots = self.slots.index_select(0, index)  # [R', capacity]
+        if first == 0:
+            return DecoderState(src_mask, cross, self.cache, slots, t, beams, start)
+        # The positions before `first` are dropped: the kept rows' positions first..t-1 gathered into a new cache.
+        capacity, layers, _, heads = self.cache.shape
+        new = SelfAttentionCache.allocate(self.cache.keys, (capacity, layers, index.numel(), heads),
+                                          self.cache.keys.size(-1), self.cache.values.size(-1))
+        moved = DecoderState(src_mask, cross, self.cache, slots, t, beams)
+        moved.gathered(first, out=(new.keys[: t - first], new.values[: t - first]))  # [t - first, layers, R', h, d]
+        table = torch.zeros_like(slots)
+        table[:, : t - first] = torch.arange(index.numel(), device=index.device)[:, None]
+        return DecoderState(src_mask, cross, new, table, t - first, beams, start)
 
     def admit(self, fresh: DecoderState) -> DecoderState:
         """Continuous batching: this state's rows, then ``fresh``'s sentences (:meth:`Transformer.start`: one row
-        each, nothing decoded yet) with ``beams`` rows each, joining at slot ``length`` of the cache.
+        each, nothing decoded yet) with ``beams`` rows each, joining at position ``length`` of the cache.
 
         The per-sentence encoder tensors are padded to the longer source (padding masked in ``src_mask``); the new
-        rows' cache slots before ``length`` are zeros that their key mask hides (:meth:`append`), and their positions
-        count from their ``start`` (:meth:`Transformer.step`), so a sentence decodes as it would alone."""
+        rows' positions before ``length`` are hidden by their key mask, and their positions count from their
+        ``start`` (:meth:`Transformer.step`), so a sentence decodes as it would alone."""
         if fresh.length != 0 or fresh.cache is not None or fresh.beams != 1:
             raise MtpipeError("DecoderState.admit: the joining sentences must be fresh (Transformer.start)")
         beams, t = self.beams, self.length
@@ -969,15 +1027,12 @@ class DecoderState:
         start = torch.cat([self.start if self.start is not None else torch.zeros(old_rows, dtype=torch.long,
                                                                                  device=device),
                            torch.full((rows - old_rows,), t, dtype=torch.long, device=device)])  # [R + m*beams]
-        old = self.cache
-        if old is None or t == 0:
+        if self.cache is None or t == 0:
             return DecoderState(src_mask, cross, length=t, beams=beams, start=start)
-        capacity, layers, _, heads = old.shape
-        new = SelfAttentionCache.allocate(old.keys, (capacity, layers, rows, heads), old.keys.size(-1),
-                                          old.values.size(-1), self.spare)
-        new.keys[:t, :, :old_rows] = old.keys[:t]  # [t, layers, R, h, d] into [t, layers, R + m*beams, h, d]
-        new.values[:t, :, :old_rows] = old.values[:t]
-        new.keys[:t, :, old_rows:] = 0.0  # hidden by the key mask; zeros, not garbage, since 0 * NaN is NaN
-        new.values[:t, :, old_rows:] = 0.0
-        return DecoderState(src_mask, cross, new, old.stores, t, beams, start)
+        assert self.slots is not None
+        # The joining rows' positions before `length` are hidden by the key mask; their slots point at slot 0, which
+        # every position has written (finite values: a masked weight is exactly 0, and 0 * NaN would be NaN). Their
+        # own positions get slots when the next step writes more rows than the cache has (DecoderState.write).
+        slots = torch.cat([self.slots, self.slots.new_zeros(rows - old_rows, self.slots.size(1))])  # [R + m*beams, T]
+        return DecoderState(src_mask, cross, self.cache, slots, t, beams, start)
 
