@@ -901,38 +901,52 @@ class DecoderState:
             keys, values = like.new_empty(0, heads * d_k), like.new_empty(0, heads * d_v)
             index = torch.zeros(layers, 0, rows, dtype=torch.long, device=like.device)
         else:
-            assert self.slots is not None
             keys, values = self.cache.flat()
-            slots_per_position = self.cache.keys.size(2)
-            positions = torch.arange(t - w, t, device=like.device)  # [w]
-            layer = torch.arange(layers, device=like.device)
-            # [layers, w, R]: row (p * layers + l) * slots + slot of the flat cache
-            index = ((positions[None, :, None] * layers + layer[:, None, None]) * slots_per_position
-                     + self.slots[:, t - w : t].t()[None])  # [R, w] -> [w, R] -> [1, w, R]
+            index = self._flat_rows(t - w)  # [layers, w, R]
         mask = None
         if self.start is not None:
             slots = torch.arange(t - w, t, device=self.start.device)
             mask = (slots[None, :] >= self.start[:, None])[:, None, None, :]  # [R, w] -> [R, 1, 1, w]
         return keys, values, index, mask
 
+    def _flat_rows(self, first: int) -> Tensor:
+        """The rows of the flat cache (:meth:`SelfAttentionCache.flat`) that hold each layer's positions ``first`` ..
+        ``length - 1`` of each row, ``[layers, t', R]``: row ``(p * layers + l) * slots + slots[r, p]``."""
+        assert self.cache is not None and self.slots is not None
+        layers, slots_per_position = self.cache.keys.shape[1:3]
+        positions = torch.arange(first, self.length, device=self.slots.device)  # [t']
+        layer = torch.arange(layers, device=self.slots.device)
+        return ((positions[None, :, None] * layers + layer[:, None, None]) * slots_per_position
+                + self.slots[:, first : self.length].t()[None])  # [R, t'] -> [t', R] -> [1, t', R]
+
     def gathered(self, first: int = 0, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """The cached keys and values of positions ``first`` .. ``length - 1`` in the rows' order,
         ``[length - first, layers, R, h, d]``: a copy, into ``out`` when given (contiguous tensors of that shape).
-        The CUDA graphs' buffers take them in this form (:mod:`mtpipe.cuda_graphs`), and :meth:`write` when the
-        cache grows."""
-        assert self.cache is not None and self.slots is not None
-        t, (layers, slots_per_position) = self.length, self.cache.keys.shape[1:3]
-        rows = self.slots.size(0)
-        positions = torch.arange(first, t, device=self.slots.device)
-        layer = torch.arange(layers, device=self.slots.device)
-        index = ((positions[:, None, None] * layers + layer[None, :, None]) * slots_per_position
-                 + self.slots[:, first:t].t()[:, None, :]).reshape(-1)  # [t', layers, R] -> [t' * layers * R]
+        The CUDA graphs' buffers take them in this form (:mod:`mtpipe.cuda_graphs`), and :meth:`_compacted`."""
+        index = self._flat_rows(first).transpose(0, 1)  # [layers, t', R] -> [t', layers, R]
+        shape = index.shape
+        index = index.reshape(-1)  # -> [t' * layers * R]
+        assert self.cache is not None
         result = []
         for flat, store, into in zip(self.cache.flat(), (self.cache.keys, self.cache.values), out or (None, None)):
-            got = (flat.index_select(0, index) if into is None  # [t * layers * R, h * d]
+            got = (flat.index_select(0, index) if into is None  # [t' * layers * R, h * d]
                    else torch.index_select(flat, 0, index, out=into.view(-1, flat.size(1))))
-            result.append(got.view(t - first, layers, rows, *store.shape[3:]))  # -> [t', layers, R, h, d]
+            result.append(got.view(*shape, *store.shape[3:]))  # -> [t', layers, R, h, d]
         return result[0], result[1]
+
+    def _compacted(self, first: int, capacity: int) -> tuple[SelfAttentionCache, Tensor]:
+        """A new cache of ``capacity`` positions with a slot per row, holding this state's positions ``first`` ..
+        ``length - 1`` gathered in the rows' order (one copy of the live rows; the slots of rows that left are not
+        carried over), and its slots table."""
+        assert self.cache is not None and self.slots is not None
+        t, rows = self.length - first, self.slots.size(0)
+        _, layers, _, heads = self.cache.shape
+        new = SelfAttentionCache.allocate(self.cache.keys, (capacity, layers, rows, heads), self.cache.keys.size(-1),
+                                          self.cache.values.size(-1))
+        self.gathered(first, out=(new.keys[:t], new.values[:t]))  # [t, layers, R, h, d], contiguous prefixes
+        table = torch.zeros(rows, capacity, dtype=torch.long, device=self.slots.device)
+        table[:, :t] = torch.arange(rows, device=self.slots.device)[:, None]
+        return new, table
 
     def write(self, k: Tensor, v: Tensor) -> None:
         """Write every layer's keys/values ``[layers, R, h, d]`` of position ``length`` into the cache (in place):
@@ -952,15 +966,13 @@ class DecoderState:
         order: one copy of the live rows (the slots of rows that left are not carried over)."""
         t, (layers, rows, heads) = self.length, k.shape[:3]
         old = self.cache
-        capacity = 16 if old is None else old.keys.size(0) * (2 if old.keys.size(0) <= t else 1)
+        if old is not None and t > 0:
+            self.cache, self.slots = self._compacted(0, old.keys.size(0) * (2 if old.keys.size(0) <= t else 1))
+            return
         # In the keys' own dtype (bf16 when decoding in bf16): with attention as two matmuls (mtpipe.kernels) a bf16
         # cache is faster than a float32 one, which would cast every new key/value and every query.
-        grown = SelfAttentionCache.allocate(k, (capacity, layers, rows, heads), k.size(-1), v.size(-1))
-        table = torch.zeros(rows, capacity, dtype=torch.long, device=k.device)
-        if old is not None and t > 0:
-            self.gathered(out=(grown.keys[:t], grown.values[:t]))  # [t, layers, R, h, d], contiguous prefixes
-            table[:, :t] = torch.arange(rows, device=k.device)[:, None]
-        self.cache, self.slots = grown, table
+        self.cache = SelfAttentionCache.allocate(k, (16, layers, rows, heads), k.size(-1), v.size(-1))
+        self.slots = torch.zeros(rows, 16, dtype=torch.long, device=k.device)
 
     def select(self, index: Tensor, beams: int | None = None) -> DecoderState:
         """A state of rows ``index`` of this one (beam reordering, finished sentences leaving the batch), grouped
@@ -989,13 +1001,7 @@ class DecoderState:
         if first == 0:
             return DecoderState(src_mask, cross, self.cache, slots, t, beams, start)
         # The positions before `first` are dropped: the kept rows' positions first..t-1 gathered into a new cache.
-        capacity, layers, _, heads = self.cache.shape
-        new = SelfAttentionCache.allocate(self.cache.keys, (capacity, layers, index.numel(), heads),
-                                          self.cache.keys.size(-1), self.cache.values.size(-1))
-        moved = DecoderState(src_mask, cross, self.cache, slots, t, beams)
-        moved.gathered(first, out=(new.keys[: t - first], new.values[: t - first]))  # [t - first, layers, R', h, d]
-        table = torch.zeros_like(slots)
-        table[:, : t - first] = torch.arange(index.numel(), device=index.device)[:, None]
+        new, table = DecoderState(src_mask, cross, self.cache, slots, t, beams)._compacted(first, self.cache.shape[0])
         return DecoderState(src_mask, cross, new, table, t - first, beams, start)
 
     def admit(self, fresh: DecoderState) -> DecoderState:
