@@ -86,6 +86,11 @@ def residual(x: Tensor, sublayer_out: Tensor, p: float, training: bool) -> Tenso
 # Whether float32 products may run in oneDNN (bench/train_throughput.py and bench/decode_speed.py --plain onednn set it
 # False, to time torch's own route).
 ONEDNN_FP32 = True
+# Whether training's float32 products (those autograd differentiates) take the route too: only where torch dispatches
+# AVX-512. With AVX2 only, on a real AMD Zen 3, a training step ran 0.83x (d 256) and 0.87x (d 128) as fast with the
+# route as with torch's own products (the route's 1.08x on a Zen 5 restricted to AVX2 did not carry over), while
+# decoding's products stayed within 0.93-1.09x (BENCHMARKS.md, "Decoding and training on a real AVX2-only CPU").
+ONEDNN_FP32_TRAINING = torch.backends.cpu.get_cpu_capability() == "AVX512"
 # Products of fewer multiply-adds than this stay on torch's route: oneDNN's call costs ~10-13 us more (its kernel
 # and the weights' blocked layout are made per call), so small products, e.g. a server's few-sentence decoding step
 # at d 128, ran slower through it. Break-even measured on a 2-core AMD EPYC Zen 5 (1 and 2 threads, d 128-1,024): ~1M
@@ -177,7 +182,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``x W^T + b`` over the last dimension of ``x``, as ``F.linear``.
 
     Why, in float32 on CPU: the products (forward, and with gradients both backward ones) run in oneDNN where
-    :func:`_onednn_worth` says so, ~2.2x torch's own on an AVX-512 AMD CPU and 1.1-1.3x with AVX2 only.
+    :func:`_onednn_worth` says so, ~2.2x torch's own on an AVX-512 AMD CPU; with gradients only where
+    :data:`ONEDNN_FP32_TRAINING` (AVX-512).
 
     Why, under CPU bf16 autocast in training: the products run in oneDNN, which JIT-compiles a kernel for every new
     (rows, in, out) shape and caches it. rows = batch x length differs in nearly every token-bucketed batch, so each
@@ -192,6 +198,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad
                                                 or (bias is not None and bias.requires_grad)):
             return _dnn(x, weight, bias)  # [..., in] -> [..., out]
+        if not ONEDNN_FP32_TRAINING:
+            return F.linear(x, weight, bias)
         rows = x.numel() // x.size(-1) if x.size(-1) else 0
         y = _LinearFunction.apply(x.reshape(rows, x.size(-1)), weight, bias)  # [..., in] -> [rows, in] -> [rows, out]
         return y.view(*x.shape[:-1], y.size(-1))  # [rows, out] -> [..., out]

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mtpipe.kernels import _ROW_BLOCK, mm
+from mtpipe import kernels
+from mtpipe.kernels import _ROW_BLOCK
 
 
 def reference_label_smoothed_nll(logits: Tensor, target: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -99,6 +100,8 @@ def _blocks(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, eps:
               if want_grad else None)
     grad_b = torch.zeros(vocab, dtype=torch.float32, device=h.device) if want_grad and bias is not None else None
     h_sum = torch.zeros(h.size(1), dtype=torch.float32, device=h.device) if want_grad else None  # colsum(h), [D]
+    # float32 training products through oneDNN only where mtpipe.kernels allows it for training (AVX-512)
+    mm = kernels.mm if not want_grad or kernels.ONEDNN_FP32_TRAINING else torch.mm
     rows = _block_rows(h.device, vocab)
     pad_to = _ROW_MULTIPLE if h.device.type == "cpu" and cdtype != torch.float32 else 1
     for lo in range(0, n, rows):

@@ -25,6 +25,7 @@ def dnn_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
 
     monkeypatch.setattr(kernels, "_dnn", counted)
     monkeypatch.setattr(kernels, "_ONEDNN_MIN_MACS", 1)
+    monkeypatch.setattr(kernels, "ONEDNN_FP32_TRAINING", True)  # on any CPU (by default AVX-512 only)
     return calls
 
 
@@ -87,6 +88,28 @@ def test_the_route_is_float32_on_cpu_outside_autocast_only(monkeypatch: pytest.M
     monkeypatch.setattr(kernels, "ONEDNN_FP32", True)
     kernels.linear(torch.randn(rows, 8), w, None)
     assert calls == [1]
+
+
+def test_training_products_keep_torchs_route_where_the_route_is_closed_to_training(
+        dnn_calls: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    # With AVX2 only (ONEDNN_FP32_TRAINING False) training's products, the layers' and the loss's, are torch's own;
+    # products without gradients (decoding, validation) still take the route. Same values either way.
+    from mtpipe.loss import projected_label_smoothed_nll
+
+    monkeypatch.setattr(kernels, "ONEDNN_FP32_TRAINING", False)
+    g = torch.Generator().manual_seed(2)
+    x, w, b = torch.randn(30, 24, generator=g), torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    y = kernels.linear(xg, wg, b)
+    y.sum().backward()
+    target = torch.randint(0, 40, (30,), generator=g)
+    loss_g = projected_label_smoothed_nll(xg, wg, b, target, 0.1)[0]
+    loss_g.backward()
+    assert dnn_calls == []
+    with torch.no_grad():
+        _close(kernels.linear(x, w, b), y.detach())
+        _close(projected_label_smoothed_nll(x, w, b, target, 0.1)[0], loss_g.detach())
+    assert len(dnn_calls) >= 2  # the layer's product and the loss's block
 
 
 def test_compiled_code_keeps_the_compilers_own_products(dnn_calls: list) -> None:
