@@ -83,6 +83,9 @@ def residual(x: Tensor, sublayer_out: Tensor, p: float, training: bool) -> Tenso
 # float32 matrix products through oneDNN on CPU
 # --------------------------------------------------------------------------------------------------------------------
 
+# Whether torch dispatches AVX-512 kernels on this CPU (ATEN_CPU_CAPABILITY can lower it): the products' thresholds
+# and training's route below depend on it.
+_AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
 # Whether float32 products may run in oneDNN (bench/train_throughput.py and bench/decode_speed.py --plain onednn set it
 # False, to time torch's own route).
 ONEDNN_FP32 = True
@@ -90,13 +93,13 @@ ONEDNN_FP32 = True
 # AVX-512. With AVX2 only, on a real AMD Zen 3, a training step ran 0.83x (d 256) and 0.87x (d 128) as fast with the
 # route as with torch's own products (the route's 1.08x on a Zen 5 restricted to AVX2 did not carry over), while
 # decoding's products stayed within 0.93-1.09x (BENCHMARKS.md, "Decoding and training on a real AVX2-only CPU").
-ONEDNN_FP32_TRAINING = torch.backends.cpu.get_cpu_capability() == "AVX512"
+ONEDNN_FP32_TRAINING = _AVX512
 # Products of fewer multiply-adds than this stay on torch's route: oneDNN's call costs ~10-13 us more (its kernel
 # and the weights' blocked layout are made per call), so small products, e.g. a server's few-sentence decoding step
 # at d 128, ran slower through it. Break-even measured on a 2-core AMD EPYC Zen 5 (1 and 2 threads, d 128-1,024): ~1M
 # multiply-adds with AVX-512, ~6-8M with the CPU restricted to AVX2 (BENCHMARKS.md, "float32 products through
 # oneDNN"). A training step's products and a decoding step's of a full batch are hundreds of times larger.
-_ONEDNN_MIN_MACS = 1 << 20 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 1 << 23
+_ONEDNN_MIN_MACS = 1 << 20 if _AVX512 else 1 << 23
 
 
 def _probe_onednn() -> bool:
@@ -220,7 +223,7 @@ PACK_DECODING_LINEARS = True
 # Inference products of at least this many multiply-adds use the packed copy (:class:`Linear`). Break-even against
 # torch's product on one thread of a 2-core AMD EPYC Zen 5, d 128-512, 4-256 rows: ~0.8M multiply-adds with AVX-512,
 # ~2M with the CPU restricted to AVX2 (BENCHMARKS.md, "Decoding's linear layers on packed weights").
-_PACKED_MIN_MACS = 1 << 20 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 1 << 21
+_PACKED_MIN_MACS = 1 << 20 if _AVX512 else 1 << 21
 
 
 def _pack(w: Tensor) -> Tensor | None:
