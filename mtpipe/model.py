@@ -720,7 +720,9 @@ class Transformer(nn.Module):
         Dimensions are marked dynamic (rows, cached positions, sentences, source length), so one graph serves every
         batch; a new one is built only for the few shapes torch specialises (one sentence alone, greedy search, beams
         past 8, a continuous batch's masked rows: ``mtpipe serve`` builds them all in its warm-up). Building a
-        graph takes tens of seconds on a small CPU, once per process (torch caches the generated code on disk).
+        graph takes tens of seconds on a small CPU (~30 s on a 2-vCPU Zen 3, mostly tracing), once per process: torch
+        caches the generated kernels on disk, but not the frozen graph itself (its packed oneDNN weights do not
+        pickle, so inductor's graph cache skips it).
         On CPU the graph's wrapper is generated C++ (inductor's ``cpp_wrapper``) instead of Python: the wrapper's
         per-kernel cost is what is left of a small batch's step (1.03-1.04x at ~8 sentences a batch, none at 8,000
         tokens, the same build time; BENCHMARKS.md)."""
