@@ -123,7 +123,8 @@ def _onednn_worth(a: Tensor, macs: int) -> bool:
     Why: torch's float32 ``mm`` / ``addmm`` on x86 is MKL's, and MKL runs its AVX2 code on AMD CPUs even where they
     have AVX-512: on a 2-core AMD EPYC Zen 5 a 1,024^3 product ran ~205 GFLOP/s through torch and ~460 through oneDNN's
     linear kernel (which dispatches AVX-512 there), and 1.1-1.3x faster through oneDNN with the CPU restricted to AVX2
-    (BENCHMARKS.md, "float32 products through oneDNN"). Small products stay on torch's (:data:`_ONEDNN_MIN_MACS`).
+    (BENCHMARKS.md, "float32 products through oneDNN"); a training step on a real AVX2-only CPU was not, hence
+    :data:`ONEDNN_FP32_TRAINING`. Small products stay on torch's (:data:`_ONEDNN_MIN_MACS`).
     Not under autocast (its bf16 products already run in oneDNN), nor while ``torch.compile`` traces: inductor's own
     oneDNN lowering takes only frozen, pre-packed weights, and the product as an opaque custom op cost ~8 us more per
     call in the compiled graph (24 products of 16 rows x 128 x 384: 0.71x inductor's own), which is what a compiled
