@@ -30,6 +30,6 @@ exps: install
 	$(VENV)/bin/dvc exp show --only-changed --precision 3 --drop '$(EXP_DROP)'
 
 test: install
-	MTPIPE_NO_SKIPS=1 $(VENV)/bin/python -m pytest -q -rs tests
+	MTPIPE_NO_SKIPS=1 $(VENV)/bin/python -m pytest -q -rs -n 2 --dist loadfile tests
 
 .PHONY: install pipeline test baseline exps

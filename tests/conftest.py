@@ -1,4 +1,4 @@
-"""Shared fixtures. Tests run offline, on CPU, in a few minutes on 2 cores."""
+"""Shared fixtures. Tests run offline, on CPU, in a few minutes on 2 cores (two pytest-xdist workers: ``make test``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# mtpipe's console wraps at COLUMNS when it is set, and tests read whole messages from it: a terminal's width
+# (or pytest-xdist's workers, which are given COLUMNS=80 LINES=24) must not decide whether a message is split. Popped
+# here, before any test imports mtpipe.console; subprocess tests that need a width pass their own.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
 
 
 def train_spm(prefix: Path, lines: list[str], vocab_size: int):

@@ -94,7 +94,10 @@ class Server:
         threading.Thread(target=read, daemon=True).start()
         found.wait(120)
         assert self.url, f"server did not start: {''.join(self.log)}"
-        self.client = httpx.Client(base_url=self.url, timeout=60)
+        # Idle connections are dropped after 1 s, before the server's keep-alive (uvicorn: 5 s) closes them: with
+        # both at 5 s a request sent on a connection the server was closing at that moment was reset (seen when a
+        # busy machine left a module's server idle for ~5 s between tests).
+        self.client = httpx.Client(base_url=self.url, timeout=60, limits=httpx.Limits(keepalive_expiry=1.0))
 
     def post(self, body, **kw) -> httpx.Response:
         if isinstance(body, (bytes, str)):
