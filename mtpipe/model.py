@@ -720,7 +720,7 @@ class Transformer(nn.Module):
         Dimensions are marked dynamic (rows, cached positions, sentences, source length), so one graph serves every
         batch; a new one is built only for the few shapes torch specialises (one sentence alone, greedy search, beams
         past 8, a continuous batch's masked rows: ``mtpipe serve`` builds them all in its warm-up). Building a
-        graph takes tens of seconds on a small CPU (~25 s on a 2-vCPU Zen 3, a third of it tracing), once per process: torch
+        graph takes tens of seconds on a small CPU (~25 s on a 2-vCPU Zen 3, a fifth of it tracing), once per process: torch
         caches the generated kernels on disk, but not the frozen graph itself (its packed oneDNN weights do not
         pickle, so inductor's graph cache skips it).
         On CPU the graph's wrapper is generated C++ (inductor's ``cpp_wrapper``) instead of Python: the wrapper's
@@ -803,9 +803,9 @@ def _compile_settings(frozen: bool) -> Iterator[None]:
       ``options``: those reach inductor only, after the tracer has already taken the weights for inputs, so
       nothing would be frozen.
     * Python floats specialised (dynamo's ``specialize_float``): the step's floats are the model's constants (the
-      norms' eps, attention's scale). Traced as symbols (torch's default under ``dynamic=True``), they made dynamo
-      give up its first trace and start again once inductor had to specialise them after all, ~4 s of a ~33 s
-      build on a 2-vCPU Zen 3. Only around these calls: torch's process-wide settings stay as the caller left
+      norms' eps). Traced as symbols (torch's default under ``dynamic=True``), they made dynamo
+      give up its first trace and start again once inductor had to specialise them after all: a graph's build
+      took 33 s on a 2-vCPU Zen 3, 24 s without the second trace. Only around these calls: torch's process-wide settings stay as the caller left
       them."""
     import torch._dynamo.config
     import torch._inductor.config
