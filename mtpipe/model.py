@@ -664,8 +664,8 @@ class Transformer(nn.Module):
                 index = None
             mark_step_dynamic(x, k_prev, v_prev, index, prev_mask, state.cross, state.src_mask)
             try:
-                # the settings are read while the graph is traced, which happens inside the call
-                with _compile_settings(frozen=self._frozen_key is not None):
+                # frozen on CPU: the setting is read while the graph is traced, which happens inside the call
+                with _freezing() if self._frozen_key is not None else contextlib.nullcontext():
                     return self._compiled_step(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask, index)
             except torch._dynamo.exc.TorchDynamoException as e:  # building the graph failed (e.g. no C++ compiler)
                 first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
@@ -720,7 +720,7 @@ class Transformer(nn.Module):
         Dimensions are marked dynamic (rows, cached positions, sentences, source length), so one graph serves every
         batch; a new one is built only for the few shapes torch specialises (one sentence alone, greedy search, beams
         past 8, a continuous batch's masked rows: ``mtpipe serve`` builds them all in its warm-up). Building a
-        graph takes tens of seconds on a small CPU (~25 s on a 2-vCPU Zen 3, a fifth of it tracing), once per process: torch
+        graph takes tens of seconds on a small CPU (~30 s on a 2-vCPU Zen 3, mostly tracing), once per process: torch
         caches the generated kernels on disk, but not the frozen graph itself (its packed oneDNN weights do not
         pickle, so inductor's graph cache skips it).
         On CPU the graph's wrapper is generated C++ (inductor's ``cpp_wrapper``) instead of Python: the wrapper's
@@ -795,24 +795,13 @@ class Transformer(nn.Module):
 _GATHER_IN_GRAPH_BYTES = 1024
 
 
-@contextlib.contextmanager
-def _compile_settings(frozen: bool) -> Iterator[None]:
-    """The settings for the compiled step's graphs built inside the block (:meth:`Transformer._build_compiled_step`).
-
-    * ``frozen``: inductor's ``freezing`` (the weights as the graph's constants). Not ``torch.compile``'s
-      ``options``: those reach inductor only, after the tracer has already taken the weights for inputs, so
-      nothing would be frozen.
-    * Python floats specialised (dynamo's ``specialize_float``): the step's floats are the model's constants (the
-      norms' eps). Traced as symbols (torch's default under ``dynamic=True``), they made dynamo
-      give up its first trace and start again once inductor had to specialise them after all: a graph's build
-      took 33 s on a 2-vCPU Zen 3, 24 s without the second trace. Only around these calls: torch's process-wide settings stay as the caller left
-      them."""
-    import torch._dynamo.config
+def _freezing() -> contextlib.AbstractContextManager:
+    """inductor's ``freezing`` for the graphs built inside the block (:meth:`Transformer._build_compiled_step`).
+    Not ``torch.compile``'s ``options``: those reach inductor only, after the tracer has already taken the weights
+    for inputs, so nothing would be frozen."""
     import torch._inductor.config
 
-    with torch._dynamo.config.patch(specialize_float=True), \
-            torch._inductor.config.patch(freezing=True) if frozen else contextlib.nullcontext():
-        yield
+    return torch._inductor.config.patch(freezing=True)
 
 
 def mark_step_dynamic(x: Tensor, k_prev: Tensor, v_prev: Tensor, index: Tensor | None, prev_mask: Tensor | None,
