@@ -247,7 +247,8 @@ def translate_batches(model: Any, sources: Sequence[Sequence[int]], rules: Decod
     step = (lambda tokens, state: model.step(tokens, state, lazy=True)) if cache else uncached_step(model)
     if on_done is not None and len(todo) < len(sources):
         on_done(len(sources) - len(todo))
-    with torch.inference_mode(), decoding_context(device, precision):
+    settings = model.compile_settings() if compile else contextlib.nullcontext()
+    with torch.inference_mode(), decoding_context(device, precision), settings:
         for sub in batches_by_tokens([lengths[i] for i in todo], max_tokens):
             batch = [todo[j] for j in sub]
             width = lengths[batch[0]]

@@ -52,6 +52,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -663,9 +664,11 @@ class Transformer(nn.Module):
                 k_prev, v_prev = state.gathered(state.length - index.size(1))  # [w, layers, R, h, d]
                 index = None
             mark_step_dynamic(x, k_prev, v_prev, index, prev_mask, state.cross, state.src_mask)
+            frozen = self._frozen_key is not None
             try:
-                # frozen on CPU: the setting is read while the graph is traced, which happens inside the call
-                with _freezing() if self._frozen_key is not None else contextlib.nullcontext():
+                # The settings are read while a graph is traced, which happens inside the call: entered here only
+                # when the caller has not entered them around the whole decode (compile_settings)
+                with contextlib.nullcontext() if getattr(_entered, "frozen", None) is frozen else _settings(frozen):
                     return self._compiled_step(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask, index)
             except torch._dynamo.exc.TorchDynamoException as e:  # building the graph failed (e.g. no C++ compiler)
                 first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
@@ -720,9 +723,9 @@ class Transformer(nn.Module):
         Dimensions are marked dynamic (rows, cached positions, sentences, source length), so one graph serves every
         batch; a new one is built only for the few shapes torch specialises (one sentence alone, greedy search, beams
         past 8, a continuous batch's masked rows: ``mtpipe serve`` builds them all in its warm-up). Building a
-        graph takes tens of seconds on a small CPU (~30 s on a 2-vCPU Zen 3, mostly tracing), once per process: torch
-        caches the generated kernels on disk, but not the frozen graph itself (its packed oneDNN weights do not
-        pickle, so inductor's graph cache skips it).
+        graph takes tens of seconds on a small CPU (25-40 s on a 2-vCPU Zen 3: tracing, code generation, the C++
+        compiler), once per process: torch caches the generated kernels on disk, but not the frozen graph itself
+        (its packed oneDNN weights do not pickle, so inductor's graph cache skips it).
         On CPU the graph's wrapper is generated C++ (inductor's ``cpp_wrapper``) instead of Python: the wrapper's
         per-kernel cost is what is left of a small batch's step (1.03-1.04x at ~8 sentences a batch, none at 8,000
         tokens, the same build time; BENCHMARKS.md)."""
@@ -751,6 +754,25 @@ class Transformer(nn.Module):
                                             options={"cpp_wrapper": True} if on_cpu else None)
         self._compiled_for = id(self)
         self._frozen_key = self._weights_key() if on_cpu and weight.dtype == torch.float32 else None
+
+    @contextlib.contextmanager
+    def compile_settings(self) -> Iterator[None]:
+        """``decode.compile``'s torch settings (:func:`_settings`) for the graphs traced inside the block, in this
+        thread: entered once around a whole decode (:func:`mtpipe.decode.translate_batches`' batches, a server's
+        decoding loop) rather than by every compiled step, where entering them cost ~90 us a step (torch's config
+        patches are slow to enter and leave), more than a server's step of a few sentences (1-3 ms) can spare.
+        Nothing without ``decode.compile``."""
+        if not self._compiled():
+            yield
+            return
+        frozen = self._frozen_key is not None
+        outer = getattr(_entered, "frozen", None)
+        with _settings(frozen):
+            _entered.frozen = frozen
+            try:
+                yield
+            finally:
+                _entered.frozen = outer
 
     def _weights_key(self) -> tuple:
         """Where each parameter and buffer lives and how often it was changed in place (its version counter; an
@@ -795,13 +817,27 @@ class Transformer(nn.Module):
 _GATHER_IN_GRAPH_BYTES = 1024
 
 
-def _freezing() -> contextlib.AbstractContextManager:
-    """inductor's ``freezing`` for the graphs built inside the block (:meth:`Transformer._build_compiled_step`).
-    Not ``torch.compile``'s ``options``: those reach inductor only, after the tracer has already taken the weights
-    for inputs, so nothing would be frozen."""
+# Which compile settings (frozen or not) this thread has entered around a whole decode: Transformer.compile_settings.
+_entered = threading.local()
+
+
+def _settings(frozen: bool) -> contextlib.ExitStack:
+    """The settings ``decode.compile`` traces its graphs under (torch keeps them per thread):
+
+    - inductor's ``freezing`` when ``frozen`` (:meth:`Transformer._build_compiled_step`). Not ``torch.compile``'s
+      ``options``: those reach inductor only, after the tracer has already taken the weights for inputs, so nothing
+      would be frozen.
+    - dynamo's ``specialize_float``: the step's Python floats (the norms' eps) are constants. Else dynamo traces
+      them as symbols under ``dynamic=True``, then starts again once inductor has to make them constants: a second
+      trace, 33 s rather than 24 s to build a graph on a 2-vCPU Zen 3."""
+    import torch._dynamo.config
     import torch._inductor.config
 
-    return torch._inductor.config.patch(freezing=True)
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
+    if frozen:
+        stack.enter_context(torch._inductor.config.patch(freezing=True))
+    return stack
 
 
 def mark_step_dynamic(x: Tensor, k_prev: Tensor, v_prev: Tensor, index: Tensor | None, prev_mask: Tensor | None,

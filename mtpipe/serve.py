@@ -242,19 +242,20 @@ class ServedModel:
                 if isinstance(result, Exception):
                     raise result
 
-        for beam in dict.fromkeys((rules.beam, *beams)):  # the default first, each beam once
-            at_beam = dataclasses.replace(rules, beam=beam, nbest=min(rules.nbest, beam))
-            for group in (one, several):
-                lane.add(next(keys), group, at_beam)
-                while lane.busy():
-                    poll()
-            if lane.continuous:
-                lane.add(next(keys), [max(several, key=len)], at_beam)  # still decoding when the others join
-                for _ in range(2):  # past the two eager steps: the next are compiled ...
-                    poll()
-                lane.add(next(keys), several, at_beam)  # ... and now with joined rows, whose earlier slots are masked
-                while lane.busy():
-                    poll()
+        with lane.decoding():
+            for beam in dict.fromkeys((rules.beam, *beams)):  # the default first, each beam once
+                at_beam = dataclasses.replace(rules, beam=beam, nbest=min(rules.nbest, beam))
+                for group in (one, several):
+                    lane.add(next(keys), group, at_beam)
+                    while lane.busy():
+                        poll()
+                if lane.continuous:
+                    lane.add(next(keys), [max(several, key=len)], at_beam)  # still decoding when the others join
+                    for _ in range(2):  # past the two eager steps: the next are compiled ...
+                        poll()
+                    lane.add(next(keys), several, at_beam)  # ... and now with joined rows, earlier slots masked
+                    while lane.busy():
+                        poll()
 
 
 def warm_beams(cfg: ServeConfig, defaults: DecodeConfig) -> tuple[int, ...]:
@@ -347,6 +348,11 @@ class Lane(typing.Protocol):
         each ``(key, result)``."""
         ...
 
+    def decoding(self) -> contextlib.AbstractContextManager:
+        """What the thread that drives the lane enters once around its polls (``decode.compile``'s settings:
+        :meth:`mtpipe.model.Transformer.compile_settings`), rather than every poll entering it again."""
+        ...
+
 
 class StreamLane:
     """mtpipe's engine with continuous batching (:class:`mtpipe.streaming.StreamDecoder`): a request's sentences
@@ -376,6 +382,9 @@ class StreamLane:
 
     def busy(self) -> bool:
         return bool(self.pending)
+
+    def decoding(self) -> contextlib.AbstractContextManager:
+        return self.model.compile_settings()
 
     def poll(self) -> list[tuple[int, Any]]:
         import torch
@@ -421,6 +430,9 @@ class BatchLane:
 
     def busy(self) -> bool:
         return bool(self.waiting)
+
+    def decoding(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # translate() enters its own, per call
 
     def poll(self) -> list[tuple[int, Any]]:
         groups: dict[Any, list[tuple[int, list[list[int]]]]] = {}
@@ -586,33 +598,37 @@ class Batcher:
             self._done.clear()
 
     def _loop(self, lane: Lane, worker: int) -> None:
-        held: dict[int, Job] = {}
-        last_end = 0.0
         try:
-            while True:
-                jobs = self._take(worker, sum(j.tokens for j in held.values()), last_end, lane.continuous)
-                if jobs is None:
-                    return
-                now = time.monotonic()
-                for job in jobs:
-                    key = next(self._keys)
-                    job.started_at = now
-                    held[key] = job
-                    lane.add(key, job.sources, job.rules)
-                together = (len(held), sum(len(j.sources) for j in held.values()))
-                for job in held.values():
-                    job.together = (max(job.together[0], together[0]), max(job.together[1], together[1]))
-                with self._cond:
-                    self.counters["max_requests_together"] = max(self.counters["max_requests_together"], len(held))
-                for key, result in lane.poll():
-                    self._answer(held.pop(key), result, worker)
-                if not held:
-                    last_end = time.monotonic()
+            with lane.decoding():
+                self._serve(lane, worker)
         finally:
             with self._cond:
                 self._running -= 1
                 if self._running == 0:
                     self._done.set()
+
+    def _serve(self, lane: Lane, worker: int) -> None:
+        held: dict[int, Job] = {}
+        last_end = 0.0
+        while True:
+            jobs = self._take(worker, sum(j.tokens for j in held.values()), last_end, lane.continuous)
+            if jobs is None:
+                return
+            now = time.monotonic()
+            for job in jobs:
+                key = next(self._keys)
+                job.started_at = now
+                held[key] = job
+                lane.add(key, job.sources, job.rules)
+            together = (len(held), sum(len(j.sources) for j in held.values()))
+            for job in held.values():
+                job.together = (max(job.together[0], together[0]), max(job.together[1], together[1]))
+            with self._cond:
+                self.counters["max_requests_together"] = max(self.counters["max_requests_together"], len(held))
+            for key, result in lane.poll():
+                self._answer(held.pop(key), result, worker)
+            if not held:
+                last_end = time.monotonic()
 
     def _answer(self, job: Job, result: Any, worker: int) -> None:
         """Send ``job`` its answer: the texts of ``result`` (each sentence's hypotheses), or its error."""

@@ -64,21 +64,22 @@ def _worker_main(conn: Any, index: int, cfg: DecodeConfig, checkpoint: str, toke
     except OSError:
         return
     lane = model.lane()
-    while True:
-        try:
-            # Between decoder steps take whatever arrived; with nothing to decode, wait for it.
-            while conn.poll(0 if lane.busy() else None):
-                for request in conn.recv():
-                    lane.add(*request)
-        except (EOFError, OSError):
-            return
-        done = lane.poll()
-        if done:  # one message: the answers of a batch arrive together, as they were decoded
+    with lane.decoding():
+        while True:
             try:
-                conn.send([(key, ("error", first_line(result)) if isinstance(result, Exception) else ("ok", result))
-                           for key, result in done])
-            except OSError:  # the other end has gone (e.g. decode interrupted): nobody waits for these answers
+                # Between decoder steps take whatever arrived; with nothing to decode, wait for it.
+                while conn.poll(0 if lane.busy() else None):
+                    for request in conn.recv():
+                        lane.add(*request)
+            except (EOFError, OSError):
                 return
+            done = lane.poll()
+            if done:  # one message: the answers of a batch arrive together, as they were decoded
+                try:
+                    conn.send([(key, ("error", first_line(result)) if isinstance(result, Exception)
+                                else ("ok", result)) for key, result in done])
+                except OSError:  # the other end has gone (e.g. decode interrupted): nobody waits for these answers
+                    return
 
 
 class WorkerProcess:
@@ -130,6 +131,9 @@ class WorkerProcess:
 
     def busy(self) -> bool:
         return bool(self._held)
+
+    def decoding(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the worker process enters its lane's own
 
     def poll(self) -> list[tuple[int, Any]]:
         finished: list[tuple[int, Any]] = []

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from conftest import assert_steps_match_forward, memorise, train_spm
 from typer.testing import CliRunner
 
+import mtpipe.model as model_module
 from mtpipe import artifacts, kernels, writing
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mtpipe.cli import app
@@ -563,17 +564,32 @@ def test_compiled_step_decodes_what_the_eager_step_decodes(model, monkeypatch):
     # two graphs torch builds); the beam search must find the same hypotheses with the same scores. float32 with the
     # graph gathering the cached keys/values itself (the tiny model's rows are short: forced), bf16 below with them
     # gathered before the graph.
+    import torch._dynamo.config
+    import torch._inductor.config
+
     monkeypatch.setattr("mtpipe.model._GATHER_IN_GRAPH_BYTES", 0)
     srcs = sources(6, seed=11, lo=2, hi=16)
     cfg = DecodeConfig(beam=3, max_len_b=10, max_tokens=1000, nbest=3)
     eager = translate(model, srcs, cfg)
     compiled = copy.deepcopy(model)
     compiled.compile_step()
-    inner, calls = compiled._compiled_step, []
-    compiled._compiled_step = lambda *args: calls.append(args[0].size(0)) or inner(*args)  # rows of each call
+    inner, calls, settings, entered = compiled._compiled_step, [], [], []
+
+    def call(*args):  # the rows of each call, and the settings it runs (and may trace a graph) under
+        calls.append(args[0].size(0))
+        settings.append((torch._inductor.config.freezing, torch._dynamo.config.specialize_float))
+        return inner(*args)
+
+    compiled._compiled_step = call
+    real_settings = model_module._settings
+    monkeypatch.setattr(model_module, "_settings", lambda frozen: entered.append(frozen) or real_settings(frozen))
     out = translate(compiled, srcs, dataclasses.replace(cfg, compile=True))
     assert model._compiled_step is None
     assert max(calls) == 6 * 3 and min(calls) < 6 * 3  # the compiled step ran, on the whole batch and as it shrank
+    # Its settings (weights frozen into the graph, the step's floats constants) were in force at every call, where
+    # a graph may be traced, and were entered once around the whole decode, not by every step.
+    assert set(settings) == {(True, True)} and entered == [True]
+    assert (torch._inductor.config.freezing, torch._dynamo.config.specialize_float) == (False, False)  # left after
     # A copy (bf16_copy and prune make them) never runs its original's compiled step, which holds the original weights.
     twin, ran = copy.deepcopy(compiled), len(calls)
     assert translate(twin, srcs[:2], cfg)[0][0].tokens == eager[0][0].tokens and len(calls) == ran

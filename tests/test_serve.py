@@ -574,6 +574,49 @@ def test_idle_workers_share_a_burst_of_requests():
     assert sizes == {0: [2], 1: [2]}
 
 
+def test_a_worker_enters_its_lanes_decoding_context_once_around_all_its_polls():
+    """A lane's decoding context (decode.compile's settings, slow to enter) is entered once by the worker thread that
+    drives the lane, around every poll of every request, and left when the worker stops: not at every poll."""
+    import asyncio
+    import contextlib
+
+    from mtpipe.search import Hypothesis
+    from mtpipe.serve import BatchLane, Batcher, Job
+
+    events: list[str] = []
+    inside = [False]
+
+    class Lane(BatchLane):
+        @contextlib.contextmanager
+        def decoding(self):
+            events.append(f"enter {threading.current_thread().name}")
+            inside[0] = True
+            try:
+                yield
+            finally:
+                inside[0] = False
+                events.append("exit")
+
+    def translate(sources, rules):
+        events.append("poll" if inside[0] else "poll outside")
+        return [[Hypothesis(list(s), 0.0, 0.0)] for s in sources]
+
+    loop = asyncio.new_event_loop()
+    batcher = Batcher(lambda tokens: ["x"] * len(tokens), max_queue=8, wait_s=0.0, batch_tokens=10_000)
+    batcher.start(Lane(translate), worker=0)
+    try:
+        for _ in range(3):
+            future = loop.create_future()
+            batcher.submit(Job([[5, 6]], "rules", future, loop, time.monotonic()))
+            loop.run_until_complete(asyncio.wait_for(future, 10))
+    finally:
+        batcher.close()
+        batcher.join(10)
+        loop.close()
+    assert events[0].startswith("enter ") and events[0] != f"enter {threading.current_thread().name}"
+    assert events[1:] == ["poll"] * 3 + ["exit"]
+
+
 def test_the_warm_up_decodes_at_every_beam_a_request_may_bring(model):
     """With decode.compile a step's graphs differ by the beam (greedy search, beams past 8), by the number of
     sentences and, in a continuous batch, by the masks of rows that joined later: the warm-up decodes one sentence
