@@ -454,6 +454,10 @@ class ServeConfig(Section):
     max_nbest: int = _h("Largest nbest a request may ask for (decode.nbest is the default).", default=4, ge=1)
     max_alpha: float = _h("Largest length-penalty alpha a request may ask for (decode.alpha is the default).",
                           default=4.0, ge=0)
+    keep_alive_s: float = _h("How long an idle client connection stays open for its next request (seconds). Behind "
+                             "a proxy or load balancer that reuses its connections to the server, set it above the "
+                             "proxy's idle timeout (e.g. 75 for a 60-second one): else a request the proxy sends as "
+                             "the server closes the connection is reset.", default=5.0, gt=0)
 
 
 # The decode settings a checkpoint records (train: the params.yaml decode keys it ran with; average and export copy

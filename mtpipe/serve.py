@@ -844,7 +844,8 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
         batcher = Batcher(model.detok, max_queue=cfg.max_queue, wait_s=cfg.batch_wait_ms / 1000,
                           batch_tokens=cfg.batch_tokens)
         app = build_app(model, batcher, cfg, defaults)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=False, lifespan="on"))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=False, lifespan="on",
+                                                timeout_keep_alive=cfg.keep_alive_s))
         url = url_of(sock)
         table("serve", ["", "value"], [
             ["checkpoint", f"{checkpoint} (step {model.info['step']:,})"],
@@ -856,6 +857,7 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
                        f"{cfg.max_nbest}, alpha <= {cfg.max_alpha:g}"],
             ["batching", f"{model.info['batching']}, wait {cfg.batch_wait_ms:g} ms, {cfg.batch_tokens:,} tokens, "
                          f"queue {cfg.max_queue}, {cfg.workers} worker(s)"],
+            ["connections", f"idle ones closed after {cfg.keep_alive_s:g} s (serve.keep_alive_s)"],
         ])
         # One plain line (never wrapped) that scripts and the tests read the address from.
         sys.stderr.write(f"mtpipe serve: listening on {url} (POST /translate, GET /health, GET /info)\n")

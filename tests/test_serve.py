@@ -124,8 +124,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(model):
-    """One server for the module: 200 ms to gather concurrent requests, small limits to test them against."""
-    s = Server(model, "--batch-wait-ms", "200", *LIMITS)
+    """One server for the module: 200 ms to gather concurrent requests, small limits to test them against, idle
+    connections closed after 2 s (the client drops its own after 1 s)."""
+    s = Server(model, "--batch-wait-ms", "200", "--keep-alive-s", "2", *LIMITS)
     yield s
     s.stop()
 
@@ -347,6 +348,26 @@ def test_bad_input_gets_a_4xx_line_and_the_server_keeps_serving(server, case):
     assert words in reason and "\n" not in reason and list(r.json()) == ["error"]
     ok = server.post({"text": ["the dog runs ."], "beam": 1})
     assert ok.status_code == 200 and ok.json()["translations"] == ["der hund rennt ."]
+
+
+def test_idle_connections_are_closed_after_serve_keep_alive_s(server):
+    """serve.keep_alive_s (2 s here, uvicorn's own is 5 s): an idle HTTP/1.1 connection stays open for the client's
+    next request, then the server closes it."""
+    import socket
+    import urllib.parse
+
+    url = urllib.parse.urlsplit(server.url)
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        for _ in range(2):  # a second request on the same connection: kept alive
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            reply = b""
+            while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+                reply += sock.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 200")
+        idle = time.monotonic()
+        assert sock.recv(4096) == b""  # closed by the server ...
+        waited = time.monotonic() - idle
+    assert 1.5 < waited < 4.5, waited  # ... after its 2 s, not at once nor after uvicorn's 5 s
 
 
 def test_wrong_method_and_path_get_json_errors(server):
