@@ -826,6 +826,7 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
              f"{', '.join(map(str, beams))} before the first request (tens of seconds on a small "
              "CPU, less once torch has cached the generated code)")
     try:
+        started = time.monotonic()
         if cfg.workers == 1:
             model = open_model(defaults, checkpoint, tokens, cfg.batching)
             model.warm_up(default_rules, beams)
@@ -858,6 +859,8 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
             ["batching", f"{model.info['batching']}, wait {cfg.batch_wait_ms:g} ms, {cfg.batch_tokens:,} tokens, "
                          f"queue {cfg.max_queue}, {cfg.workers} worker(s)"],
             ["connections", f"idle ones closed after {cfg.keep_alive_s:g} s (serve.keep_alive_s)"],
+            ["start-up", f"{time.monotonic() - started:.1f} s: loading, warm-up"
+                         + (" and the compiled step's graphs (decode.compile)" if defaults.compile else "")],
         ])
         # One plain line (never wrapped) that scripts and the tests read the address from.
         sys.stderr.write(f"mtpipe serve: listening on {url} (POST /translate, GET /health, GET /info)\n")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 import shutil
 import signal
@@ -302,6 +303,11 @@ def test_health_and_info(server, model):
     assert info["model_config"]["d_model"] == 64 and info["max_positions"] == 40
     assert info["decode"]["beam"] == 4 and info["serve"]["max_beam"] == 6 and info["serve"]["max_queue"] == 64
     assert {"requests", "max_requests_together", "queued"} <= set(info["counters"]) and info["batching"] == "batch"
+    # The start-up table says how long loading and the warm-up took, and the connections' keep-alive.
+    log = "".join(server.log)
+    started = re.search(r"start-up\s*│\s*([0-9.]+) s: loading, warm-up", log)
+    assert started and 0 < float(started.group(1)) < 120, log
+    assert "idle ones closed after 2 s (serve.keep_alive_s)" in log
 
 
 # --------------------------------------------------------------------------------------------------------------------
