@@ -247,7 +247,9 @@ def translate_batches(model: Any, sources: Sequence[Sequence[int]], rules: Decod
     step = (lambda tokens, state: model.step(tokens, state, lazy=True)) if cache else uncached_step(model)
     if on_done is not None and len(todo) < len(sources):
         on_done(len(sources) - len(todo))
-    settings = model.compile_settings() if compile else contextlib.nullcontext()
+    # decode.compile's settings entered once around the whole decode, not at every step; nothing for a model not
+    # compiled (also where the caller compiled it: the engines pass their prepared model)
+    settings = model.compile_settings() if cache else contextlib.nullcontext()
     with torch.inference_mode(), decoding_context(device, precision), settings:
         for sub in batches_by_tokens([lengths[i] for i in todo], max_tokens):
             batch = [todo[j] for j in sub]

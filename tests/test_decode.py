@@ -579,6 +579,9 @@ def test_compiled_step_decodes_what_the_eager_step_decodes(model, monkeypatch):
     # Its settings (weights frozen into the graph, the step's floats constants) were in force at every call, where
     # a graph may be traced, and were entered once around the whole decode, not by every step.
     assert set(settings) == {(True, True)} and entered == [True]
+    # So do the engines, which pass their prepared (compiled) model to translate_batches without compile=True.
+    translate_batches(compiled, srcs, DecodeRules.from_config(cfg), max_tokens=cfg.max_tokens)
+    assert set(settings) == {(True, True)} and entered == [True, True]
     assert (torch._inductor.config.freezing, torch._dynamo.config.specialize_float) == (False, False)  # left after
     # A copy (bf16_copy and prune make them) never runs its original's compiled step, which holds the original weights.
     twin, ran = copy.deepcopy(compiled), len(calls)
