@@ -35,7 +35,9 @@ Its BLEU is printed so the lengths of its outputs can be judged; a few minutes o
 in the same interleaved batches, with mtpipe's speed over that row's per round: each trick's worth on this CPU.
 ``--no-naive`` leaves the naive decoder out (it re-decodes every prefix, the slowest by far). ``--compiled`` adds a
 row decoded with ``decode.compile`` (the step through ``torch.compile``, built during the warm-up, before the timed
-rounds), on a copy of the same weights, in the same interleaved batches.
+rounds), on a copy of the same weights, in the same interleaved batches. ``--compiled-gather-before`` adds one more
+compiled row (its own copy and graphs) that gathers the cache's keys/values before the graph whatever their width:
+the baseline for gathering wide rows inside the graph (``mtpipe.model._GATHER_IN_GRAPH_BYTES``).
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ from mtpipe.model import Transformer, build_model  # noqa: E402
 from mtpipe.search import Hypothesis  # noqa: E402
 
 COMPILED = "mtpipe, decode.compile"  # the --compiled row
+# --compiled-gather-before: decode.compile with every row of the cache gathered before the graph (in one copy), whatever
+# its width, on its own copy of the weights (its own graphs): the baseline of model._GATHER_IN_GRAPH_BYTES' choice
+GATHER_BEFORE = "mtpipe, decode.compile, gathered before the graph"
 
 # Decoding tricks --plain can switch off for one row each: what each is replaced with.
 PLAIN = {
@@ -270,7 +275,8 @@ def spm_size(tokens: Path) -> int:
 
 
 def interleaved(model: Transformer, sources: list[list[int]], cfgs: dict[str, DecodeConfig], rounds: int,
-                clock: str, names: list[str], compiled: Transformer | None = None
+                clock: str, names: list[str], compiled: Transformer | None = None,
+                gather_before: Transformer | None = None
                 ) -> tuple[dict[tuple[str, str], list[float]], dict[tuple[str, str], list[list[Hypothesis]]]]:
     """Seconds per round and outputs of every (decoder, precision), interleaved batch by batch.
 
@@ -299,6 +305,9 @@ def interleaved(model: Transformer, sources: list[list[int]], cfgs: dict[str, De
                     tricks = frozenset(t for t in PLAIN if name == f"mtpipe, plain {t}")
                     if name == COMPILED:
                         out = translate(compiled, sub, dataclasses.replace(cfgs[p], compile=True), "cpu")
+                    elif name == GATHER_BEFORE:
+                        with gathered_before():
+                            out = translate(gather_before, sub, dataclasses.replace(cfgs[p], compile=True), "cpu")
                     else:
                         with plain_decoding(model, tricks):
                             out = translate(model, sub, cfgs[p], "cpu", cache=name != "naive")
@@ -309,6 +318,14 @@ def interleaved(model: Transformer, sources: list[list[int]], cfgs: dict[str, De
             console.print("round " + str(r + 1) + ": " + ", ".join(
                 f"{name} {p} {seconds[(name, p)][r]:.1f} s" for name, p in keys))
     return seconds, outputs
+
+
+def gathered_before():
+    """decode.compile's cached keys/values gathered before the graph for rows of every width (the
+    --compiled-gather-before row), instead of inside it from model._GATHER_IN_GRAPH_BYTES up."""
+    import mtpipe.model as model_module
+
+    return patched((model_module, "_GATHER_IN_GRAPH_BYTES", 1 << 40))
 
 
 def profile(model: Transformer, sources: list[list[int]], cfg: DecodeConfig) -> None:
@@ -357,6 +374,9 @@ def main() -> None:
                     + "; ".join(f"{k}: {v}" for k, v in PLAIN.items()))
     ap.add_argument("--no-naive", action="store_true", help="Leave the (slow) naive decoder out.")
     ap.add_argument("--compiled", action="store_true", help="Add a row decoded with decode.compile.")
+    ap.add_argument("--compiled-gather-before", action="store_true",
+                    help="Add a decode.compile row that gathers the cache before the graph for every row width (the "
+                         "baseline of gathering wide rows inside the graph).")
     args = ap.parse_args()
     plain_rows = [t for t in args.plain.split(",") if t]
     for t in plain_rows:
@@ -364,6 +384,7 @@ def main() -> None:
             ap.error(f"--plain: unknown {t!r} (choose from {', '.join(PLAIN)})")
     names = ([] if args.no_naive else ["naive"]) + ["mtpipe"] + [f"mtpipe, plain {t}" for t in plain_rows]
     names += [COMPILED] if args.compiled else []
+    names += [GATHER_BEFORE] if args.compiled_gather_before else []
 
     import sentencepiece as spm
 
@@ -408,12 +429,17 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     ticks0, own0 = cpu_ticks(), own_cpu()
     compiled = copy.deepcopy(model) if args.compiled else None
+    gather_before = copy.deepcopy(model) if args.compiled_gather_before else None
     for p in precisions:  # warm-up: allocator, oneDNN kernels, autocast; decode.compile's graphs
         translate(model, sources[:48], cfgs[p], "cpu")
         if compiled is not None:
             for n in (48, 1):  # several sentences, then one alone: the two graphs torch builds
                 translate(compiled, sources[:n], dataclasses.replace(cfgs[p], compile=True), "cpu")
-    runs, outputs = interleaved(model, sources, cfgs, args.rounds, args.clock, names, compiled)
+        if gather_before is not None:
+            with gathered_before():
+                for n in (48, 1):
+                    translate(gather_before, sources[:n], dataclasses.replace(cfgs[p], compile=True), "cpu")
+    runs, outputs = interleaved(model, sources, cfgs, args.rounds, args.clock, names, compiled, gather_before)
     others = others_share(ticks0, own0)
     console.print(f"other processes used {100 * others:.0f} % of the machine's CPU time during the run")
 
