@@ -682,7 +682,7 @@ def worker_mtpipe_decode(argv: list[str]) -> None:
             pool.close()
     else:
         translate(model, sources[: warmup_count(len(sources))], cfg, "cpu")  # warm-up: allocator, oneDNN kernels
-        if a.compile:  # and the graph for one sentence alone (a batch's tail), which the line above may not need
+        if a.compile:  # and one sentence alone (a batch's tail, run as two), which the line above may not meet
             translate(model, sources[:1], cfg, "cpu")
         t0 = time.perf_counter()
         results = translate(model, sources, cfg, "cpu")

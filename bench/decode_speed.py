@@ -433,7 +433,7 @@ def main() -> None:
     for p in precisions:  # warm-up: allocator, oneDNN kernels, autocast; decode.compile's graphs
         translate(model, sources[:48], cfgs[p], "cpu")
         if compiled is not None:
-            for n in (48, 1):  # several sentences, then one alone: the two graphs torch builds
+            for n in (48, 1):  # several sentences, then one alone (run as two in the same graph: a batch's tail)
                 translate(compiled, sources[:n], dataclasses.replace(cfgs[p], compile=True), "cpu")
         if gather_before is not None:
             with gathered_before():

@@ -450,6 +450,10 @@ class Transformer(nn.Module):
         self._compiled_step: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None
         self._compiled_for = 0
         self._frozen_key: tuple | None = None  # the weights a frozen compiled step was built with (_weights_key)
+        # compile_step's lone_graph; a lone sentence's encoder keys/values and source mask, doubled for the compiled
+        # step when it runs as two (_cached_layers)
+        self._lone_graph = False
+        self._lone_twin: tuple[list, list[tuple[Tensor, Tensor]], Tensor] | None = None
         # graph_step's graphs and the id of the model they run (as for compile_step; a deep copy gets none)
         self._graphed: Any = None
         self._graphed_for = 0
@@ -663,13 +667,28 @@ class Transformer(nn.Module):
                 # Short rows (a position's keys of one layer): gathered here, in one copy, before the graph.
                 k_prev, v_prev = state.gathered(state.length - index.size(1))  # [w, layers, R, h, d]
                 index = None
-            mark_step_dynamic(x, k_prev, v_prev, index, prev_mask, state.cross, state.src_mask)
+            rows, cross, src_mask = x.size(0), state.cross, state.src_mask
+            lone = src_mask.size(0) == 1 and not self._lone_graph
+            if lone:
+                x, k_prev, v_prev, index, prev_mask = _twice(x, k_prev, v_prev, index, prev_mask)
+                twin = self._lone_twin  # read once: another thread's decode may replace it
+                if twin is None or twin[0] is not cross:
+                    # the sentence's encoder keys/values [1, h, S, d] -> [2, h, S, d] and source mask [1, 1, 1, S]
+                    # -> [2, 1, 1, S], copied once per sentence (views with stride 0 would fail the graph's guards
+                    # on strides and build another graph)
+                    twin = (cross, [(k.repeat(2, 1, 1, 1), v.repeat(2, 1, 1, 1)) for k, v in cross],
+                            src_mask.repeat(2, 1, 1, 1))
+                    self._lone_twin = twin
+                cross, src_mask = twin[1], twin[2]
+            mark_step_dynamic(x, k_prev, v_prev, index, prev_mask, cross, src_mask)
             frozen = self._frozen_key is not None
             try:
                 # The settings are read while a graph is traced, which happens inside the call: entered here only
                 # when the caller has not entered them around the whole decode (compile_settings)
                 with contextlib.nullcontext() if getattr(_entered, "frozen", None) is frozen else _settings(frozen):
-                    return self._compiled_step(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask, index)
+                    h, k_new, v_new = self._compiled_step(x, k_prev, v_prev, prev_mask, cross, src_mask, index)
+                # a lone sentence ran as two copies of itself: the first copy's rows
+                return (h[:rows], k_new[:, :rows], v_new[:, :rows]) if lone else (h, k_new, v_new)
             except torch._dynamo.exc.TorchDynamoException as e:  # building the graph failed (e.g. no C++ compiler)
                 first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
                 raise MtpipeError(f"decode.compile: torch.compile could not build the decoder step ({first.strip()}); "
@@ -714,21 +733,30 @@ class Transformer(nn.Module):
             x = self.decoder_norm(x)
         return x[:, 0], torch.stack(new_k), torch.stack(new_v)  # [R, 1, D] -> [R, D]; [layers, R, h, d]
 
-    def compile_step(self) -> None:
+    def compile_step(self, lone_graph: bool | None = None) -> None:
         """``decode.compile``: run :meth:`step_layers` through ``torch.compile`` from the third step of a batch on
         (the first two, with 0 and 1 cached positions, would each need a graph of their own).
+
+        A lone sentence (a batch's tail, a single request): torch specialises a dimension of size 1, so it would need
+        a graph of its own. By default it runs as two copies of itself in the graph built for several sentences
+        (:func:`_twice`): one graph fewer to build in every process (30 s instead of 48 s on the quickstart model,
+        2-vCPU Zen 4), for steps 0.92x as fast as in its own graph (BENCHMARKS.md, "A lone sentence as two").
+        ``lone_graph``: build its own graph instead, for long-lived processes that translate one sentence at a time
+        (``mtpipe serve``, stdin), which build it once in their warm-up; None: as set before (default as two).
 
         Why: a step for a few sentences (a server's batch, interactive input) is ~35 small operations per layer whose
         fixed cost of dispatch dominates; compiled, the element-wise ones are fused into a few generated kernels.
         Dimensions are marked dynamic (rows, cached positions, sentences, source length), so one graph serves every
-        batch; a new one is built only for the few shapes torch specialises (one sentence alone, greedy search, beams
-        past 8, a continuous batch's masked rows: ``mtpipe serve`` builds them all in its warm-up). Building a
-        graph takes tens of seconds on a small CPU (25-40 s on a 2-vCPU Zen 3: tracing, code generation, the C++
-        compiler), once per process: torch caches the generated kernels on disk, but not the frozen graph itself
-        (its packed oneDNN weights do not pickle, so inductor's graph cache skips it).
+        batch; a new one is built only for the few shapes torch specialises (greedy search, beams past 8, a
+        continuous batch's masked rows, a lone sentence with ``lone_graph``: ``mtpipe serve`` builds them all in its
+        warm-up). Building a graph takes tens of seconds on a small CPU (25-40 s on a 2-vCPU Zen 3: tracing, code
+        generation, the C++ compiler), once per process: torch caches the generated kernels on disk, but not the
+        frozen graph itself (its packed oneDNN weights do not pickle, so inductor's graph cache skips it).
         On CPU the graph's wrapper is generated C++ (inductor's ``cpp_wrapper``) instead of Python: the wrapper's
         per-kernel cost is what is left of a small batch's step (1.03-1.04x at ~8 sentences a batch, none at 8,000
         tokens, the same build time; BENCHMARKS.md)."""
+        if lone_graph is not None:
+            self._lone_graph = lone_graph
         if not self._compiled():
             self._build_compiled_step()
 
@@ -838,6 +866,27 @@ def _settings(frozen: bool) -> contextlib.ExitStack:
     if frozen:
         stack.enter_context(torch._inductor.config.patch(freezing=True))
     return stack
+
+
+def _twice(x: Tensor, k_prev: Tensor, v_prev: Tensor, index: Tensor | None,
+           prev_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """:meth:`Transformer.step_layers`' per-row inputs for one sentence (R rows) as for two copies of it (2R rows;
+    its per-sentence inputs are doubled once per sentence, :meth:`Transformer._cached_layers`). Why: torch
+    specialises a dimension of size 1, so ``decode.compile`` would build a second graph for a lone sentence (the
+    tail of every batch, a server's single request: 25-40 s on a small CPU, in every process); as two sentences it
+    runs in the graph built for several, for the cost of computing R more rows (BENCHMARKS.md, "A lone sentence as
+    two")."""
+    def two(t: Tensor, dim: int) -> Tensor:
+        return torch.cat([t, t], dim)
+
+    x = two(x, 0)  # [R, 1, D] -> [2R, 1, D]
+    if index is None:  # gathered [w, layers, R, h, d] -> [w, layers, 2R, h, d]
+        k_prev, v_prev = two(k_prev, 2), two(v_prev, 2)
+    else:  # the rows to gather [layers, w, R] -> [layers, R, w] -> [layers, 2R, w] -> [layers, w, 2R]: each row twice,
+        # laid out as DecoderState.prefix lays them out (w contiguous), which the graph's guards check
+        index = two(index.transpose(1, 2), 1).transpose(1, 2)
+    prev_mask = None if prev_mask is None else two(prev_mask, 0)  # [R, 1, 1, w] -> [2R, 1, 1, w]
+    return x, k_prev, v_prev, index, prev_mask
 
 
 def mark_step_dynamic(x: Tensor, k_prev: Tensor, v_prev: Tensor, index: Tensor | None, prev_mask: Tensor | None,

@@ -550,32 +550,41 @@ def test_the_cache_slots_table_reads_what_a_reordered_cache_holds():
 
 def test_compiled_step_decodes_what_the_eager_step_decodes(model, monkeypatch):
     # decode.compile: Transformer.step_layers through torch.compile from the third step on. Sentences of mixed
-    # lengths finish at different steps, so the batch runs with several sentences and then with one alone (the
-    # two graphs torch builds); the beam search must find the same hypotheses with the same scores. float32 with the
-    # graph gathering the cached keys/values itself (the tiny model's rows are short: forced), bf16 below with them
-    # gathered before the graph.
+    # lengths finish at different steps, so the batch runs with several sentences and then with one alone (run as
+    # two copies of itself, in the same graph); the beam search must find the same hypotheses with the same scores.
+    # float32 with the graph gathering the cached keys/values itself (the tiny model's rows are short: forced), bf16
+    # below with them gathered before the graph.
     import torch._dynamo.config
     import torch._inductor.config
 
     monkeypatch.setattr("mtpipe.model._GATHER_IN_GRAPH_BYTES", 0)
-    srcs = sources(6, seed=11, lo=2, hi=16)
+    # the longest source alone: its outputs, which the length limit (source + 10) ends last, run alone at the end
+    srcs = sources(6, seed=11, lo=2, hi=14) + sources(1, seed=12, lo=15, hi=16)
     cfg = DecodeConfig(beam=3, max_len_b=10, max_tokens=1000, nbest=3)
     eager = translate(model, srcs, cfg)
     compiled = copy.deepcopy(model)
     compiled.compile_step()
-    inner, calls, settings, entered = compiled._compiled_step, [], [], []
+    inner, calls, sentences, settings, entered = compiled._compiled_step, [], [], [], []
 
-    def call(*args):  # the rows of each call, and the settings it runs (and may trace a graph) under
+    def call(*args):  # the rows and sentences of each call, and the settings it runs (and may trace a graph) under
         calls.append(args[0].size(0))
+        half = args[0].size(0) // 2  # x [R, 1, D]; src_mask [n, 1, 1, S]; True: a sentence and its copy
+        sentences.append((args[5].size(0), torch.equal(args[0][:half], args[0][half:])))
         settings.append((torch._inductor.config.freezing, torch._dynamo.config.specialize_float))
         return inner(*args)
 
     compiled._compiled_step = call
     real_settings = model_module._settings
     monkeypatch.setattr(model_module, "_settings", lambda frozen: entered.append(frozen) or real_settings(frozen))
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
     out = translate(compiled, srcs, dataclasses.replace(cfg, compile=True))
     assert model._compiled_step is None
-    assert max(calls) == 6 * 3 and min(calls) < 6 * 3  # the compiled step ran, on the whole batch and as it shrank
+    assert max(calls) == 7 * 3 and min(calls) < 7 * 3  # the compiled step ran, on the whole batch and as it shrank
+    # ... down to the last sentence, which ran as two (torch would specialise a size of 1): one graph for them all
+    assert (2, True) in sentences and min(n for n, _ in sentences) == 2 and calls[-1] == 2 * 3
+    assert counters["stats"]["unique_graphs"] - graphs == 1
     # Its settings (weights frozen into the graph, the step's floats constants) were in force at every call, where
     # a graph may be traced, and were entered once around the whole decode, not by every step.
     assert set(settings) == {(True, True)} and entered == [True]
@@ -609,6 +618,17 @@ def test_compiled_step_decodes_what_the_eager_step_decodes(model, monkeypatch):
     compiled.load_state_dict(fresh.state_dict())
     again = translate(compiled, srcs, dataclasses.replace(cfg, compile=True))
     assert [[h.tokens for h in hyps] for hyps in again] == [[h.tokens for h in hyps] for hyps in expected]
+
+    # lone_graph (mtpipe serve, stdin): the lone sentence in a graph of its own, the same hypotheses
+    torch.compiler.reset()  # the graphs above (of the same code) out of the way, as a new process would start
+    own = copy.deepcopy(model)
+    own.compile_step(lone_graph=True)
+    inner_own, own_sentences = own._compiled_step, []
+    own._compiled_step = lambda *args: own_sentences.append(args[5].size(0)) or inner_own(*args)
+    graphs = counters["stats"]["unique_graphs"]
+    alone = translate(own, srcs, dataclasses.replace(cfg, compile=True))
+    assert min(own_sentences) == 1 and counters["stats"]["unique_graphs"] - graphs == 2
+    assert [[h.tokens for h in hyps] for hyps in alone] == [[h.tokens for h in hyps] for hyps in eager]
 
 
 def test_graphed_step_decodes_what_the_eager_step_decodes(model, monkeypatch):

@@ -683,6 +683,8 @@ def test_the_warm_up_decodes_at_every_beam_a_request_may_bring(model):
     alone = [(1, 4, 2, False), (3, 4, 2, False), (1, 1, 1, False), (3, 1, 1, False), (1, 12, 2, False),
              (3, 12, 2, False)]
     assert warm_up("batch") == alone
+    # requests often come one sentence at a time: with decode.compile a lone sentence gets its own graph
+    assert open_model(cfg, model["checkpoint"], model["tokens"]).lane().translate.__self__.lone_graph  # its engine
     # Continuously: also three sentences joining one that is decoding (the joined rows' masks), at every beam.
     joined = [(1, 4, 2, False), (3, 4, 2, True), (1, 1, 1, False), (3, 1, 1, True), (1, 12, 2, False),
               (3, 12, 2, True)]
