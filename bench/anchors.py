@@ -1312,7 +1312,7 @@ def run_quality_vs_run(e: Env, args: argparse.Namespace) -> dict[str, Any]:
     settings["expected_updates"] = expected
     q = e.work / (f"quality-updates-{expected}-{args.quality_fairseq}-seed{tc['seed']}" if args.quality_equal_updates
                   else f"quality-run-{minutes:.1f}min-{args.quality_fairseq}-seed{tc['seed']}")
-    say(f"quality: fairseq-train for " + (f"{expected} updates" if args.quality_equal_updates else
+    say("quality: fairseq-train for " + (f"{expected} updates" if args.quality_equal_updates else
                                           f"{minutes:.1f} min") + f", {settings}")
     fs_log = e.logs / "quality_fairseq_train.log"
     fs_flags += ["--seed", tc["seed"], "--save-interval-updates", every, "--keep-interval-updates", keep,
