@@ -1191,25 +1191,19 @@ torch.save(states[0], out)
 """
 
 
-def linear_crossing(peak: float, warmup: int, total: int) -> tuple[float, int]:
-    """Where mtpipe's ``linear`` schedule (``mtpipe.train.linear_learning_rate``: ``P min(step / w, 1 - step / T)``)
-    peaks for a budget of ``total`` updates: ``(learning rate, update)`` at ``c = w T / (w + T)``."""
-    c = warmup * total / (warmup + total)
-    return peak * c / warmup, max(1, round(c))
+FS_BUDGET = REPO / "bench" / "fs_budget"  # fairseq --user-dir: mtpipe's linear schedule as "budget_linear"
 
 
-def fairseq_settings(which: str, mc: dict[str, Any], tc: dict[str, Any], updates: int | None,
+def fairseq_settings(which: str, mc: dict[str, Any], tc: dict[str, Any],
                      every: int) -> tuple[dict[str, Any], list[Any]]:
     """fairseq-train flags for the quality comparison (appended after ``fs_train.sh``'s own; its argparse keeps the
     last value) and a summary of them.
 
     ``run``: the mtpipe run's model and schedule as fairseq can express them: dims, dropouts, label smoothing, norm
-    position (``--*-normalize-before``), warm-up and peak learning rate; the run's ``linear`` schedule as fairseq's
-    ``polynomial_decay`` (power 1) to 0 at ``updates``, fairseq's own expected update count in the budget (it has no
-    time-based schedule, so it is given the count up front). mtpipe's ``linear`` is the lower of the warm-up line
-    (peak P at ``warmup`` w) and a line from P at the start down to 0 at the end (T), so the two cross at
-    ``c = w T / (w + T)``, below P (:func:`linear_crossing`); ``polynomial_decay`` warms up to its ``--lr`` and then
-    decays to 0 at T, so it gets ``--lr P c / w`` and ``--warmup-updates c``: the same two lines.
+    position (``--*-normalize-before``), warm-up and peak learning rate; the run's ``linear`` schedule through the
+    ``budget_linear`` scheduler of ``bench/fs_budget`` (``mtpipe.train.linear_learning_rate`` in fairseq: the decay
+    follows the share of the time budget, ``--stop-time-hours``, or of ``--max-update`` spent, as mtpipe's does, so
+    it reaches 0 as fairseq's own budget runs out, at whatever speed fairseq runs).
     ``anchors``: ``fs_train.sh``'s own settings (d256, 3+3 layers, dropout 0.1, lr 1e-3, warm-up 400,
     inverse square root), only the time budget, the seed and the checkpoint spacing added."""
     if which == "anchors":
@@ -1218,14 +1212,9 @@ def fairseq_settings(which: str, mc: dict[str, Any], tc: dict[str, Any], updates
                  "save_every_updates": every}, [])
     peak = tc["lr_scale"] * mc["d_model"] ** -0.5 * tc["warmup"] ** -0.5
     schedule = tc.get("schedule", "inverse_sqrt")
-    lr, warmup, scheduler = peak, tc["warmup"], []
+    scheduler: list[Any] = []
     if schedule == "linear":
-        if not updates:
-            raise SystemExit("--quality-run: the run's schedule is linear (decay to 0 at the budget's end); give "
-                             "fairseq its expected update count in the budget with --quality-fs-updates N")
-        lr, warmup = linear_crossing(peak, tc["warmup"], updates)
-        scheduler = ["--lr-scheduler", "polynomial_decay", "--total-num-update", updates, "--end-learning-rate", 0,
-                     "--power", 1, "--max-update", updates]
+        scheduler = ["--user-dir", FS_BUDGET, "--lr-scheduler", "budget_linear"]
     elif schedule != "inverse_sqrt":
         raise SystemExit(f"--quality-run: schedule {schedule!r} has no fairseq counterpart here")
     flags: list[Any] = ["--encoder-layers", mc["encoder_layers"], "--decoder-layers", mc["decoder_layers"],
@@ -1234,14 +1223,14 @@ def fairseq_settings(which: str, mc: dict[str, Any], tc: dict[str, Any], updates
                         "--encoder-attention-heads", mc["heads"], "--decoder-attention-heads", mc["heads"],
                         "--dropout", mc["dropout"], "--attention-dropout", mc["attention_dropout"],
                         "--activation-dropout", mc["relu_dropout"], "--label-smoothing", tc["label_smoothing"],
-                        "--lr", f"{lr:.6g}", "--warmup-updates", warmup]
+                        "--lr", f"{peak:.6g}", "--warmup-updates", tc["warmup"]]
     if mc.get("norm_position") == "pre":
         flags += ["--encoder-normalize-before", "--decoder-normalize-before"]
     return ({"settings": "the mtpipe run's", "d_model": mc["d_model"],
              "layers": f"{mc['encoder_layers']}+{mc['decoder_layers']}", "norm_position": mc.get("norm_position"),
              "dropout": mc["dropout"], "peak_lr": peak, "warmup": tc["warmup"],
-             "schedule": (f"mtpipe's linear: polynomial_decay from {lr:.4g} at update {warmup} to 0 at {updates}"
-                          if schedule == "linear" else schedule),
+             "schedule": ("mtpipe's linear (bench/fs_budget's budget_linear: min(update / warmup, 1 - budget "
+                          "spent), to 0 at the end of the budget)" if schedule == "linear" else schedule),
              "save_every_updates": every}, flags + scheduler)
 
 
@@ -1281,10 +1270,10 @@ def run_quality_vs_run(e: Env, args: argparse.Namespace) -> dict[str, Any]:
     quickstart's ``artifacts/train``): fairseq trains for the run's own training minutes (``train.json``), on the
     same pieces (``--tokens``' spm model, see :func:`anchors_with_spm`), with ``--quality-fairseq`` settings (the
     run's model and schedule, or fairseq's anchor settings: :func:`fairseq_settings`), saving a checkpoint every
-    ~5 % of its expected updates (``--quality-fs-updates``; else the run's spacing); both sides average their last
-    ``--quality-average`` checkpoints, pick the model (average or last) and the length-penalty alpha on the valid
-    split from ``--quality-alphas`` (each with its own penalty formula), and decode test_2016_flickr with beam 4.
-    sacreBLEU of both."""
+    ~5 % of its expected updates (``--quality-fs-updates``, else from :func:`fairseq_rate_probe`); both sides
+    average their last ``--quality-average`` checkpoints, pick the model (average or last) and the length-penalty
+    alpha on the valid split from ``--quality-alphas`` (each with its own penalty formula), and decode
+    test_2016_flickr with beam 4. sacreBLEU of both."""
     run, tokens = Path(args.quality_run), Path(args.tokens)
     info = json.loads((run / "train.json").read_text())
     ck = latest_checkpoint(run)
@@ -1295,20 +1284,21 @@ def run_quality_vs_run(e: Env, args: argparse.Namespace) -> dict[str, Any]:
     expected = args.quality_fs_updates
     if args.quality_equal_updates:
         # Equal updates: the run's schedule must have ended where it stopped (train.max_steps), so that fairseq's
-        # polynomial decay to 0 at the same count is the same schedule; fairseq then gets no time limit.
+        # budget_linear over --max-update at the same count is the same schedule; fairseq then gets no time limit.
         if int(tc.get("max_steps") or 0) != int(info["steps"]):
             raise SystemExit(f"--quality-equal-updates: {run} stopped at {info['steps']} updates, not at its "
                              f"train.max_steps ({tc.get('max_steps')}): train it with --max-steps N --max-time 0")
         expected = int(info["steps"])
-    if not expected and (args.quality_fairseq == "anchors" or tc.get("schedule") == "linear"):
-        # fairseq's own rate with these settings, from a short run: where its linear schedule ends, and the spacing
-        # of its checkpoints (every ~5 % of its run, as the quickstart saves every 5 % of its budget)
-        _, probe_flags = fairseq_settings(args.quality_fairseq, mc, tc, 10**9, 10**9)
+    if not expected:
+        # fairseq's own rate with these settings, from a short run: the spacing of its checkpoints (every ~5 % of
+        # its run, as the quickstart saves every 5 % of its budget). Only the spacing: its schedule follows the
+        # time budget itself, so a probe taken at a slow or fast moment of the machine's drift cannot cut it short.
+        _, probe_flags = fairseq_settings(args.quality_fairseq, mc, tc, 10**9)
         expected = int(fairseq_rate_probe(e, probe_flags + ["--seed", tc["seed"]]) * minutes * 60)
         say(f"quality: fairseq's expected updates in {minutes:.1f} min: {expected}")
-    every = (max(1, round(expected / 20)) if expected else tc["save_every_steps"] or 133)
+    every = max(1, round(expected / 20))
     keep = args.quality_average
-    settings, fs_flags = fairseq_settings(args.quality_fairseq, mc, tc, expected, every)
+    settings, fs_flags = fairseq_settings(args.quality_fairseq, mc, tc, every)
     settings["expected_updates"] = expected
     q = e.work / (f"quality-updates-{expected}-{args.quality_fairseq}-seed{tc['seed']}" if args.quality_equal_updates
                   else f"quality-run-{minutes:.1f}min-{args.quality_fairseq}-seed{tc['seed']}")
@@ -1317,8 +1307,11 @@ def run_quality_vs_run(e: Env, args: argparse.Namespace) -> dict[str, Any]:
     fs_log = e.logs / "quality_fairseq_train.log"
     fs_flags += ["--seed", tc["seed"], "--save-interval-updates", every, "--keep-interval-updates", keep,
                  "--log-interval", 50]
-    if not args.quality_equal_updates:
-        fs_flags += ["--stop-time-hours", minutes / 60]
+    if args.quality_equal_updates:
+        fs_flags += ["--max-update", expected] + (["--budget-updates", expected] if "budget_linear" in fs_flags else [])
+    else:
+        fs_flags += ["--stop-time-hours", minutes / 60] + (["--budget-hours", minutes / 60] if "budget_linear" in
+                                                           fs_flags else [])
     # A finished fairseq run is reused (e.g. after a failure in the decoding part), but only one trained with these
     # very flags: a run from before a change of the settings mapping is trained again, not silently compared.
     done = q / "fs" / "trained.json"
@@ -1373,8 +1366,11 @@ def run_quality_vs_run(e: Env, args: argparse.Namespace) -> dict[str, Any]:
         say(f"quality: {name} valid BLEU {valid} -> {best}")
         res[name] = {"valid_bleu": valid, "model": which, "alpha": alpha, "length_penalty": penalty,
                      "bleu": fn("test", which, alpha)}
+    # Where fairseq's schedule stood when its budget ended (with budget_linear: near 0, as mtpipe's at its end).
+    lrs = re.findall(r"num_updates=(\d+),.*?\blr=([\d.e+-]+)", fs_log.read_text(errors="replace"))
     res["fairseq"].update(updates=int(fs_updates[-1]) if fs_updates else None, process_wall_s=fs_wall,
-                          checkpoints=[str(p) for p in fs_ckpts])
+                          checkpoints=[str(p) for p in fs_ckpts],
+                          last_logged_lr={"update": int(lrs[-1][0]), "lr": float(lrs[-1][1])} if lrs else None)
     res["mtpipe"].update(updates=info["steps"], process_wall_s=minutes * 60, run=str(run))
     res["delta_bleu"] = res["mtpipe"]["bleu"] - res["fairseq"]["bleu"]
     res["pass"] = res["delta_bleu"] >= 1.0
@@ -1413,6 +1409,8 @@ def print_quality(out: Path, meta: dict[str, Any], res: dict[str, Any]) -> None:
                   f"| {res[s]['bleu']:.2f} |\n" for s in ("fairseq", "mtpipe"))
         + f"\nmtpipe - fairseq = {res['delta_bleu']:+.2f} BLEU (target >= +1)\n"
         + (f"\nfairseq settings: {res['fairseq_settings']}\n" if "fairseq_settings" in res else "")
+        + (f"\nfairseq's last logged learning rate: {res['fairseq']['last_logged_lr']}\n"
+           if res["fairseq"].get("last_logged_lr") else "")
         + "".join(f"\n{s} valid BLEU: {res[s]['valid_bleu']}\n" for s in ("fairseq", "mtpipe")
                   if "valid_bleu" in res[s]), encoding="utf-8")
 
@@ -1449,8 +1447,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="--quality-run: fairseq's settings: the mtpipe run's model and schedule (default), or "
                          "fairseq's anchor settings (fs_train.sh: d256, 3+3, dropout 0.1, lr 1e-3, warm-up 400)")
     ap.add_argument("--quality-fs-updates", type=int, default=0,
-                    help="--quality-run: fairseq's expected updates in the budget (measure it with a short run): "
-                         "where its linear schedule ends, and a checkpoint every 1/20 of it")
+                    help="--quality-run: fairseq's expected updates in the budget, for a checkpoint every 1/20 of "
+                         "it (default: measured with a short fairseq run)")
     ap.add_argument("--quality-equal-updates", action="store_true",
                     help="--quality-run: fairseq trains as many updates as the run made (the run must have stopped "
                          "at its train.max_steps), with no time limit, instead of the run's minutes")
