@@ -1202,8 +1202,9 @@ def fairseq_settings(which: str, mc: dict[str, Any], tc: dict[str, Any],
     ``run``: the mtpipe run's model and schedule as fairseq can express them: dims, dropouts, label smoothing, norm
     position (``--*-normalize-before``), warm-up and peak learning rate; the run's ``linear`` schedule through the
     ``budget_linear`` scheduler of ``bench/fs_budget`` (``mtpipe.train.linear_learning_rate`` in fairseq: the decay
-    follows the share of the time budget, ``--stop-time-hours``, or of ``--max-update`` spent, as mtpipe's does, so
-    it reaches 0 as fairseq's own budget runs out, at whatever speed fairseq runs).
+    follows the share spent of the time budget (``--budget-hours``, given with ``--stop-time-hours``) or of the
+    update budget (``--budget-updates``, with ``--max-update``), as mtpipe's does, so it reaches 0 as fairseq's own
+    budget runs out, at whatever speed fairseq runs).
     ``anchors``: ``fs_train.sh``'s own settings (d256, 3+3 layers, dropout 0.1, lr 1e-3, warm-up 400,
     inverse square root), only the time budget, the seed and the checkpoint spacing added."""
     if which == "anchors":
