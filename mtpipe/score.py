@@ -92,7 +92,8 @@ def _read_hypotheses(hyp: Path) -> tuple[dict[int, str] | list[str], str | None]
     """Hypotheses as ``{id: text}`` (an artifact of a corpus split) or a list (a text file / raw-text decode),
     plus the artifact's corpus split (None for a list)."""
     if str(hyp) != "-" and not hyp.exists():
-        raise MtpipeError(f"{hyp}: hypotheses not found (a text file, '-' for stdin, or decode's output directory)")
+        raise MtpipeError(f"{hyp}: hypotheses not found (a text file, '-' for stdin, or decode's output directory: "
+                          f"`mtpipe decode --out {hyp}` writes one; without --out it only prints)")
     if str(hyp) == "-" or not hyp.is_dir():
         return read_lines(hyp, "hypotheses"), None
     m = artifacts.read_manifest(hyp, "hypotheses")

@@ -300,7 +300,8 @@ def test_bad_input(tmp_path: Path) -> None:
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     assert "no hypotheses" in _bad(tmp_path, empty, ref)
-    assert "hypotheses not found" in _bad(tmp_path, tmp_path / "missing.txt", ref)
+    msg = _bad(tmp_path, tmp_path / "missing.txt", ref)
+    assert "hypotheses not found" in msg and "mtpipe decode --out" in msg
     assert "references not found" in _bad(tmp_path, ref, tmp_path / "missing.de")
 
     fetch = corpus_artifact(tmp_path / "fetch", {"test": refs})
