@@ -58,12 +58,25 @@ class _TimeRemaining(TimeRemainingColumn):
         return Text(f"{hours:d}:{minutes:02d}:{seconds:02d}", style="progress.remaining")
 
 
+class _Bar(BarColumn):
+    """rich's bar, unless the task carries the fraction done in the field ``fraction`` (``mtpipe train``: the budget
+    spent, :meth:`mtpipe.train.Trainer.progress`): a run that ``train.max_time`` ends is done when its minutes are,
+    not at the ``n/total`` updates of its epoch or step cap that the count beside the bar shows."""
+
+    def render(self, task: Any) -> Any:
+        bar = super().render(task)
+        fraction = task.fields.get("fraction")
+        if fraction is not None:
+            bar.total, bar.completed = 1.0, min(max(float(fraction), 0.0), 1.0)
+        return bar
+
+
 def progress(*extra_columns: Any, transient: bool = False) -> Progress:
     """A progress bar: description, bar, n/total, elapsed, ETA, plus any extra columns (e.g. a rate field)."""
     return Progress(
         SpinnerColumn(),
         TextColumn("[bold]{task.description}"),
-        BarColumn(),
+        _Bar(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         TextColumn("eta"),

@@ -21,7 +21,7 @@
   uninterrupted run's (bitwise on CPU).
 * Metrics (:mod:`mtpipe.metrics`): dvclive under ``OUT/live`` (``plots/metrics/{train,valid}/*.tsv`` with ``step``
   as x, for ``dvc plots``), ``OUT/train.json`` (final summary), ``OUT/train.log`` (the same lines as plain text,
-  appended across resumes), a rich progress bar (its time left honours ``train.max_time``) and summary table.
+  appended across resumes), a rich progress bar (its time left and fill honour ``train.max_time``) and summary table.
 * Validation (section 6.2's dev set): loss/perplexity every ``train.valid_every_steps``; BLEU of greedy translations
   of a fixed valid sample every ``train.valid_bleu_every_steps`` (:meth:`Trainer.valid_bleu`). Each validation of
   ``train.stop_metric`` that improves on the best writes that step's checkpoint, which ``keep_last`` never removes
@@ -599,7 +599,7 @@ class Trainer:
         start_step = self.state.step
         with progress(TextColumn("{task.fields[stats]}")) as bar:
             task = bar.add_task("train", total=self.total_steps or None, completed=self.state.step, stats="",
-                                eta_seconds=self._eta(start_step))
+                                **self._bar_fields(start_step))
             while not reason:
                 result = self._update(order, *self._rank0_clock())
                 order = self._account(result, order)
@@ -609,15 +609,18 @@ class Trainer:
                 reason = self._stop_reason(result.time_up)
                 if result.applied and not reason:
                     self._maybe_save(result.save_due or self.best_due)
-                bar.update(task, completed=self.state.step, eta_seconds=self._eta(start_step))
+                bar.update(task, completed=self.state.step, **self._bar_fields(start_step))
         return reason
 
-    def _eta(self, start_step: int) -> float | None:
-        """The progress bar's time left (:func:`mtpipe.metrics.remaining_seconds`): the sooner of the step plan's
-        end, at this invocation's pace so far, and train.max_time's (rich alone would ignore the time limit)."""
+    def _bar_fields(self, start_step: int) -> dict[str, float | None]:
+        """The progress bar's time left and fill. Time left (:func:`mtpipe.metrics.remaining_seconds`): the sooner
+        of the step plan's end, at this invocation's pace so far, and train.max_time's (rich alone would ignore the
+        time limit). Fill: the budget spent (:meth:`progress`), so that a run train.max_time ends fills its bar as its
+        minutes pass rather than stopping at a fraction of its epoch cap's updates."""
         elapsed = time.monotonic() - self.loop_start
-        return metrics.remaining_seconds(self.state.step, self.total_steps, self.state.step - start_step, elapsed,
-                                         self.seconds_before + elapsed, self.cfg.max_time)
+        eta = metrics.remaining_seconds(self.state.step, self.total_steps, self.state.step - start_step, elapsed,
+                                        self.seconds_before + elapsed, self.cfg.max_time)
+        return {"eta_seconds": eta, "fraction": self.progress(self.seconds_before + elapsed)}
 
     def _rank0_clock(self) -> tuple[bool, bool, float]:
         """``(save_due, time_up, progress)`` by rank 0's clock (others say False, False, 0): the update's all-reduce

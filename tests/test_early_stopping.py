@@ -316,6 +316,38 @@ def test_remaining_time_is_the_sooner_of_steps_and_max_time() -> None:
     assert remaining_seconds(10, 0, 10, 1.0, 100.0, 1.0) == 0.0  # past the limit: never negative
 
 
+def test_progress_bar_fills_with_the_budget_not_the_epoch_cap(data: tuple[Path, Path], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that train.max_time ends fills its bar as its minutes pass: the bar's fill is the budget spent, which
+    reaches 1 when time is up, while the update count stays a sliver of the 10,000-epoch cap's plan."""
+    from rich.progress import BarColumn
+
+    from mtpipe.console import progress
+    from mtpipe.train import Trainer, train_model
+
+    seen: list[dict] = []
+    original = Trainer._bar_fields
+
+    def recorded(self: Trainer, start_step: int) -> dict:
+        fields = original(self, start_step)
+        seen.append({**fields, "step": self.state.step, "total": self.total_steps})
+        return fields
+
+    monkeypatch.setattr(Trainer, "_bar_fields", recorded)
+    train_model(mcfg(), tcfg(max_steps=0, max_epochs=10_000, max_time=0.01, save_every_steps=0, valid_every_steps=0),
+                *data, tmp_path / "out")
+    fills = [f["fraction"] for f in seen]
+    assert fills == sorted(fills) and fills[-1] == 1.0
+    assert seen[-1]["step"] / seen[-1]["total"] < 0.05  # what rich's own fill would have shown at the end
+
+    with progress() as bar:  # the bar column draws the field when a task carries it, else completed / total
+        by_field = bar.add_task("a", total=100, completed=10, fraction=0.5)
+        plain = bar.add_task("b", total=100, completed=10)
+        column = next(c for c in bar.columns if isinstance(c, BarColumn))
+        drawn = [column.render(bar.tasks[i]) for i in (by_field, plain)]
+    assert [d.completed / d.total for d in drawn] == [0.5, 0.1]
+
+
 def test_stop_note_says_how_much_of_the_plan_was_done() -> None:
     from mtpipe.metrics import stop_note
 
