@@ -367,10 +367,11 @@ class DecodeConfig(Section):
         "halves it; BENCHMARKS.md): a server with few clients on a machine with a GPU may answer as soon with cpu.",
         default="auto", choices=("auto", "cpu", "cuda"))
     compile: bool = _h(
-        "Engine mtpipe, fp32 or bf16: run the decoder's step through torch.compile (fused kernels, fewer "
-        "operations; on CPU float32 weights frozen into the graph, packed once for oneDNN), at the cost of building "
-        "it first (tens of seconds on a small CPU, once per process; needs a C++ compiler on CPU). Outputs equal the "
-        "uncompiled step's up to float rounding.",
+        "Engine mtpipe, fp32 or bf16: run the decoder's step compiled (fused kernels, fewer operations; on CPU "
+        "float32 weights frozen into the graph, packed once for oneDNN), at the cost of building it first (tens of "
+        "seconds on a small CPU; needs a C++ compiler on CPU). float32 on CPU: built once and kept in "
+        "$MTPIPE_CACHE_DIR (default ~/.cache/mtpipe), loaded in seconds by later runs; else once per process. "
+        "Outputs equal the uncompiled step's up to float rounding.",
         default=False,
     )
     cuda_graphs: bool = _h(

@@ -751,8 +751,10 @@ class Transformer(nn.Module):
         continuous batch's masked rows, a lone sentence with ``lone_graph``: ``mtpipe serve`` builds them all in its
         warm-up). Building a graph takes tens of seconds on a small CPU (25-40 s on a 2-vCPU Zen 3: tracing, code
         generation, the C++ compiler), once per process: torch caches the generated kernels on disk, but not the
-        frozen graph itself (its packed oneDNN weights do not pickle, so inductor's graph cache skips it).
-        On CPU the graph's wrapper is generated C++ (inductor's ``cpp_wrapper``) instead of Python: the wrapper's
+        frozen graph itself (its packed oneDNN weights do not pickle, so inductor's graph cache skips it). Hence,
+        in float32 on CPU, the step is packaged ahead of time instead and kept on disk (:mod:`mtpipe.step_package`:
+        built by the first process, loaded in seconds by the next), torch.compile's graph serving only the shapes
+        a package refuses. On CPU the graph's wrapper is generated C++ (inductor's ``cpp_wrapper``) instead of Python: the wrapper's
         per-kernel cost is what is left of a small batch's step (1.03-1.04x at ~8 sentences a batch, none at 8,000
         tokens, the same build time; BENCHMARKS.md)."""
         if lone_graph is not None:
@@ -761,7 +763,8 @@ class Transformer(nn.Module):
             self._build_compiled_step()
 
     def _build_compiled_step(self) -> None:
-        """:meth:`compile_step`'s ``torch.compile``; on CPU with the weights frozen into the graph.
+        """:meth:`compile_step`'s ``torch.compile``; on CPU with the weights frozen into the graph, and in float32
+        packaged ahead of time (:class:`~mtpipe.step_package.PackagedStep`) unless ``MTPIPE_STEP_PACKAGE=0``.
 
         Why frozen (inductor's ``freezing``): the weights become constants of the graph, which inductor packs once
         into oneDNN's blocked layout for the products (as the eager step's :class:`~mtpipe.kernels.PackedWeight`
@@ -778,10 +781,17 @@ class Transformer(nn.Module):
         weight = next(self.parameters())
         on_cpu = weight.device.type == "cpu"
         separate_compile_cache()
-        self._compiled_step = torch.compile(self.step_layers, dynamic=True,
-                                            options={"cpp_wrapper": True} if on_cpu else None)
+        compiled = torch.compile(self.step_layers, dynamic=True, options={"cpp_wrapper": True} if on_cpu else None)
+        frozen = on_cpu and weight.dtype == torch.float32
+        from mtpipe.step_package import PackagedStep, packaging_enabled
+
+        if frozen and packaging_enabled():
+            # Compiled ahead of time and kept on disk (mtpipe.step_package): built once, loaded by later processes;
+            # torch.compile's step only where the package does not apply
+            compiled = PackagedStep(self, compiled, step_dynamic_dims)
+        self._compiled_step = compiled
         self._compiled_for = id(self)
-        self._frozen_key = self._weights_key() if on_cpu and weight.dtype == torch.float32 else None
+        self._frozen_key = self._weights_key() if frozen else None
 
     @contextlib.contextmanager
     def compile_settings(self) -> Iterator[None]:
@@ -892,18 +902,25 @@ def _twice(x: Tensor, k_prev: Tensor, v_prev: Tensor, index: Tensor | None,
 def mark_step_dynamic(x: Tensor, k_prev: Tensor, v_prev: Tensor, index: Tensor | None, prev_mask: Tensor | None,
                       cross: list[tuple[Tensor, Tensor]], src_mask: Tensor) -> None:
     """Tell ``torch.compile`` which dimensions of :meth:`Transformer.step_layers`' inputs vary from call to call
-    (rows R, the cache's size N, cached positions w, sentences n, source length S), so that it builds one graph for
-    all of them rather than one per shape."""
-    dims = [(x, 0), (src_mask, 0), (src_mask, 3)]
-    if index is not None:  # the flat cache [N, h * d] and the rows to gather [layers, w, R]
-        dims += [(k_prev, 0), (v_prev, 0), (index, 1), (index, 2)]
-    else:  # gathered [w, layers, R, h, d]
-        dims += [(k_prev, 0), (k_prev, 2), (v_prev, 0), (v_prev, 2)]
-    dims += [(kv, d) for pair in cross for kv in pair for d in (0, 2)]  # [n, h, S, d]
-    if prev_mask is not None:
-        dims += [(prev_mask, 0), (prev_mask, 3)]  # [R, 1, 1, w]
-    for tensor, dim in dims:
+    (:func:`step_dynamic_dims`), so that it builds one graph for all of them rather than one per shape."""
+    for tensor, dim, _ in step_dynamic_dims(x, k_prev, v_prev, index, prev_mask, cross, src_mask):
         torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+def step_dynamic_dims(x: Tensor, k_prev: Tensor, v_prev: Tensor, index: Tensor | None, prev_mask: Tensor | None,
+                      cross: list[tuple[Tensor, Tensor]], src_mask: Tensor) -> list[tuple[Tensor, int, str]]:
+    """The ``(tensor, dim, size)`` of :meth:`Transformer.step_layers`' inputs that vary from call to call, ``size``
+    naming which: ``rows`` R, ``cache`` (the flat cache's size), ``positions`` w (cached), ``sentences`` n,
+    ``source`` S (the rest are the model's sizes)."""
+    dims = [(x, 0, "rows"), (src_mask, 0, "sentences"), (src_mask, 3, "source")]
+    if index is not None:  # the flat cache [N, h * d] and the rows to gather [layers, w, R]
+        dims += [(k_prev, 0, "cache"), (v_prev, 0, "cache"), (index, 1, "positions"), (index, 2, "rows")]
+    else:  # gathered [w, layers, R, h, d]
+        dims += [(k_prev, 0, "positions"), (k_prev, 2, "rows"), (v_prev, 0, "positions"), (v_prev, 2, "rows")]
+    dims += [(kv, d, size) for pair in cross for kv in pair for d, size in ((0, "sentences"), (2, "source"))]
+    if prev_mask is not None:
+        dims += [(prev_mask, 0, "rows"), (prev_mask, 3, "positions")]  # [R, 1, 1, w]
+    return dims
 
 
 def build_model(model_config: dict | ModelConfig, vocab_size: int) -> Transformer:

@@ -17,6 +17,15 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # here, before any test imports mtpipe.console; subprocess tests that need a width pass their own.
 os.environ.pop("COLUMNS", None)
 os.environ.pop("LINES", None)
+# decode.compile's packaged steps (mtpipe.step_package) go to a directory of this test run's, not the user's cache;
+# subprocesses inherit it.
+if "MTPIPE_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["MTPIPE_CACHE_DIR"] = tempfile.mkdtemp(prefix="mtpipe-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["MTPIPE_CACHE_DIR"], ignore_errors=True)
 
 
 def train_spm(prefix: Path, lines: list[str], vocab_size: int):

@@ -10,6 +10,7 @@ import itertools
 import math
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from mtpipe.errors import MtpipeError
 from mtpipe.kernels import Linear
 from mtpipe.model import Transformer
 from mtpipe.search import DecodeRules, LengthPenalty, beam_search
+from mtpipe.step_package import PackagedStep
 
 # --------------------------------------------------------------------------------------------------------------------
 # Helpers: a hand-made step function, a random peaked model, an independent greedy decoder
@@ -549,11 +551,11 @@ def test_the_cache_slots_table_reads_what_a_reordered_cache_holds():
 
 
 def test_compiled_step_decodes_what_the_eager_step_decodes(model, monkeypatch):
-    # decode.compile: Transformer.step_layers through torch.compile from the third step on. Sentences of mixed
-    # lengths finish at different steps, so the batch runs with several sentences and then with one alone (run as
-    # two copies of itself, in the same graph); the beam search must find the same hypotheses with the same scores.
-    # float32 with the graph gathering the cached keys/values itself (the tiny model's rows are short: forced), bf16
-    # below with them gathered before the graph.
+    # decode.compile: Transformer.step_layers compiled, from the third step on (float32 on CPU: packaged ahead of
+    # time, mtpipe.step_package; bf16: torch.compile). Sentences of mixed lengths finish at different steps, so the
+    # batch runs with several sentences and then with one alone (run as two copies of itself, in the same graph);
+    # the beam search must find the same hypotheses with the same scores. float32 with the graph gathering the
+    # cached keys/values itself (the tiny model's rows are short: forced), bf16 below with them gathered before it.
     import torch._dynamo.config
     import torch._inductor.config
 
@@ -584,7 +586,8 @@ def test_compiled_step_decodes_what_the_eager_step_decodes(model, monkeypatch):
     assert max(calls) == 7 * 3 and min(calls) < 7 * 3  # the compiled step ran, on the whole batch and as it shrank
     # ... down to the last sentence, which ran as two (torch would specialise a size of 1): one graph for them all
     assert (2, True) in sentences and min(n for n, _ in sentences) == 2 and calls[-1] == 2 * 3
-    assert counters["stats"]["unique_graphs"] - graphs == 1
+    # one package for them all (none was on disk), and no torch.compile graph
+    assert isinstance(inner, PackagedStep) and inner.built == 1 and counters["stats"]["unique_graphs"] == graphs
     # Its settings (weights frozen into the graph, the step's floats constants) were in force at every call, where
     # a graph may be traced, and were entered once around the whole decode, not by every step.
     assert set(settings) == {(True, True)} and entered == [True]
@@ -621,13 +624,15 @@ def test_compiled_step_decodes_what_the_eager_step_decodes(model, monkeypatch):
 
     # lone_graph (mtpipe serve, stdin): the lone sentence in a graph of its own, the same hypotheses
     torch.compiler.reset()  # the graphs above (of the same code) out of the way, as a new process would start
+    monkeypatch.setattr("mtpipe.model._GATHER_IN_GRAPH_BYTES", 0)  # the variant of the first package above
     own = copy.deepcopy(model)
     own.compile_step(lone_graph=True)
     inner_own, own_sentences = own._compiled_step, []
     own._compiled_step = lambda *args: own_sentences.append(args[5].size(0)) or inner_own(*args)
     graphs = counters["stats"]["unique_graphs"]
     alone = translate(own, srcs, dataclasses.replace(cfg, compile=True))
-    assert min(own_sentences) == 1 and counters["stats"]["unique_graphs"] - graphs == 2
+    # the several sentences' package (the same weights) loaded from disk, the lone sentence's built; no graph
+    assert min(own_sentences) == 1 and inner_own.built == 1 and counters["stats"]["unique_graphs"] == graphs
     assert [[h.tokens for h in hyps] for hyps in alone] == [[h.tokens for h in hyps] for hyps in eager]
 
 
@@ -841,6 +846,72 @@ def test_a_failed_compile_is_one_clear_error(model):
     with pytest.raises(MtpipeError, match=r"decode.compile: torch.compile could not build the decoder step "
                                           r"\(InvalidCxxCompiler: No working C\+\+ compiler found\); decode without"):
         translate(broken, sources(2, seed=3, lo=4, hi=8), DecodeConfig(beam=2, max_len_b=6, compile=True))
+
+
+def test_a_packaged_step_serves_every_size_its_export_allowed(model):
+    # A package built on one batch's first compiled step (2 sentences, beam 2) decodes other batches (7 sentences,
+    # beam 3, longer outputs) as eager decoding does; greedy search, where rows and sentences are one size, gets a
+    # package of its own (one exported for beams would refuse its rows, and one for greedy search its beams').
+    compiled = copy.deepcopy(model)
+    compiled.compile_step()
+    step = compiled._compiled_step
+    few, many = sources(2, seed=21, lo=3, hi=6), sources(7, seed=22, lo=2, hi=14)
+    for srcs, beam in ((few, 2), (many, 3), (many, 1), (few, 1)):
+        cfg = DecodeConfig(beam=beam, max_len_b=8, max_tokens=1000, compile=True)
+        got = translate(compiled, srcs, cfg)
+        want = translate(model, srcs, dataclasses.replace(cfg, compile=False))
+        assert [h[0].tokens for h in got] == [h[0].tokens for h in want], (len(srcs), beam)
+        assert [h[0].score for h in got] == pytest.approx([h[0].score for h in want], abs=1e-4)
+    assert isinstance(step, PackagedStep) and sorted(v[2] for v in step.runners) == [False, True]
+    assert all(r is not None for r in step.runners.values())
+
+
+def test_a_step_that_cannot_be_packaged_runs_through_torch_compile(model, monkeypatch, capsys):
+    # decode.compile in float32 on CPU packages the step ahead of time (mtpipe.step_package); where the export fails
+    # (an operation it cannot trace, a read-only cache) one warning says so and torch.compile's step decodes instead,
+    # the same hypotheses as eager decoding; nothing is left in the cache.
+    import os
+
+    monkeypatch.setenv("MTPIPE_CACHE_DIR", str(Path(os.environ["MTPIPE_CACHE_DIR"]) / "failed"))
+
+    def no_export(*args, **kwargs):
+        raise RuntimeError("an operator export cannot trace\nmore")
+
+    monkeypatch.setattr(torch.export, "export", no_export)
+    srcs, cfg = sources(3, seed=5, lo=3, hi=9), DecodeConfig(beam=2, max_len_b=6, compile=True)
+    compiled = copy.deepcopy(model)
+    out = translate(compiled, srcs, cfg)
+    err = capsys.readouterr().err
+    assert err.count("could not package the decoder step ahead of time (an operator export cannot trace)") == 1
+    assert "compiling it in this process instead" in err
+    assert [h[0].tokens for h in out] == [h[0].tokens for h in translate(model, srcs, dataclasses.replace(cfg,
+                                                                                                      compile=False))]
+    assert not list((Path(os.environ["MTPIPE_CACHE_DIR"]) / "decode-step").glob("*.pt2"))
+
+
+def test_a_packaged_step_is_keyed_by_its_weights_and_environment(model, monkeypatch):
+    # A package holds the weights it was built with and code for one CPU dispatch: another model's weights (one
+    # value changed) or an AVX2-restricted process must not load it.
+    from mtpipe import step_package
+
+    digest = step_package.weights_digest(model)
+    variant = (False, False, 2, (("torch.float32", 3),))
+    key = step_package.package_key(digest, variant)
+    assert step_package.weights_digest(copy.deepcopy(model)) == digest  # the same weights, another object
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        next(other.decoder[0].parameters()).view(-1)[0] += 1e-6
+    assert step_package.weights_digest(other) != digest
+    assert step_package.package_key(digest, (True,) + variant[1:]) != key  # another input variant
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2-restricted")
+    assert step_package.package_key(digest, variant) != key
+    monkeypatch.setenv("MTPIPE_CACHE_DIR", "/somewhere")
+    assert step_package.cache_dir() == Path("/somewhere") / "decode-step"
+    # MTPIPE_STEP_PACKAGE=0: torch.compile's step in every process, nothing packaged
+    monkeypatch.setenv("MTPIPE_STEP_PACKAGE", "0")
+    plain = copy.deepcopy(model)
+    plain.compile_step()
+    assert plain._compiled() and not isinstance(plain._compiled_step, PackagedStep)
 
 
 def test_compile_is_refused_where_it_does_not_apply():

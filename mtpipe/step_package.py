@@ -1,0 +1,251 @@
+"""``decode.compile`` on CPU in float32: the decoder's step compiled ahead of time and kept on disk.
+
+:meth:`mtpipe.model.Transformer.compile_step` freezes the weights into the compiled step (inductor's ``freezing``:
+constants packed once for oneDNN). ``torch.compile`` builds such a graph again in every process (~25 s on a 2-vCPU
+CPU: tracing, lowering, the C++ wrapper), and its on-disk caches skip frozen graphs. Here the same step is exported
+(``torch.export``, every per-call dimension dynamic) and compiled by AOTInductor into a package, one file per model,
+step variant and environment, under :func:`cache_dir`; a later process loads it in ~3 s. The packaged step also runs
+without torch.compile's guards and Python wrapper: 1.11-1.12x torch.compile's step for 8 sentences a call, 0.96-1.04x
+in 8,000-token batches (the quickstart model, 2 threads, AVX-512 and AVX2; BENCHMARKS.md, "The compiled step kept
+on disk").
+
+The package's key (:func:`package_key`) covers everything its code depends on: the weights' bytes, the input
+variant (which optional inputs there are, their ranks and dtypes), the torch version, the CPU code torch
+dispatches (an AVX2-restricted process never loads an AVX-512 package) and the source of mtpipe's step. Each
+package is exported on example sizes of its own (:data:`_SIZES`), every varying size distinct, and keeps beside it
+the sizes it accepts; a call outside them runs the ``fallback`` (torch.compile's step), as does every call when the
+export or build fails (one warning, with the reason).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from mtpipe.console import warn
+
+# The sources whose code the packaged step runs: a package built by other code is not reused.
+_SOURCES = ("model.py", "kernels.py", "step_package.py")
+
+
+def cache_dir() -> Path:
+    """Where packages are kept: ``$MTPIPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mtpipe`` (``~/.cache/mtpipe``); in
+    ``decode-step/`` below it. mtpipe writes nothing else there; delete it to reclaim the space (a package holds a
+    copy of the model's weights)."""
+    root = os.environ.get("MTPIPE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mtpipe")
+    return Path(root) / "decode-step"
+
+
+def packaging_enabled() -> bool:
+    """False when ``MTPIPE_STEP_PACKAGE=0``: every process builds its step with torch.compile, as before packages
+    (nothing is written to the cache; for comparison, or a machine where the cache cannot be kept)."""
+    return os.environ.get("MTPIPE_STEP_PACKAGE", "1").strip() != "0"
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """sha256 of every parameter's and buffer's name, dtype, shape and bytes (~0.3 s for the base model's 60M)."""
+    h = hashlib.sha256()
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _source_digest() -> str:
+    here = Path(__file__).parent
+    h = hashlib.sha256()
+    for name in _SOURCES:
+        h.update((here / name).read_bytes())
+    return h.hexdigest()
+
+
+def package_key(weights: str, variant: tuple) -> str:
+    """The package's file name: a digest of the weights, the input variant and the environment its code was built
+    for (torch's version and dispatched CPU code, oneDNN's ISA limit)."""
+    env = (torch.__version__, torch.backends.cpu.get_cpu_capability(), os.environ.get("ONEDNN_MAX_CPU_ISA", ""))
+    return hashlib.sha256(repr((weights, variant, env, _source_digest())).encode()).hexdigest()[:32]
+
+
+# The example sizes a package is exported with (:meth:`PackagedStep._build`): distinct from each other and from
+# any rows count (a multiple of the sentences), so that the export gives each a symbol of its own.
+_SIZES = {"sentences": 3, "positions": 5, "source": 7, "cache": 37}
+
+
+def _variant(x: Tensor, k_prev: Tensor, prev_mask: Tensor | None, cross: list[tuple[Tensor, Tensor]],
+             src_mask: Tensor, index: Tensor | None) -> tuple:
+    """What a package is built for besides the varying sizes: which optional inputs there are, greedy search (one
+    row per sentence: rows and sentences are one size) or beams, a lone sentence (a size of 1, which the export
+    fixes) or several, the layer count, every input's dtype and rank."""
+    tensors = [x, k_prev, *(t for pair in cross for t in pair)] + [t for t in (prev_mask, index) if t is not None]
+    return (prev_mask is not None, index is not None, x.size(0) == src_mask.size(0), src_mask.size(0) == 1,
+            len(cross), tuple((str(t.dtype), t.dim()) for t in tensors))
+
+
+class _Step(torch.nn.Module):
+    """:meth:`~mtpipe.model.Transformer.step_layers` with its optional inputs fixed by the variant, for export."""
+
+    def __init__(self, model: torch.nn.Module, has_mask: bool, has_index: bool) -> None:
+        super().__init__()
+        self.model, self.has_mask, self.has_index = model, has_mask, has_index
+
+    def forward(self, x: Tensor, k_prev: Tensor, v_prev: Tensor, cross: list[tuple[Tensor, Tensor]], src_mask: Tensor,
+                extra: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        prev_mask = extra[0] if self.has_mask else None
+        index = extra[-1] if self.has_index else None
+        return self.model.step_layers(x, k_prev, v_prev, prev_mask, cross, src_mask, index)
+
+
+class PackagedStep:
+    """A callable with :meth:`~mtpipe.model.Transformer.step_layers`' signature that runs each input variant's
+    package (built on first use, or loaded from :func:`cache_dir`) and ``fallback`` where no package applies.
+    ``dynamic_dims(x, k_prev, v_prev, index, prev_mask, cross, src_mask)`` lists the ``(tensor, dim)`` pairs that
+    vary from call to call (:func:`mtpipe.model.step_dynamic_dims`)."""
+
+    def __init__(self, model: torch.nn.Module, fallback: Callable[..., Any],
+                 dynamic_dims: Callable[..., list[tuple[Tensor, int]]]) -> None:
+        self.model, self.fallback, self.dynamic_dims = model, fallback, dynamic_dims
+        self.weights = weights_digest(model)
+        # variant -> (the loaded package, its input ranges), or None where it could not be built
+        self.runners: dict[tuple, Any] = {}
+        self.lock = threading.Lock()
+        self.built = 0  # packages this object built (not loaded)
+
+    def __deepcopy__(self, memo: dict) -> PackagedStep:
+        # A copy of the model (bf16_copy, prune) never runs its original's step (Transformer._compiled): sharing
+        # this one, rather than copying its lock and loaded packages, is enough
+        return self
+
+    def __call__(self, x: Tensor, k_prev: Tensor, v_prev: Tensor, prev_mask: Tensor | None,
+                 cross: list[tuple[Tensor, Tensor]], src_mask: Tensor,
+                 index: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        variant = _variant(x, k_prev, prev_mask, cross, src_mask, index)
+        runner = self.runners.get(variant, False)
+        if runner is False:
+            with self.lock:  # one build per variant when threads decode with one model
+                runner = self.runners.get(variant, False)
+                if runner is False:
+                    runner = self.runners[variant] = self._open(variant, x, k_prev, v_prev, prev_mask, cross,
+                                                                src_mask, index)
+        if runner is not None:
+            package, ranges = runner
+            flat = [x, k_prev, v_prev, *(t for pair in cross for t in pair), src_mask,
+                    *(t for t in (prev_mask, index) if t is not None)]
+            # The shapes the export allowed (e.g. at least 2 sentences); others go to the fallback (the package's own
+            # checks would refuse them too, with a line on stderr at every step)
+            if all(lo <= flat[i].size(d) and (hi is None or flat[i].size(d) <= hi) for i, d, lo, hi in ranges):
+                # The package's code assumes the layout it was exported with (contiguous): a no-op for the
+                # decoder's inputs, which are contiguous
+                extra = [t.contiguous() for t in (prev_mask, index) if t is not None]
+                pairs = [(k.contiguous(), v.contiguous()) for k, v in cross]
+                return tuple(package(x.contiguous(), k_prev.contiguous(), v_prev.contiguous(), pairs,
+                                     src_mask.contiguous(), extra))
+        return self.fallback(x, k_prev, v_prev, prev_mask, cross, src_mask, index)
+
+    def _open(self, variant: tuple, x: Tensor, k_prev: Tensor, v_prev: Tensor, prev_mask: Tensor | None,
+              cross: list[tuple[Tensor, Tensor]], src_mask: Tensor, index: Tensor | None) -> Any:
+        """The variant's package, loaded from the cache or built into it (under a file lock, so that processes
+        started together build it once); None, with a warning, if it cannot be built."""
+        import fcntl
+
+        path = cache_dir() / f"{package_key(self.weights, variant)}.pt2"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path.with_suffix(".lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not path.is_file():
+                    self._build(path, variant, x, k_prev, v_prev, prev_mask, cross, src_mask, index)
+                    self.built += 1
+                ranges = [tuple(r) for r in json.loads(path.with_suffix(".json").read_text())["ranges"]]
+                # The package checks its inputs too (a call outside its shapes raises rather than computing
+                # wrongly); the variable is read once, when the first package runs
+                os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")
+                return torch._inductor.aoti_load_package(str(path)), ranges
+        except Exception as e:  # noqa: BLE001 -- any failure: the step still runs, through torch.compile
+            first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+            warn(f"decode.compile: could not package the decoder step ahead of time ({first.strip()[:200]}); "
+                 "compiling it in this process instead")
+            return None
+
+    def _build(self, path: Path, variant: tuple, x: Tensor, k_prev: Tensor, v_prev: Tensor,
+               prev_mask: Tensor | None, cross: list[tuple[Tensor, Tensor]], src_mask: Tensor,
+               index: Tensor | None) -> None:
+        """Export the step on inputs shaped like these but with every varying size made distinct (:data:`_SIZES`),
+        and compile it into ``path``. Why not on the call's own inputs: the export takes sizes that happen to be
+        equal (2 cached positions for 2 sentences) for one size, and the package would then refuse or, worse,
+        misread every call where they differ."""
+        from torch.export import Dim
+
+        has_mask, has_index, greedy, lone = variant[:4]
+        sentences = 1 if lone else _SIZES["sentences"]
+        sizes = dict(_SIZES, sentences=sentences, rows=sentences * (1 if greedy else 4))
+        dims = self.dynamic_dims(x, k_prev, v_prev, index, prev_mask, cross, src_mask)
+        resized: dict[int, list[int]] = {}
+        for t, d, size in dims:
+            resized.setdefault(id(t), list(t.shape))[d] = sizes[size]
+
+        def example(t: Tensor) -> Tensor:  # the values do not matter: the export traces shapes
+            return torch.zeros(resized.get(id(t), list(t.shape)), dtype=t.dtype, device=t.device)
+
+        def spec(t: Tensor) -> dict[int, Any]:
+            return {d: Dim.AUTO for u, d, _ in dims if u is t}
+
+        optional = [t for t in (prev_mask, index) if t is not None]
+        flat = [x, k_prev, v_prev, *(t for pair in cross for t in pair), src_mask, *optional]  # the call's order
+        varying = {(next(i for i, u in enumerate(flat) if u is t), d) for t, d, _ in dims}
+        args = (example(x), example(k_prev), example(v_prev), [(example(k), example(v)) for k, v in cross],
+                example(src_mask), [example(t) for t in optional])
+        shapes = (spec(x), spec(k_prev), spec(v_prev), [(spec(k), spec(v)) for k, v in cross], spec(src_mask),
+                  [spec(t) for t in optional])
+        with torch.no_grad():
+            program = torch.export.export(_Step(self.model, has_mask, has_index).eval(), args,
+                                          dynamic_shapes=shapes, strict=False)
+            fd, tmp = tempfile.mkstemp(prefix=f"{path.stem}.", suffix=".partial.pt2", dir=path.parent)
+            os.close(fd)
+            try:
+                torch._inductor.aoti_compile_and_package(program, package_path=tmp,
+                                                         inductor_configs={"freezing": True})
+                # the ranges first, the package last: a package on disk always has its ranges beside it
+                _write(path.with_suffix(".json"), json.dumps({"ranges": _ranges(program, varying)}))
+                os.replace(tmp, path)  # whole or absent: a build cut short leaves no package
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+
+
+def _ranges(program: Any, varying: set[tuple[int, int]]) -> list[tuple[int, int, int, int | None]]:
+    """``(input, dim, low, high)`` for each of the ``varying`` dimensions of the exported step's inputs (flattened in
+    call order): the sizes the package was built for, ``high`` None where unbounded, ``low == high`` where the
+    export fixed the size (a lone sentence's 1)."""
+    nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    out = []
+    for i, name in enumerate(program.graph_signature.user_inputs):
+        for d, size in enumerate(nodes[name].meta["val"].shape):
+            if (i, d) not in varying:
+                continue
+            if not isinstance(size, torch.SymInt):
+                out.append((i, d, int(size), int(size)))
+                continue
+            bounds = program.range_constraints.get(size.node.expr)  # None: an expression of others' symbols
+            if bounds is not None:
+                out.append((i, d, int(bounds.lower), None if bool(bounds.upper > 2**62) else int(bounds.upper)))
+    return out
+
+
+def _write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f"{path.stem}.", suffix=".partial", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+__all__ = ["PackagedStep", "cache_dir", "package_key", "packaging_enabled", "weights_digest"]
