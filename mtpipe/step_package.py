@@ -162,19 +162,28 @@ class PackagedStep:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path.with_suffix(".lock"), "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
-                if not path.is_file():
-                    self._build(path, variant, x, k_prev, v_prev, prev_mask, cross, src_mask, index)
-                    self.built += 1
-                ranges = [tuple(r) for r in json.loads(path.with_suffix(".json").read_text())["ranges"]]
                 # The package checks its inputs too (a call outside its shapes raises rather than computing
                 # wrongly); the variable is read once, when the first package runs
                 os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")
-                return torch._inductor.aoti_load_package(str(path)), ranges
+                if path.is_file():
+                    try:
+                        return self._load(path)
+                    except Exception:  # noqa: BLE001 -- unreadable (a damaged disk, a changed C++ runtime): a package
+                        # mtpipe wrote, so it is built again
+                        path.unlink()
+                self._build(path, variant, x, k_prev, v_prev, prev_mask, cross, src_mask, index)
+                self.built += 1
+                return self._load(path)
         except Exception as e:  # noqa: BLE001 -- any failure: the step still runs, through torch.compile
             first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
             warn(f"decode.compile: could not package the decoder step ahead of time ({first.strip()[:200]}); "
                  "compiling it in this process instead")
             return None
+
+    @staticmethod
+    def _load(path: Path) -> tuple[Any, list[tuple]]:
+        ranges = [tuple(r) for r in json.loads(path.with_suffix(".json").read_text())["ranges"]]
+        return torch._inductor.aoti_load_package(str(path)), ranges
 
     def _build(self, path: Path, variant: tuple, x: Tensor, k_prev: Tensor, v_prev: Tensor,
                prev_mask: Tensor | None, cross: list[tuple[Tensor, Tensor]], src_mask: Tensor,

@@ -848,7 +848,7 @@ def test_a_failed_compile_is_one_clear_error(model):
         translate(broken, sources(2, seed=3, lo=4, hi=8), DecodeConfig(beam=2, max_len_b=6, compile=True))
 
 
-def test_a_packaged_step_serves_every_size_its_export_allowed(model):
+def test_a_packaged_step_serves_every_size_its_export_allowed(model, capsys):
     # A package built on one batch's first compiled step (2 sentences, beam 2) decodes other batches (7 sentences,
     # beam 3, longer outputs) as eager decoding does; greedy search, where rows and sentences are one size, gets a
     # package of its own (one exported for beams would refuse its rows, and one for greedy search its beams').
@@ -863,7 +863,22 @@ def test_a_packaged_step_serves_every_size_its_export_allowed(model):
         assert [h[0].tokens for h in got] == [h[0].tokens for h in want], (len(srcs), beam)
         assert [h[0].score for h in got] == pytest.approx([h[0].score for h in want], abs=1e-4)
     assert isinstance(step, PackagedStep) and sorted(v[2] for v in step.runners) == [False, True]
-    assert all(r is not None for r in step.runners.values())
+    assert all(r is not None for r in step.runners.values()) and step.built == 2
+
+    # A damaged package on disk (mtpipe's own file) is built again, without a word; the others are loaded.
+    import os
+
+    packages = sorted((Path(os.environ["MTPIPE_CACHE_DIR"]) / "decode-step").glob("*.pt2"),
+                      key=lambda p: p.stat().st_mtime)
+    packages[-1].write_bytes(b"not a package")  # the greedy one, built last
+    again = copy.deepcopy(model)
+    again.compile_step()
+    cfg = DecodeConfig(beam=1, max_len_b=8, max_tokens=1000, compile=True)
+    got = translate(again, many, cfg)
+    assert [h[0].tokens for h in got] == [h[0].tokens for h in translate(model, many, dataclasses.replace(
+        cfg, compile=False))]
+    assert again._compiled_step.built == 1 and packages[-1].stat().st_size > 1000
+    assert "could not package" not in capsys.readouterr().err
 
 
 def test_a_step_that_cannot_be_packaged_runs_through_torch_compile(model, monkeypatch, capsys):
