@@ -108,11 +108,11 @@ class _Step(torch.nn.Module):
 class PackagedStep:
     """A callable with :meth:`~mtpipe.model.Transformer.step_layers`' signature that runs each input variant's
     package (built on first use, or loaded from :func:`cache_dir`) and ``fallback`` where no package applies.
-    ``dynamic_dims(x, k_prev, v_prev, index, prev_mask, cross, src_mask)`` lists the ``(tensor, dim)`` pairs that
-    vary from call to call (:func:`mtpipe.model.step_dynamic_dims`)."""
+    ``dynamic_dims(x, k_prev, v_prev, index, prev_mask, cross, src_mask)`` lists the ``(tensor, dim, size)`` that
+    vary from call to call, ``size`` naming which (:func:`mtpipe.model.step_dynamic_dims`)."""
 
     def __init__(self, model: torch.nn.Module, fallback: Callable[..., Any],
-                 dynamic_dims: Callable[..., list[tuple[Tensor, int]]]) -> None:
+                 dynamic_dims: Callable[..., list[tuple[Tensor, int, str]]]) -> None:
         self.model, self.fallback, self.dynamic_dims = model, fallback, dynamic_dims
         self.weights = weights_digest(model)
         # variant -> (the loaded package, its input ranges), or None where it could not be built
