@@ -154,11 +154,12 @@ class PackagedStep:
     def _open(self, variant: tuple, x: Tensor, k_prev: Tensor, v_prev: Tensor, prev_mask: Tensor | None,
               cross: list[tuple[Tensor, Tensor]], src_mask: Tensor, index: Tensor | None) -> Any:
         """The variant's package, loaded from the cache or built into it (under a file lock, so that processes
-        started together build it once); None, with a warning, if it cannot be built."""
-        import fcntl
-
+        started together build it once); None, with a warning, if it cannot be built (or where there are no file
+        locks: Windows)."""
         path = cache_dir() / f"{package_key(self.weights, variant)}.pt2"
         try:
+            import fcntl
+
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path.with_suffix(".lock"), "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
