@@ -26,7 +26,6 @@ import argparse
 import copy
 import dataclasses
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -34,6 +33,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench.machine import spread  # noqa: E402 (after the path it needs)
 
 WAYS = {"as two": False, "own graph": True}  # the compiled ways: Transformer.compile_step's lone_graph
 
@@ -137,9 +138,6 @@ def speeds(args: argparse.Namespace) -> None:
                     outputs[name][i] = decode(name, [src])[0][0].tokens
                     seconds[name][r] += time.perf_counter() - start
                     bar.update(task, advance=1)
-
-    def spread(values: list[float]) -> str:
-        return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
     console.print(f"model {checkpoint} (d_model {model.cfg.d_model}, {model.cfg.encoder_layers}+"
                   f"{model.cfg.decoder_layers} layers); {len(sources)} sentences one per call; beam {args.beam}, "

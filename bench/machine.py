@@ -1,5 +1,6 @@
 """What the benchmarks share: CPU time counters (how busy the whole machine was, and how much of that was this
-process), and :func:`patched`, which switches one of mtpipe's speed tricks off for a baseline row.
+process), :func:`patched`, which switches one of mtpipe's speed tricks off for a baseline row, and :func:`spread`,
+a measurement's rounds as a table cell.
 
 These machines are shared and noisy, so a benchmark reports the share of CPU time other processes took while it
 measured, next to its figures."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -42,3 +44,8 @@ def own_cpu() -> float:
     """CPU seconds this process has used (user + system, all its threads)."""
     t = os.times()
     return t.user + t.system
+
+
+def spread(values: list[float]) -> str:
+    """Rounds as "median (min-max)", two decimals."""
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"

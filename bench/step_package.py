@@ -23,7 +23,6 @@ import copy
 import dataclasses
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench.machine import spread  # noqa: E402 (after the path it needs)
 
 STARTS = ("package, cold", "package, on disk", "torch.compile")
 
@@ -153,9 +154,6 @@ def speeds(args: argparse.Namespace) -> None:
                         if r == 0:
                             outputs[shape, name] += [h[0].tokens for h in got]
                         bar.update(task, advance=1)
-
-    def spread(values: list[float]) -> str:
-        return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
     console.print(f"model {args.checkpoint} (d_model {model.cfg.d_model}, {model.cfg.encoder_layers}+"
                   f"{model.cfg.decoder_layers} layers, vocabulary {model.embed.weight.size(0):,}); fp32; beam "

@@ -81,14 +81,11 @@ def package_key(weights: str, variant: tuple) -> str:
 _SIZES = {"sentences": 3, "positions": 5, "source": 7, "cache": 37}
 
 
-def _variant(x: Tensor, k_prev: Tensor, prev_mask: Tensor | None, cross: list[tuple[Tensor, Tensor]],
-             src_mask: Tensor, index: Tensor | None) -> tuple:
+def _variant(flat: list[Tensor], has_mask: bool, has_index: bool, rows: int, sentences: int, layers: int) -> tuple:
     """What a package is built for besides the varying sizes: which optional inputs there are, greedy search (one
     row per sentence: rows and sentences are one size) or beams, a lone sentence (a size of 1, which the export
-    fixes) or several, the layer count, every input's dtype and rank."""
-    tensors = [x, k_prev, *(t for pair in cross for t in pair)] + [t for t in (prev_mask, index) if t is not None]
-    return (prev_mask is not None, index is not None, x.size(0) == src_mask.size(0), src_mask.size(0) == 1,
-            len(cross), tuple((str(t.dtype), t.dim()) for t in tensors))
+    fixes) or several, the layer count, every input's (``flat``, in call order) dtype and rank."""
+    return (has_mask, has_index, rows == sentences, sentences == 1, layers, tuple((t.dtype, t.dim()) for t in flat))
 
 
 class _Step(torch.nn.Module):
@@ -128,7 +125,9 @@ class PackagedStep:
     def __call__(self, x: Tensor, k_prev: Tensor, v_prev: Tensor, prev_mask: Tensor | None,
                  cross: list[tuple[Tensor, Tensor]], src_mask: Tensor,
                  index: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        variant = _variant(x, k_prev, prev_mask, cross, src_mask, index)
+        flat = [x, k_prev, v_prev, *(t for pair in cross for t in pair), src_mask,
+                *(t for t in (prev_mask, index) if t is not None)]  # the package's inputs, in call order
+        variant = _variant(flat, prev_mask is not None, index is not None, x.size(0), src_mask.size(0), len(cross))
         runner = self.runners.get(variant, False)
         if runner is False:
             with self.lock:  # one build per variant when threads decode with one model
@@ -138,8 +137,6 @@ class PackagedStep:
                                                                 src_mask, index)
         if runner is not None:
             package, ranges = runner
-            flat = [x, k_prev, v_prev, *(t for pair in cross for t in pair), src_mask,
-                    *(t for t in (prev_mask, index) if t is not None)]
             # The shapes the export allowed (e.g. at least 2 sentences); others go to the fallback (the package's own
             # checks would refuse them too, with a line on stderr at every step)
             if all(lo <= flat[i].size(d) and (hi is None or flat[i].size(d) <= hi) for i, d, lo, hi in ranges):
