@@ -370,7 +370,8 @@ class DecodeConfig(Section):
         "Engine mtpipe, fp32 or bf16: run the decoder's step compiled (fused kernels, fewer operations; on CPU "
         "float32 weights frozen into the graph, packed once for oneDNN), at the cost of building it first (tens of "
         "seconds on a small CPU; needs a C++ compiler on CPU). float32 on CPU: built once and kept in "
-        "$MTPIPE_CACHE_DIR (default ~/.cache/mtpipe), loaded in seconds by later runs; else once per process. "
+        "$MTPIPE_CACHE_DIR (default ~/.cache/mtpipe), loaded in seconds by later runs, the least recently used "
+        "removed beyond $MTPIPE_CACHE_MAX_GB (default 5); else once per process. "
         "Outputs equal the uncompiled step's up to float rounding.",
         default=False,
     )

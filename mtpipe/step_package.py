@@ -15,22 +15,30 @@ dispatches (an AVX2-restricted process never loads an AVX-512 package) and the s
 package is exported on example sizes of its own (:data:`_SIZES`), every varying size distinct, and keeps beside it
 the sizes it accepts; a call outside them runs the ``fallback`` (torch.compile's step), as does every call when the
 export or build fails (one warning, with the reason).
+
+The cache is bounded (:func:`prune`): after each build, the least recently used packages beyond
+``$MTPIPE_CACHE_MAX_GB`` (default 5) are removed, so that decoding checkpoint after checkpoint does not fill the disk.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import os
+import re
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from mtpipe.console import warn
+from mtpipe.console import info, warn
+from mtpipe.errors import MtpipeError
 
 # The sources whose code the packaged step runs: a package built by other code is not reused.
 _SOURCES = ("model.py", "kernels.py", "step_package.py")
@@ -38,11 +46,80 @@ _SOURCES = ("model.py", "kernels.py", "step_package.py")
 
 def cache_dir() -> Path:
     """Where packages are kept: ``$MTPIPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mtpipe`` (``~/.cache/mtpipe``); in
-    ``decode-step/`` below it. mtpipe writes nothing else there; delete it to reclaim the space (a package holds a
-    copy of the model's weights)."""
+    ``decode-step/`` below it. mtpipe writes nothing else there. A package holds a copy of the model's weights:
+    :func:`prune` keeps them under ``$MTPIPE_CACHE_MAX_GB``; deleting the directory is safe."""
     root = os.environ.get("MTPIPE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mtpipe")
     return Path(root) / "decode-step"
+
+
+# The files mtpipe writes in the cache (:func:`package_key` names): a package, its ranges, its lock; and a build's
+# temporary files (tempfile.mkstemp's names after the key). Nothing else there is touched.
+_PACKAGE = re.compile(r"[0-9a-f]{32}\.pt2")
+_PARTIAL = re.compile(r"[0-9a-f]{32}\.[^/]+\.partial(\.pt2)?")
+# A build's temporary file older than this was left by a process that was killed (a build takes a minute or two)
+_STALE_PARTIAL_S = 24 * 3600
+_DEFAULT_MAX_GB = 5.0
+
+
+def cache_limit_bytes() -> int:
+    """``$MTPIPE_CACHE_MAX_GB`` (default 5) in bytes: what the packages in :func:`cache_dir` may take together."""
+    raw = os.environ.get("MTPIPE_CACHE_MAX_GB", "").strip()
+    try:
+        gb = float(raw) if raw else _DEFAULT_MAX_GB
+    except ValueError:
+        gb = -1.0
+    if not gb >= 0:  # also NaN
+        raise MtpipeError(f"MTPIPE_CACHE_MAX_GB: {raw!r} is not a size in GB (a number >= 0)")
+    return int(gb * 1e9)
+
+
+def prune(directory: Path, keep: Path, limit: int) -> tuple[int, int]:
+    """Remove the least recently used packages (a package's time is its file's, set when it is built or loaded) from
+    ``directory`` until the rest take at most ``limit`` bytes, never ``keep`` (the package just built) nor one that
+    a process is loading or building (its lock is held); and a killed build's temporary files older than a day.
+    Only mtpipe's own file names are looked at. Returns the packages removed and their bytes."""
+    now = time.time()
+    found = []
+    try:
+        names = list(directory.iterdir())
+    except OSError:  # an unreadable directory: the package just built still runs
+        return 0, 0
+    for p in names:
+        with contextlib.suppress(OSError):  # another process may remove it meanwhile
+            if _PACKAGE.fullmatch(p.name):
+                st = p.stat()
+                found.append((st.st_mtime, st.st_size, p))
+            elif _PARTIAL.fullmatch(p.name) and now - p.stat().st_mtime > _STALE_PARTIAL_S:
+                p.unlink()
+    total = sum(size for _, size, _ in found)
+    removed = freed = 0
+    for _, size, p in sorted(found, key=lambda f: f[0]):  # oldest use first
+        if total <= limit:
+            break
+        if p == keep:
+            continue
+        with contextlib.suppress(OSError), _try_lock(p.with_suffix(".lock")) as locked:
+            if not locked:
+                continue
+            p.with_suffix(".json").unlink(missing_ok=True)
+            p.unlink(missing_ok=True)
+            total, removed, freed = total - size, removed + 1, freed + size
+    return removed, freed
+
+
+@contextlib.contextmanager
+def _try_lock(path: Path):
+    """Yields whether the package lock ``path`` was taken without waiting (released on exit)."""
+    import fcntl
+
+    with open(path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
 
 
 def packaging_enabled() -> bool:
@@ -61,7 +138,9 @@ def weights_digest(module: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+@functools.lru_cache(maxsize=None)
 def _source_digest() -> str:
+    """The step's source, read once per process (at its first package): close to the code it imported, and one read."""
     here = Path(__file__).parent
     h = hashlib.sha256()
     for name in _SOURCES:
@@ -154,6 +233,7 @@ class PackagedStep:
         started together build it once); None, with a warning, if it cannot be built (or where there are no file
         locks: Windows)."""
         path = cache_dir() / f"{package_key(self.weights, variant)}.pt2"
+        limit = cache_limit_bytes()  # a bad setting is an error, not a reason to fall back
         try:
             import fcntl
 
@@ -171,7 +251,12 @@ class PackagedStep:
                         path.unlink()
                 self._build(path, variant, x, k_prev, v_prev, prev_mask, cross, src_mask, index)
                 self.built += 1
-                return self._load(path)
+                runner = self._load(path)
+                removed, freed = prune(path.parent, path, limit)
+                if removed:
+                    info(f"decode.compile: removed {removed} least recently used packaged step(s) "
+                         f"({freed / 1e9:.1f} GB) from {path.parent}, to keep it under MTPIPE_CACHE_MAX_GB")
+                return runner
         except Exception as e:  # noqa: BLE001 -- any failure: the step still runs, through torch.compile
             first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
             warn(f"decode.compile: could not package the decoder step ahead of time ({first.strip()[:200]}); "
@@ -181,7 +266,10 @@ class PackagedStep:
     @staticmethod
     def _load(path: Path) -> tuple[Any, list[tuple]]:
         ranges = [tuple(r) for r in json.loads(path.with_suffix(".json").read_text())["ranges"]]
-        return torch._inductor.aoti_load_package(str(path)), ranges
+        package = torch._inductor.aoti_load_package(str(path))
+        with contextlib.suppress(OSError):  # its time of last use, for prune (a read-only cache still loads)
+            os.utime(path)
+        return package, ranges
 
     def _build(self, path: Path, variant: tuple, x: Tensor, k_prev: Tensor, v_prev: Tensor,
                prev_mask: Tensor | None, cross: list[tuple[Tensor, Tensor]], src_mask: Tensor,
@@ -255,4 +343,5 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["PackagedStep", "cache_dir", "package_key", "packaging_enabled", "weights_digest"]
+__all__ = ["PackagedStep", "cache_dir", "cache_limit_bytes", "package_key", "packaging_enabled", "prune",
+           "weights_digest"]

@@ -848,10 +848,17 @@ def test_a_failed_compile_is_one_clear_error(model):
         translate(broken, sources(2, seed=3, lo=4, hi=8), DecodeConfig(beam=2, max_len_b=6, compile=True))
 
 
-def test_a_packaged_step_serves_every_size_its_export_allowed(model, capsys):
+def test_a_packaged_step_serves_every_size_its_export_allowed(model, monkeypatch, capsys):
     # A package built on one batch's first compiled step (2 sentences, beam 2) decodes other batches (7 sentences,
     # beam 3, longer outputs) as eager decoding does; greedy search, where rows and sentences are one size, gets a
     # package of its own (one exported for beams would refuse its rows, and one for greedy search its beams').
+    # With MTPIPE_CACHE_MAX_GB=0 the cache keeps only the package just built: the greedy one's build removes the
+    # beams' (already loaded, so still decoding), and says so.
+    import os
+
+    cache = Path(os.environ["MTPIPE_CACHE_DIR"]) / "bounded"
+    monkeypatch.setenv("MTPIPE_CACHE_DIR", str(cache))
+    monkeypatch.setenv("MTPIPE_CACHE_MAX_GB", "0")
     compiled = copy.deepcopy(model)
     compiled.compile_step()
     step = compiled._compiled_step
@@ -864,12 +871,11 @@ def test_a_packaged_step_serves_every_size_its_export_allowed(model, capsys):
         assert [h[0].score for h in got] == pytest.approx([h[0].score for h in want], abs=1e-4)
     assert isinstance(step, PackagedStep) and sorted(v[2] for v in step.runners) == [False, True]
     assert all(r is not None for r in step.runners.values()) and step.built == 2
+    packages = list((cache / "decode-step").glob("*.pt2"))
+    assert len(packages) == 1 and len(list((cache / "decode-step").glob("*.json"))) == 1
+    assert "removed 1 least recently used packaged step(s)" in capsys.readouterr().err
 
     # A damaged package on disk (mtpipe's own file) is built again, without a word; the others are loaded.
-    import os
-
-    packages = sorted((Path(os.environ["MTPIPE_CACHE_DIR"]) / "decode-step").glob("*.pt2"),
-                      key=lambda p: p.stat().st_mtime)
     packages[-1].write_bytes(b"not a package")  # the greedy one, built last
     again = copy.deepcopy(model)
     again.compile_step()
@@ -879,6 +885,56 @@ def test_a_packaged_step_serves_every_size_its_export_allowed(model, capsys):
         cfg, compile=False))]
     assert again._compiled_step.built == 1 and packages[-1].stat().st_size > 1000
     assert "could not package" not in capsys.readouterr().err
+
+
+def test_the_package_cache_removes_the_least_recently_used_beyond_its_bound(tmp_path, monkeypatch):
+    # mtpipe.step_package.prune: oldest use first, down to the bound; never the package just built, one another
+    # process holds the lock of (loading or building it), or a file mtpipe did not name; a killed build's temporary
+    # files go once they are a day old.
+    import fcntl
+    import os
+    import time
+
+    from mtpipe import step_package
+
+    now = time.time()
+
+    def package(i: int, used_hours_ago: float, size: int) -> Path:
+        p = tmp_path / f"{i:032x}.pt2"
+        p.write_bytes(b"x" * size)
+        p.with_suffix(".json").write_text("{}")
+        os.utime(p, (now - used_hours_ago * 3600,) * 2)
+        return p
+
+    oldest, locked, old, recent, kept = (package(i, h, 100) for i, h in enumerate((50, 40, 30, 20, 10)))
+    foreign = [tmp_path / "notes.pt2", tmp_path / "mine.txt", tmp_path / f"{9:032x}.pt2.bak"]
+    for f in foreign:
+        f.write_bytes(b"y" * 1000)
+    stale, fresh = tmp_path / f"{7:032x}.ab12cd.partial.pt2", tmp_path / f"{8:032x}.ab12cd.partial"
+    for f, hours in ((stale, 25), (fresh, 1)):
+        f.write_bytes(b"z")
+        os.utime(f, (now - hours * 3600,) * 2)
+    with open(locked.with_suffix(".lock"), "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert step_package.prune(tmp_path, keep=kept, limit=300) == (2, 200)
+    left = {p.name for p in tmp_path.iterdir()}
+    assert not oldest.exists() and not oldest.with_suffix(".json").exists() and not old.exists()
+    assert {locked.name, recent.name, kept.name, fresh.name} <= left and stale.name not in left
+    assert all(f.exists() for f in foreign)
+    # used most recently = kept longest; the one just built survives even a bound of 0
+    os.utime(locked, (now,) * 2)
+    assert step_package.prune(tmp_path, keep=kept, limit=0) == (2, 200)
+    assert sorted(p.name for p in tmp_path.glob("*.pt2")) == sorted([kept.name, "notes.pt2"])
+    assert step_package.prune(tmp_path, keep=kept, limit=10**9) == (0, 0)
+    # the bound: MTPIPE_CACHE_MAX_GB in GB (default 5); a bad value is a one-line error
+    monkeypatch.delenv("MTPIPE_CACHE_MAX_GB", raising=False)
+    assert step_package.cache_limit_bytes() == 5 * 10**9
+    monkeypatch.setenv("MTPIPE_CACHE_MAX_GB", "0.5")
+    assert step_package.cache_limit_bytes() == 5 * 10**8
+    for bad in ("-1", "lots", "nan"):
+        monkeypatch.setenv("MTPIPE_CACHE_MAX_GB", bad)
+        with pytest.raises(MtpipeError, match=r"MTPIPE_CACHE_MAX_GB: .* is not a size in GB"):
+            step_package.cache_limit_bytes()
 
 
 def test_a_step_that_cannot_be_packaged_runs_through_torch_compile(model, monkeypatch, capsys):
