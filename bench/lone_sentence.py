@@ -40,7 +40,8 @@ WAYS = {"as two": False, "own graph": True}  # the compiled ways: Transformer.co
 
 
 def load(args: argparse.Namespace, sentences: int):
-    """The model and the first ``sentences`` test sentences as pieces."""
+    """The model, the first ``sentences`` test sentences as pieces and the checkpoint's path (a random model of
+    ``args.random_preset``'s shape where that is set; bench/step_package.py has no such option)."""
     import sentencepiece as spm
     import torch
 
@@ -50,7 +51,8 @@ def load(args: argparse.Namespace, sentences: int):
 
     torch.set_num_threads(args.threads)
     runtime.tune_cpu_allocator()  # as `mtpipe decode` does on CPU
-    checkpoint = random_model(args.workdir, args.tokens, args.random_preset) if args.random_preset else args.checkpoint
+    preset = getattr(args, "random_preset", None)
+    checkpoint = random_model(args.workdir, args.tokens, preset) if preset else args.checkpoint
     ck = artifacts.load_checkpoint(checkpoint)
     model = build_model(ck.model_config, ck.vocab["size"])
     model.load_state_dict(ck.state_dict)

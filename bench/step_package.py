@@ -38,23 +38,11 @@ STARTS = ("package, cold", "package, on disk", "torch.compile")
 
 
 def load(args: argparse.Namespace, sentences: int):
-    """The model and the first ``sentences`` test sentences as pieces."""
-    import sentencepiece as spm
-    import torch
+    """The model and the first ``sentences`` test sentences as pieces (bench/lone_sentence.py's loading)."""
+    from bench.lone_sentence import load as load_model
 
-    from bench.decode_speed import read_gz
-    from mtpipe import artifacts, runtime
-    from mtpipe.model import build_model
-
-    torch.set_num_threads(args.threads)
-    runtime.tune_cpu_allocator()  # as `mtpipe decode` does on CPU
-    ck = artifacts.load_checkpoint(args.checkpoint)
-    model = build_model(ck.model_config, ck.vocab["size"])
-    model.load_state_dict(ck.state_dict)
-    model.eval()
-    sp = spm.SentencePieceProcessor(model_file=str(artifacts.verify_file(args.tokens, "spm.model")))
-    lines = read_gz(args.source)[: max(sentences, 8)]
-    return model, [s[: model.cfg.max_positions - 1] for s in sp.encode(lines)]
+    model, sources, _ = load_model(args, sentences)
+    return model, sources
 
 
 def start_once(args: argparse.Namespace) -> None:
