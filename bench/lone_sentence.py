@@ -163,23 +163,28 @@ def speeds(args: argparse.Namespace) -> None:
            f"file s ({args.file_sentences} sentences)", "build + file s"], rows)
 
 
-def main() -> None:
+def add_decoding_flags(ap: argparse.ArgumentParser, file_help: str) -> None:
+    """The flags this script shares with bench/step_package.py: the test file, rounds, threads, the search, and the
+    sentences a fresh process decodes as a file (``file_help``)."""
     from bench.decode_speed import DATA
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", type=Path, help="a trained (or averaged) mtpipe checkpoint")
-    ap.add_argument("--tokens", type=Path, required=True, help="the bpe artifact of the checkpoint (spm.model)")
-    ap.add_argument("--random-preset", metavar="PRESET", help="random weights of this preset instead of --checkpoint")
-    ap.add_argument("--workdir", type=Path, default=REPO / "bench" / "out" / "decode_speed")
     ap.add_argument("--source", type=Path, default=DATA / "test_2016_flickr.en.gz")
-    ap.add_argument("--sentences", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--beam", type=int, default=4)
     ap.add_argument("--alpha", type=float, default=0.6)
     ap.add_argument("--max-len-b", type=int, default=50)
-    ap.add_argument("--file-sentences", type=int, default=1000,
-                    help="sentences each build process then decodes as a file")
+    ap.add_argument("--file-sentences", type=int, default=1000, help=file_help)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", type=Path, help="a trained (or averaged) mtpipe checkpoint")
+    ap.add_argument("--tokens", type=Path, required=True, help="the bpe artifact of the checkpoint (spm.model)")
+    ap.add_argument("--random-preset", metavar="PRESET", help="random weights of this preset instead of --checkpoint")
+    ap.add_argument("--workdir", type=Path, default=REPO / "bench" / "out" / "decode_speed")
+    ap.add_argument("--sentences", type=int, default=100)
+    add_decoding_flags(ap, "sentences each build process then decodes as a file")
     ap.add_argument("--no-builds", action="store_true", help="leave out the build and file timings (fresh processes)")
     ap.add_argument("--build-only", choices=list(WAYS), help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -170,22 +170,15 @@ def speeds(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    from bench.decode_speed import DATA
+    from bench.lone_sentence import add_decoding_flags
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", type=Path, required=True, help="a trained (or averaged) mtpipe checkpoint")
     ap.add_argument("--tokens", type=Path, required=True, help="the bpe artifact of the checkpoint (spm.model)")
-    ap.add_argument("--source", type=Path, default=DATA / "test_2016_flickr.en.gz")
     ap.add_argument("--sentences", type=int, default=400, help="sentences each system decodes per round")
     ap.add_argument("--batch-sentences", type=int, default=8, help="sentences a call in the few-sentences rows")
     ap.add_argument("--max-tokens", type=int, default=8000)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--beam", type=int, default=4)
-    ap.add_argument("--alpha", type=float, default=0.6)
-    ap.add_argument("--max-len-b", type=int, default=50)
-    ap.add_argument("--file-sentences", type=int, default=1000,
-                    help="sentences each start-up process then decodes as a file")
+    add_decoding_flags(ap, "sentences each start-up process then decodes as a file")
     ap.add_argument("--start-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.start_only:
