@@ -17,7 +17,9 @@ the sizes it accepts; a call outside them runs the ``fallback`` (torch.compile's
 export or build fails (one warning, with the reason).
 
 The cache is bounded (:func:`prune`): after each build, the least recently used packages beyond
-``$MTPIPE_CACHE_MAX_GB`` (default 5) are removed, so that decoding checkpoint after checkpoint does not fill the disk.
+``$MTPIPE_CACHE_MAX_GB`` (default 5) are removed with their ranges and lock files, so that decoding checkpoint
+after checkpoint does not fill the disk (a lock file is removed by a holder of its lock; :func:`_locked` makes a
+process that waited on a removed one lock the file now at its path).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def cache_dir() -> Path:
 # The files mtpipe writes in the cache (:func:`package_key` names): a package, its ranges, its lock; and a build's
 # temporary files (tempfile.mkstemp's names after the key). Nothing else there is touched.
 _PACKAGE = re.compile(r"[0-9a-f]{32}\.pt2")
+_LOCK = re.compile(r"[0-9a-f]{32}\.lock")
 _PARTIAL = re.compile(r"[0-9a-f]{32}\.[^/]+\.partial(\.pt2)?")
 # A build's temporary file older than this was left by a process that was killed (a build takes a minute or two)
 _STALE_PARTIAL_S = 24 * 3600
@@ -77,10 +80,12 @@ def cache_limit_bytes() -> int:
 def prune(directory: Path, keep: Path, limit: int) -> tuple[int, int]:
     """Remove the least recently used packages (a package's time is its file's, set when it is built or loaded) from
     ``directory`` until the rest take at most ``limit`` bytes, never ``keep`` (the package just built) nor one that
-    a process is loading or building (its lock is held); and a killed build's temporary files older than a day.
-    Only mtpipe's own file names are looked at. Returns the packages removed and their bytes."""
+    a process is loading or building (its lock is held); with each, its ranges and its lock. Also a lock or ranges
+    file whose package is gone (a failed build's) once no process holds that lock, and a killed build's temporary
+    files older than a day. Only mtpipe's own file names are looked at. Returns the packages removed and their
+    bytes."""
     now = time.time()
-    found = []
+    found, orphans = [], []
     try:
         names = list(directory.iterdir())
     except OSError:  # an unreadable directory: the package just built still runs
@@ -90,8 +95,14 @@ def prune(directory: Path, keep: Path, limit: int) -> tuple[int, int]:
             if _PACKAGE.fullmatch(p.name):
                 st = p.stat()
                 found.append((st.st_mtime, st.st_size, p))
+            elif _LOCK.fullmatch(p.name) and not p.with_suffix(".pt2").exists():
+                orphans.append(p.with_suffix(".pt2"))
             elif _PARTIAL.fullmatch(p.name) and now - p.stat().st_mtime > _STALE_PARTIAL_S:
                 p.unlink()
+    for p in orphans:  # a package that is not there and no process is building: its lock and ranges go
+        with contextlib.suppress(OSError), _locked(p.with_suffix(".lock"), wait=False) as held:
+            if held and not p.exists():
+                _remove(p)
     total = sum(size for _, size, _ in found)
     removed = freed = 0
     for _, size, p in sorted(found, key=lambda f: f[0]):  # oldest use first
@@ -99,27 +110,43 @@ def prune(directory: Path, keep: Path, limit: int) -> tuple[int, int]:
             break
         if p == keep:
             continue
-        with contextlib.suppress(OSError), _try_lock(p.with_suffix(".lock")) as locked:
-            if not locked:
+        with contextlib.suppress(OSError), _locked(p.with_suffix(".lock"), wait=False) as held:
+            if not held:
                 continue
-            p.with_suffix(".json").unlink(missing_ok=True)
-            p.unlink(missing_ok=True)
+            _remove(p)
             total, removed, freed = total - size, removed + 1, freed + size
     return removed, freed
 
 
+def _remove(package: Path) -> None:
+    """Remove ``package``, its ranges and its lock; the caller holds that lock (see :func:`_locked`)."""
+    package.with_suffix(".json").unlink(missing_ok=True)
+    package.unlink(missing_ok=True)
+    package.with_suffix(".lock").unlink(missing_ok=True)  # last: whoever waits on it locks the next one there
+
+
 @contextlib.contextmanager
-def _try_lock(path: Path):
-    """Yields whether the package lock ``path`` was taken without waiting (released on exit)."""
+def _locked(path: Path, wait: bool):
+    """Take the lock file ``path`` (waiting for it if ``wait``) and yield whether it was taken; released on exit.
+    Lock files are removed with their package (:func:`_remove`, by a holder of the lock), so a process that waited
+    on one may hold a file no longer at ``path``: it then locks the file that is there now (creating it), so that
+    two processes never both hold "the" lock of one package."""
     import fcntl
 
-    with open(path, "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        yield True
+    while True:
+        with open(path, "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                current = os.path.samestat(os.fstat(lock.fileno()), os.stat(path))
+            except FileNotFoundError:
+                current = False
+            if current:
+                yield True
+                return
 
 
 def packaging_enabled() -> bool:
@@ -235,11 +262,8 @@ class PackagedStep:
         path = cache_dir() / f"{package_key(self.weights, variant)}.pt2"
         limit = cache_limit_bytes()  # a bad setting is an error, not a reason to fall back
         try:
-            import fcntl
-
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path.with_suffix(".lock"), "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
+            with _locked(path.with_suffix(".lock"), wait=True):
                 # The package checks its inputs too (a call outside its shapes raises rather than computing
                 # wrongly); the variable is read once, when the first package runs
                 os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")

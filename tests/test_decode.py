@@ -914,18 +914,27 @@ def test_the_package_cache_removes_the_least_recently_used_beyond_its_bound(tmp_
     for f, hours in ((stale, 25), (fresh, 1)):
         f.write_bytes(b"z")
         os.utime(f, (now - hours * 3600,) * 2)
-    with open(locked.with_suffix(".lock"), "a") as held:
+    # a failed build's lock and ranges (no package): removed once no process holds the lock
+    failed, building = tmp_path / f"{5:032x}.pt2", tmp_path / f"{6:032x}.pt2"
+    for f in (failed, building):
+        f.with_suffix(".lock").touch()
+        f.with_suffix(".json").write_text("{}")
+    with open(locked.with_suffix(".lock"), "a") as held, open(building.with_suffix(".lock"), "a") as held2:
         fcntl.flock(held, fcntl.LOCK_EX)
+        fcntl.flock(held2, fcntl.LOCK_EX)
         assert step_package.prune(tmp_path, keep=kept, limit=300) == (2, 200)
     left = {p.name for p in tmp_path.iterdir()}
-    assert not oldest.exists() and not oldest.with_suffix(".json").exists() and not old.exists()
-    assert {locked.name, recent.name, kept.name, fresh.name} <= left and stale.name not in left
+    for gone in (oldest, old, failed):  # with its ranges and its lock
+        assert not ({gone.name, gone.with_suffix(".json").name, gone.with_suffix(".lock").name} & left)
+    assert {locked.name, recent.name, kept.name, fresh.name, locked.with_suffix(".lock").name} <= left
+    assert {building.with_suffix(".lock").name, building.with_suffix(".json").name} <= left and stale.name not in left
     assert all(f.exists() for f in foreign)
     # used most recently = kept longest; the one just built survives even a bound of 0
     os.utime(locked, (now,) * 2)
     assert step_package.prune(tmp_path, keep=kept, limit=0) == (2, 200)
     assert sorted(p.name for p in tmp_path.glob("*.pt2")) == sorted([kept.name, "notes.pt2"])
     assert step_package.prune(tmp_path, keep=kept, limit=10**9) == (0, 0)
+    assert not building.with_suffix(".lock").exists()  # its lock is free now: the build failed
     # the bound: MTPIPE_CACHE_MAX_GB in GB (default 5); a bad value is a one-line error
     monkeypatch.delenv("MTPIPE_CACHE_MAX_GB", raising=False)
     assert step_package.cache_limit_bytes() == 5 * 10**9
@@ -935,6 +944,48 @@ def test_the_package_cache_removes_the_least_recently_used_beyond_its_bound(tmp_
         monkeypatch.setenv("MTPIPE_CACHE_MAX_GB", bad)
         with pytest.raises(MtpipeError, match=r"MTPIPE_CACHE_MAX_GB: .* is not a size in GB"):
             step_package.cache_limit_bytes()
+
+
+def test_a_package_lock_removed_while_a_process_waits_on_it_is_not_held_twice(tmp_path, monkeypatch):
+    # prune removes a package's lock file (holding it); a process that was waiting on that file must then lock the
+    # one at the path now, else it and a newcomer (who creates a new file there) would both "hold" the lock.
+    import fcntl
+    import threading
+    import time
+
+    from mtpipe import step_package
+
+    path = tmp_path / f"{1:032x}.lock"
+    waiting, inside, done = threading.Event(), threading.Event(), threading.Event()
+    flock = fcntl.flock
+
+    def flock_noting_the_wait(f, op):
+        if threading.current_thread().name == "waiter" and not op & fcntl.LOCK_NB:
+            waiting.set()
+        return flock(f, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock_noting_the_wait)
+
+    def waiter() -> None:
+        with step_package._locked(path, wait=True) as held:
+            assert held
+            inside.set()
+            done.wait(10)
+
+    with step_package._locked(path, wait=True) as held:
+        assert held
+        thread = threading.Thread(target=waiter, name="waiter")
+        thread.start()
+        assert waiting.wait(10)
+        time.sleep(0.2)  # let it block in flock on this file
+        step_package._remove(path.with_suffix(".pt2"))
+    assert inside.wait(10) and path.exists()
+    with step_package._locked(path, wait=False) as newcomer:
+        assert not newcomer  # the waiter holds the file at the path
+    done.set()
+    thread.join(10)
+    with step_package._locked(path, wait=False) as newcomer:
+        assert newcomer
 
 
 def test_a_step_that_cannot_be_packaged_runs_through_torch_compile(model, monkeypatch, capsys):
