@@ -278,8 +278,9 @@ class PackagedStep:
                 runner = self._load(path)
                 removed, freed = prune(path.parent, path, limit)
                 if removed:
-                    info(f"decode.compile: removed {removed} least recently used packaged step(s) "
-                         f"({freed / 1e9:.1f} GB) from {path.parent}, to keep it under MTPIPE_CACHE_MAX_GB")
+                    size = f"{freed / 1e9:.1f} GB" if freed >= 1e8 else f"{freed / 1e6:.0f} MB"
+                    info(f"decode.compile: removed {removed} least recently used packaged step(s) ({size}) "
+                         f"from {path.parent}, to keep it under MTPIPE_CACHE_MAX_GB")
                 return runner
         except Exception as e:  # noqa: BLE001 -- any failure: the step still runs, through torch.compile
             first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
