@@ -11,9 +11,10 @@ encoder runs once per batch and its keys/values are projected once (:meth:`Trans
 sentence, its beams attending to them together; each step computes the new position only (self-attention cache
 written in place, :meth:`Transformer.step`); sentences that are done leave the batch at once (``state.select``);
 ``torch.inference_mode`` and optional bf16 autocast (CPU and GPU); ``decode.compile``: the decoder's step compiled
-(:meth:`~mtpipe.model.Transformer.compile_step`; float32 on CPU packaged on disk, :mod:`mtpipe.step_package`). ``decode.processes`` N > 1: a file or a split
-is shared out among N decoding processes, each with its own copy of the model and 1/N of the CPU threads, each
-decoding its own batches (:class:`mtpipe.workers.DecodePool`), as CTranslate2's ``inter_threads`` does.
+(:meth:`~mtpipe.model.Transformer.compile_step`; float32 on CPU packaged on disk, :mod:`mtpipe.step_package`).
+``decode.processes`` N > 1: a file or a split is shared out among N decoding processes, each with its own copy of
+the model and 1/N of the CPU threads, each decoding its own batches (:class:`mtpipe.workers.DecodePool`), as
+CTranslate2's ``inter_threads`` does.
 
 Text from stdin (``--input -``) is translated as it arrives (:func:`stream_batches`): a line, with whatever else is
 already waiting, is translated and its output flushed before more input is read, so typed input and a program that

@@ -754,9 +754,9 @@ class Transformer(nn.Module):
         frozen graph itself (its packed oneDNN weights do not pickle, so inductor's graph cache skips it). Hence,
         in float32 on CPU, the step is packaged ahead of time instead and kept on disk (:mod:`mtpipe.step_package`:
         built by the first process, loaded in seconds by the next), torch.compile's graph serving only the shapes
-        a package refuses. On CPU the graph's wrapper is generated C++ (inductor's ``cpp_wrapper``) instead of Python: the wrapper's
-        per-kernel cost is what is left of a small batch's step (1.03-1.04x at ~8 sentences a batch, none at 8,000
-        tokens, the same build time; BENCHMARKS.md)."""
+        a package refuses. On CPU the graph's wrapper is generated C++ (inductor's ``cpp_wrapper``) instead of
+        Python: the wrapper's per-kernel cost is what is left of a small batch's step (1.03-1.04x at ~8 sentences a
+        batch, none at 8,000 tokens, the same build time; BENCHMARKS.md)."""
         if lone_graph is not None:
             self._lone_graph = lone_graph
         if not self._compiled():
