@@ -11,7 +11,9 @@
 * **speed**: in one process, the first ``--sentences`` test sentences decoded by each system in turn, in batches of
   ``--batch-sentences`` (a server's few sentences) and in ``mtpipe decode``'s batches of ``--max-tokens`` tokens;
   ``--rounds`` rounds, the order rotating from batch to batch; sentences/s per round (min / median / max), the ratio
-  to torch.compile's step per round, and how many outputs equal the eager step's.
+  to torch.compile's step per round, and how many outputs equal the eager step's. ``--sizes-against JSON``: also a
+  package exported on other example sizes (``mtpipe.step_package._SIZES``, e.g. ``'{"sentences": 3, "positions":
+  5, "source": 7, "cache": 37}'``), kept in a cache of its own.
 
     python bench/step_package.py --checkpoint artifacts/average --tokens artifacts/bpe
 """
@@ -19,6 +21,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -97,6 +100,7 @@ def speeds(args: argparse.Namespace) -> None:
     from mtpipe.config import DecodeConfig
     from mtpipe.console import console, progress, table
     from mtpipe.decode import translate
+    from mtpipe import step_package
     from mtpipe.step_package import PackagedStep
 
     (REPO / "bench" / "out").mkdir(parents=True, exist_ok=True)
@@ -109,16 +113,38 @@ def speeds(args: argparse.Namespace) -> None:
                              precision="fp32")
     compiled_cfg = dataclasses.replace(eager_cfg, compile=True)
     systems = {"eager": model, "torch.compile": copy.deepcopy(model), "package": copy.deepcopy(model)}
+    other = f"package, sizes {args.sizes_against}" if args.sizes_against else None
+    if other:
+        systems[other] = copy.deepcopy(model)
     os.environ["MTPIPE_STEP_PACKAGE"] = "0"
     systems["torch.compile"].compile_step()
     os.environ["MTPIPE_STEP_PACKAGE"] = "1"
-    systems["package"].compile_step()
-    assert isinstance(systems["package"]._compiled_step, PackagedStep)
+    for name in systems:
+        if name.startswith("package"):
+            systems[name].compile_step()
+            assert isinstance(systems[name]._compiled_step, PackagedStep)
     assert not isinstance(systems["torch.compile"]._compiled_step, PackagedStep)
     names = list(systems)
 
+    @contextlib.contextmanager
+    def sized(name: str):
+        """The other example sizes, and a cache of their own (the key does not cover them), around a system's
+        calls: its packages are built (or loaded) in the warm-up's first calls."""
+        if name != other:
+            yield
+            return
+        saved = step_package._SIZES
+        step_package._SIZES = json.loads(args.sizes_against)
+        os.environ["MTPIPE_CACHE_DIR"] = str(cache.with_name("cache-other-sizes"))
+        try:
+            yield
+        finally:
+            step_package._SIZES = saved
+            os.environ["MTPIPE_CACHE_DIR"] = str(cache)
+
     def decode(name: str, batch: list[list[int]]):
-        return translate(systems[name], batch, eager_cfg if name == "eager" else compiled_cfg)
+        with sized(name):
+            return translate(systems[name], batch, eager_cfg if name == "eager" else compiled_cfg)
 
     for name in names:  # warm-up: allocator, oneDNN kernels; the compiled steps' graphs and packages
         decode(name, sources[:8])
@@ -157,6 +183,8 @@ def speeds(args: argparse.Namespace) -> None:
     table(f"decoding {len(sources)} sentences: {args.rounds} interleaved rounds, min-max in brackets",
           ["batches", "step", "sentences/s", "speed / torch.compile's, per round", "outputs = eager's"], rows)
 
+    if args.skip_starts:
+        return
     got = starts(args, cache)
     rows = []
     for way in STARTS:
@@ -178,6 +206,9 @@ def main() -> None:
     ap.add_argument("--sentences", type=int, default=400, help="sentences each system decodes per round")
     ap.add_argument("--batch-sentences", type=int, default=8, help="sentences a call in the few-sentences rows")
     ap.add_argument("--max-tokens", type=int, default=8000)
+    ap.add_argument("--sizes-against", help="also time a package exported on these example sizes (JSON, "
+                    "mtpipe.step_package._SIZES' keys)")
+    ap.add_argument("--skip-starts", action="store_true", help="time the steps only, not the start-ups")
     add_decoding_flags(ap, "sentences each start-up process then decodes as a file")
     ap.add_argument("--start-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -183,8 +183,12 @@ def package_key(weights: str, variant: tuple) -> str:
 
 
 # The example sizes a package is exported with (:meth:`PackagedStep._build`): distinct from each other and from
-# any rows count (a multiple of the sentences), so that the export gives each a symbol of its own.
-_SIZES = {"sentences": 3, "positions": 5, "source": 7, "cache": 37}
+# any rows count (a multiple of the sentences), so that the export gives each a symbol of its own. Of a real
+# batch's order too: inductor's C++ code generator reads them as the sizes to expect, and splits a loop between
+# threads only where that much work is worth it. Exported on 3 sentences of 7 source pieces, the encoder-decoder
+# softmax ran on one thread while the other waited (~3 % of a decode's time in 8,000-token batches); these sizes
+# give every loop of the step to both threads (1.02x in those batches, the same at 8 sentences; BENCHMARKS.md).
+_SIZES = {"sentences": 61, "positions": 17, "source": 23, "cache": 1031}
 
 
 def _variant(flat: list[Tensor], has_mask: bool, has_index: bool, rows: int, sentences: int, layers: int) -> tuple:
