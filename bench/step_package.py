@@ -97,10 +97,10 @@ def starts(args: argparse.Namespace, cache: Path) -> dict[str, list[dict]]:
 def speeds(args: argparse.Namespace) -> None:
     import torch
 
+    from mtpipe import step_package
     from mtpipe.config import DecodeConfig
     from mtpipe.console import console, progress, table
     from mtpipe.decode import translate
-    from mtpipe import step_package
     from mtpipe.step_package import PackagedStep
 
     (REPO / "bench" / "out").mkdir(parents=True, exist_ok=True)

@@ -5,9 +5,9 @@ constants packed once for oneDNN). ``torch.compile`` builds such a graph again i
 CPU: tracing, lowering, the C++ wrapper), and its on-disk caches skip frozen graphs. Here the same step is exported
 (``torch.export``, every per-call dimension dynamic) and compiled by AOTInductor into a package, one file per model,
 step variant and environment, under :func:`cache_dir`; a later process loads it in ~3 s. The packaged step also runs
-without torch.compile's guards and Python wrapper: 1.11-1.12x torch.compile's step for 8 sentences a call, 0.96-1.04x
-in 8,000-token batches (the quickstart model, 2 threads, AVX-512 and AVX2; BENCHMARKS.md, "The compiled step kept
-on disk").
+without torch.compile's guards and Python wrapper: 1.11-1.12x torch.compile's step for 8 sentences a call, 1.05x
+in 8,000-token batches (the quickstart model, 2 threads; BENCHMARKS.md, "The compiled step kept on disk" and "Where
+the d-128 model's compiled fp32 decoding time goes").
 
 The package's key (:func:`package_key`) covers everything its code depends on: the weights' bytes, the input
 variant (which optional inputs there are, their ranks and dtypes), the torch version, the CPU code torch
@@ -186,8 +186,9 @@ def package_key(weights: str, variant: tuple) -> str:
 # any rows count (a multiple of the sentences), so that the export gives each a symbol of its own. Of a real
 # batch's order too: inductor's C++ code generator reads them as the sizes to expect, and splits a loop between
 # threads only where that much work is worth it. Exported on 3 sentences of 7 source pieces, the encoder-decoder
-# softmax ran on one thread while the other waited (~3 % of a decode's time in 8,000-token batches); these sizes
-# give every loop of the step to both threads (1.02x in those batches, the same at 8 sentences; BENCHMARKS.md).
+# softmax ran on one thread while the other waited (3 % of a decode's samples in 8,000-token batches); these sizes
+# give every loop of the step to both threads (1.05x torch.compile's step in those batches against 1.00x, the same
+# at 8 sentences a call; BENCHMARKS.md, "Where the d-128 model's compiled fp32 decoding time goes").
 _SIZES = {"sentences": 61, "positions": 17, "source": 23, "cache": 1031}
 
 
