@@ -183,10 +183,10 @@ def package_key(weights: str, variant: tuple) -> str:
 
 
 # The example sizes a package is exported with (:meth:`PackagedStep._build`): distinct from each other and from
-# any rows count (a multiple of the sentences), so that the export gives each a symbol of its own. Of a real
-# batch's order too: inductor's C++ code generator reads them as the sizes to expect, and splits a loop between
+# any rows count (a multiple of the sentences), so that the export gives each a symbol of its own; and of a real
+# batch's order, since inductor's C++ code generator reads them as the sizes to expect and splits a loop between
 # threads only where that much work is worth it. Exported on 3 sentences of 7 source pieces, the encoder-decoder
-# softmax ran on one thread while the other waited (3 % of a decode's samples in 8,000-token batches); these sizes
+# softmax ran on one thread while the other waited (3 % of the first thread's time in 8,000-token batches); these sizes
 # give every loop of the step to both threads (1.05x torch.compile's step in those batches against 1.00x, the same
 # at 8 sentences a call; BENCHMARKS.md, "Where the d-128 model's compiled fp32 decoding time goes").
 _SIZES = {"sentences": 61, "positions": 17, "source": 23, "cache": 1031}
