@@ -13,7 +13,7 @@
   ``--rounds`` rounds, the order rotating from batch to batch; sentences/s per round (min / median / max), the ratio
   to torch.compile's step per round, and how many outputs equal the eager step's. ``--sizes-against JSON``: also a
   package exported on other example sizes (``mtpipe.step_package._SIZES``, e.g. ``'{"sentences": 3, "positions":
-  5, "source": 7, "cache": 37}'``), kept in a cache of its own.
+  5, "source": 7, "cache": 37}'``; the package key covers them).
 
     python bench/step_package.py --checkpoint artifacts/average --tokens artifacts/bpe
 """
@@ -128,19 +128,17 @@ def speeds(args: argparse.Namespace) -> None:
 
     @contextlib.contextmanager
     def sized(name: str):
-        """The other example sizes, and a cache of their own (the key does not cover them), around a system's
-        calls: its packages are built (or loaded) in the warm-up's first calls."""
+        """The other example sizes around a system's calls: its packages (keyed by them) are built or loaded in the
+        warm-up's first calls."""
         if name != other:
             yield
             return
         saved = step_package._SIZES
         step_package._SIZES = json.loads(args.sizes_against)
-        os.environ["MTPIPE_CACHE_DIR"] = str(cache.with_name("cache-other-sizes"))
         try:
             yield
         finally:
             step_package._SIZES = saved
-            os.environ["MTPIPE_CACHE_DIR"] = str(cache)
 
     def decode(name: str, batch: list[list[int]]):
         with sized(name):

@@ -11,8 +11,8 @@ the d-128 model's compiled fp32 decoding time goes").
 
 The package's key (:func:`package_key`) covers everything its code depends on: the weights' bytes, the input
 variant (which optional inputs there are, their ranks and dtypes), the torch version, the CPU code torch
-dispatches (an AVX2-restricted process never loads an AVX-512 package) and the source of mtpipe's step. Each
-package is exported on example sizes of its own (:data:`_SIZES`), every varying size distinct, and keeps beside it
+dispatches (an AVX2-restricted process never loads an AVX-512 package), the source of mtpipe's step and the example
+sizes it is exported on (:data:`_SIZES`, every varying size distinct). Each package keeps beside it
 the sizes it accepts; a call outside them runs the ``fallback`` (torch.compile's step), as does every call when the
 export or build fails (one warning, with the reason).
 
@@ -176,10 +176,12 @@ def _source_digest() -> str:
 
 
 def package_key(weights: str, variant: tuple) -> str:
-    """The package's file name: a digest of the weights, the input variant and the environment its code was built
-    for (torch's version and dispatched CPU code, oneDNN's ISA limit)."""
+    """The package's file name: a digest of the weights, the input variant, the example sizes it is exported on
+    (:data:`_SIZES`: they shape the generated code) and the environment its code was built for (torch's version and
+    dispatched CPU code, oneDNN's ISA limit)."""
     env = (torch.__version__, torch.backends.cpu.get_cpu_capability(), os.environ.get("ONEDNN_MAX_CPU_ISA", ""))
-    return hashlib.sha256(repr((weights, variant, env, _source_digest())).encode()).hexdigest()[:32]
+    return hashlib.sha256(repr((weights, variant, sorted(_SIZES.items()), env, _source_digest())).encode()
+                          ).hexdigest()[:32]
 
 
 # The example sizes a package is exported with (:meth:`PackagedStep._build`): distinct from each other and from
