@@ -243,8 +243,8 @@ def splits_of(directory: Path | str, kind: str) -> list[str]:
 
 CHECKPOINTS = "checkpoints"
 # What `mtpipe train` puts in its run directory; a run directory holding anything else was not made by it.
-# ("plots": `mtpipe plots` draws the run's curves there by default.)
-RUN_ENTRIES = (CHECKPOINTS, "live", "train.json", "train.log", "best.json", "plots")
+# ("plots": `mtpipe plots` draws the run's curves there by default; "clock.json": each checkpoint's training time.)
+RUN_ENTRIES = (CHECKPOINTS, "live", "train.json", "train.log", "best.json", "clock.json", "plots")
 # A checkpoint directory: the weights (safetensors, with the model config in its metadata) and, for a resumable
 # training checkpoint, the trainer state (optimizer, schedule, RNG, data position; torch.load with weights_only).
 WEIGHTS, TRAINER_STATE = "model.safetensors", "trainer.pt"

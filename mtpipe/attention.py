@@ -14,7 +14,11 @@ for one input sentence:
   source-target alignment);
 * pictures: every head of the chosen layer (default: the last) as its own labelled heatmap, every layer as a grid of
   its heads, an ``index.html`` that shows them all (``<img>`` tags of the PNGs beside it; no script, no network),
-  and the matrices themselves (``attention.npz``, ``attention.json`` with the pieces) for other tools.
+  and the matrices themselves (``attention.npz``, ``attention.json`` with the pieces) for other tools;
+* the cost of a picture does not grow with the sentence: each head is one image (not an artist per cell), a long
+  axis labels every k-th piece only (each label is a text matplotlib measures at every layout pass), the heads of a
+  layer's grid share their axes' labels, and the figures' sizes are capped; a sentence of more than
+  :data:`MAX_PIECES` pieces is refused, its cells too small to read.
 
 The output directory is an artifact of kind ``attention`` (a manifest), written atomically.
 """
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mtpipe.config import MAX_BEAM
 from mtpipe.errors import MtpipeError
 
 KINDS = ("encoder", "decoder", "cross")
@@ -120,6 +125,9 @@ def attention_maps(model: Any, sp: Any, text: str, beam: int = 1, alpha: float =
     if len(src_ids) > limit:
         raise MtpipeError(f"--text: {len(src_ids)} pieces, more than the model's {limit} (max_positions "
                           f"{model.cfg.max_positions} with EOS)")
+    if len(src_ids) > MAX_PIECES:
+        raise MtpipeError(f"--text: {len(src_ids)} pieces, more than the {MAX_PIECES} that attention draws (a "
+                          "longer sentence's heatmap cells are too small to read); give a shorter sentence")
     rules = DecodeRules(beam=beam, penalty=LengthPenalty(length_penalty, alpha))
     best = translate_batches(model, [src_ids], rules, max_tokens=len(src_ids) + 1)[0][0]
     out_ids = [*best.tokens, EOS_ID]
@@ -148,9 +156,31 @@ def axis_pieces(maps: AttentionMaps, kind: str) -> tuple[list[str], list[str]]:
     return maps.outputs, maps.source
 
 
-def _heatmap(ax: Any, w: Any, rows: list[str], cols: list[str], kind: str, fontsize: float) -> Any:
-    """One head's ``[Lq, Lk]`` weights on ``ax``, pieces on both axes; positions the causal mask hides are grey
-    (their weight is 0 by construction, not by what the model learned)."""
+# The longest sentence drawn, in SentencePiece pieces (without </s>). A head's picture is at most 16 inches wide at
+# 110 dpi (~1,760 pixels), and every layer's grid gives each head at most 7 inches at 90 dpi (~630 pixels): past
+# 256 pieces a position gets under ~7 pixels in the one and ~2 in the other, too few to read.
+MAX_PIECES = 256
+# Tick labels per axis: a head's own picture, and each head of a layer's grid. Every label is a text artist whose size
+# matplotlib measures at each layout pass (the cost of drawing a long sentence), so a longer axis labels every k-th
+# position only, with its 1-based number.
+HEAD_LABELS, GRID_LABELS = 64, 32
+
+
+def tick_labels(pieces: list[str], most: int) -> tuple[list[int], list[str]]:
+    """``(positions, labels)`` for an axis of ``pieces``: every piece when there are at most ``most``, else every
+    k-th (k = ceil(n / most)), labelled ``"<1-based position> <piece>"`` so that a thinned axis still says where it
+    is."""
+    step = max(1, -(-len(pieces) // most))
+    if step == 1:
+        return list(range(len(pieces))), list(pieces)
+    at = list(range(0, len(pieces), step))
+    return at, [f"{i + 1} {pieces[i]}" for i in at]
+
+
+def _heatmap(ax: Any, w: Any, rows: list[str], cols: list[str], kind: str, most: int, scale: float = 1.0) -> Any:
+    """One head's ``[Lq, Lk]`` weights on ``ax`` as one image (one artist, whatever the sentence's length), pieces on
+    both axes (at most ``most`` labels each, :func:`tick_labels`); positions the causal mask hides are grey (their
+    weight is 0 by construction, not by what the model learned)."""
     import numpy as np
 
     from matplotlib import colormaps
@@ -160,8 +190,11 @@ def _heatmap(ax: Any, w: Any, rows: list[str], cols: list[str], kind: str, fonts
     if kind == "decoder":
         shown = np.ma.masked_array(w, mask=np.triu(np.ones_like(w, dtype=bool), k=1))  # future keys: j > i
     image = ax.imshow(shown, cmap=cmap, vmin=0.0, vmax=1.0, interpolation="nearest")
-    ax.set_xticks(range(len(cols)), cols, rotation=90, fontsize=fontsize)
-    ax.set_yticks(range(len(rows)), rows, fontsize=fontsize)
+    x_at, x_labels = tick_labels(cols, most)
+    y_at, y_labels = tick_labels(rows, most)
+    fontsize = _font(max(len(x_at), len(y_at))) * scale
+    ax.set_xticks(x_at, x_labels, rotation=90, fontsize=fontsize)
+    ax.set_yticks(y_at, y_labels, fontsize=fontsize)
     ax.tick_params(length=0)
     return image
 
@@ -171,28 +204,34 @@ def _font(n: int) -> float:
     return max(5.0, min(10.0, 220.0 / max(n, 1)))
 
 
-def draw_head(path: Path, maps: AttentionMaps, kind: str, layer: int, head: int) -> None:
-    """One head of one layer (1-based numbers) as a PNG, with a colour bar."""
+def head_figure(maps: AttentionMaps, kind: str, layer: int, head: int) -> Any:
+    """One head of one layer (1-based numbers) as a matplotlib Figure, with a colour bar: one image, at most
+    :data:`HEAD_LABELS` tick labels per axis, at most 16 inches square."""
     from matplotlib.figure import Figure
 
     w = maps.weights[kind][layer - 1][head - 1]  # [Lq, Lk]
     rows, cols = axis_pieces(maps, kind)
-    n = max(len(rows), len(cols))
-    size = min(16.0, 2.5 + 0.32 * n)
+    size = min(16.0, 2.5 + 0.32 * max(len(rows), len(cols)))
     fig = Figure(figsize=(size + 1.2, size), layout="constrained")
     ax = fig.add_subplot()
-    image = _heatmap(ax, w, rows, cols, kind, _font(n))
+    image = _heatmap(ax, w, rows, cols, kind, HEAD_LABELS)
     heads = len(maps.weights[kind][layer - 1])
     layers = len(maps.weights[kind])
     ax.set_title(f"{TITLES[kind]}: layer {layer} of {layers}, head {head} of {heads}", fontsize=11)
     ax.set_ylabel(AXES[kind][0])
     ax.set_xlabel(AXES[kind][1])
     fig.colorbar(image, ax=ax, shrink=0.8, label="attention weight")
-    fig.savefig(path, dpi=110)
+    return fig
 
 
-def draw_layer(path: Path, maps: AttentionMaps, kind: str, layer: int) -> None:
-    """Every head of one layer (1-based) side by side in one PNG, one colour bar for all."""
+def draw_head(path: Path, maps: AttentionMaps, kind: str, layer: int, head: int) -> None:
+    """:func:`head_figure` as a PNG."""
+    head_figure(maps, kind, layer, head).savefig(path, dpi=110)
+
+
+def layer_figure(maps: AttentionMaps, kind: str, layer: int) -> Any:
+    """Every head of one layer (1-based) side by side in one Figure, one colour bar for all: one image per head, at
+    most :data:`GRID_LABELS` tick labels per axis of each, each head at most 7 inches square."""
     import math
 
     from matplotlib.figure import Figure
@@ -205,19 +244,26 @@ def draw_layer(path: Path, maps: AttentionMaps, kind: str, layer: int) -> None:
     grid_rows = math.ceil(heads / per_row)
     cell = min(7.0, 1.8 + 0.2 * n)
     fig = Figure(figsize=(cell * per_row + 1.0, cell * grid_rows + 0.6), layout="constrained")
-    axes = fig.subplots(grid_rows, per_row, squeeze=False)
+    # The heads share both axes: pieces label the left column and the bottom panel of each column only.
+    axes = fig.subplots(grid_rows, per_row, squeeze=False, sharex=True, sharey=True)
     image = None
     for h in range(grid_rows * per_row):
         ax = axes[h // per_row][h % per_row]
         if h >= heads:
             ax.set_axis_off()
             continue
-        image = _heatmap(ax, ws[h], rows, cols, kind, _font(n) * 0.75)
+        image = _heatmap(ax, ws[h], rows, cols, kind, GRID_LABELS, scale=0.75)
+        ax.tick_params(labelleft=h % per_row == 0, labelbottom=h + per_row >= heads)
         ax.set_title(f"head {h + 1}", fontsize=9)
     fig.suptitle(f"{TITLES[kind]}: layer {layer} of {len(maps.weights[kind])}, all {heads} heads "
                  f"(rows: {AXES[kind][0]}, columns: {AXES[kind][1]})", fontsize=11)
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
-    fig.savefig(path, dpi=90)
+    return fig
+
+
+def draw_layer(path: Path, maps: AttentionMaps, kind: str, layer: int) -> None:
+    """:func:`layer_figure` as a PNG."""
+    layer_figure(maps, kind, layer).savefig(path, dpi=90)
 
 
 def head_file(kind: str, layer: int, head: int) -> str:
@@ -318,8 +364,8 @@ def attention_command(checkpoint: Path, tokens: Path | None, text: str | None, o
         raise MtpipeError("--out: required (the directory for the pictures)")
     if text is None or not text.strip():
         raise MtpipeError("--text: empty; give the sentence to translate")
-    if beam < 1:
-        raise MtpipeError(f"--beam {beam}: must be >= 1 (1 = greedy search)")
+    if not 1 <= beam <= MAX_BEAM:
+        raise MtpipeError(f"--beam {beam}: must be between 1 (greedy search) and {MAX_BEAM}")
     if not Path(checkpoint).is_dir():
         raise MtpipeError(f"{checkpoint}: checkpoint not found (--checkpoint: a checkpoint directory)")
     if tokens is not None and not Path(tokens).is_dir():
@@ -344,5 +390,5 @@ def attention_command(checkpoint: Path, tokens: Path | None, text: str | None, o
     ])
 
 
-__all__ = ["AttentionMaps", "KINDS", "attention_command", "attention_maps", "chosen_layers", "record_attention",
-           "write_attention"]
+__all__ = ["AttentionMaps", "KINDS", "MAX_PIECES", "attention_command", "attention_maps", "chosen_layers",
+           "head_figure", "layer_figure", "record_attention", "tick_labels", "write_attention"]

@@ -20,6 +20,7 @@ import typer
 
 from mtpipe import __version__
 from mtpipe.config import (
+    MAX_BEAM,
     PARAMS_FILE,
     PATHS,
     RECORDED_DECODE,
@@ -435,13 +436,17 @@ def train(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     cmd = launch_command(cfg.model, cfg.train, {"tokens": opts.tokens, "batches": opts.batches, "out": opts.out,
                                                 "params": opts.params_file}, force=opts.force)
     if cmd is not None:
-        import subprocess
+        # torchrun's agent runs in this process: a failed group ends in one line naming the rank, the last
+        # checkpoint and the command that resumes; torchrun's report goes to the run's train.log.
+        from mtpipe.launch import run_torchrun
 
-        raise typer.Exit(subprocess.call(cmd))
+        raise typer.Exit(run_torchrun(cmd, opts.out))
+    from mtpipe.launch import worker_errors
     from mtpipe.train import train_model
 
-    train_model(cfg.model, cfg.train, tokens=opts.tokens, batches=opts.batches, out=opts.out, force=opts.force,
-                decode=recorded_decode(opts.params))
+    with worker_errors():  # a worker of run_torchrun's: its error recorded for the launcher's line
+        train_model(cfg.model, cfg.train, tokens=opts.tokens, batches=opts.batches, out=opts.out, force=opts.force,
+                    decode=recorded_decode(opts.params))
 
 
 @stage_command(
@@ -577,16 +582,22 @@ def import_(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     import_fairseq(opts.checkpoint, opts.dictionary, opts.spm_model, opts.out, opts.tokens_out, force=opts.force)
 
 
+# mtpipe.attention imports no torch nor matplotlib at the top: start-up stays instant.
+from mtpipe.attention import MAX_PIECES as ATTENTION_MAX_PIECES  # noqa: E402
+
+
 @stage_command(
     "attention",
     [],
     [
         _in("checkpoint", PATHS["average"], "Checkpoint directory (trained or averaged).", "--checkpoint"),
         _in("tokens", None, TOKENS_HELP, "--tokens", Optional[Path]),
-        Opt("text", Optional[str], None, "The sentence to translate and draw.", ("--text",)),
+        Opt("text", Optional[str], None, f"The sentence to translate and draw, at most {ATTENTION_MAX_PIECES} "
+            "SentencePiece pieces (a longer one's heatmap cells are too small to read).", ("--text",)),
         Opt("layer", Optional[int], None, "Layer (1-based) drawn head by head \\[default: the last of each stack]; "
             "index.html shows every layer.", ("--layer",)),
-        Opt("beam", int, 1, "Beam size of the translation whose attention is drawn (1 = greedy).", ("--beam",)),
+        Opt("beam", int, 1, f"Beam size of the translation whose attention is drawn (1 = greedy; at most {MAX_BEAM}, "
+            "as decode.beam).", ("--beam",)),
         Opt("alpha", Optional[float], None, "Length penalty alpha when --beam > 1 \\[default: the checkpoint's "
             "recorded decode.alpha, else 0.6], with the checkpoint's recorded length penalty (else gnmt).",
             ("--alpha",)),

@@ -202,6 +202,13 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# The largest beam (decode.beam, decode.nbest, train.valid_bleu_beam, attention --beam). Translation quality stops
+# improving after a beam of a few, and past a few dozen it falls (Koehn & Knowles 2017, "Six Challenges for Neural
+# Machine Translation"; Stahlberg & Byrne 2019); the decoder holds beam x the batch's rows and a top-k over beam x
+# vocabulary scores each step, so a beam of thousands only costs time and memory.
+MAX_BEAM = 128
+
+
 @dataclass(frozen=True)
 class TrainConfig(Section):
     """``train``: optimisation (paper section 5.3-5.4), precision, stopping and checkpointing."""
@@ -249,7 +256,8 @@ class TrainConfig(Section):
                                      "valid/bleu) every this many updates. 0 = off.", default=0, ge=0)
     valid_bleu_sentences: int = _h("Valid sentences decoded for validation BLEU: a fixed, evenly spaced subset of "
                                    "this many (0 = all).", default=500, ge=0)
-    valid_bleu_beam: int = _h("Beam size of validation BLEU decoding (1 = greedy search).", default=1, ge=1)
+    valid_bleu_beam: int = _h("Beam size of validation BLEU decoding (1 = greedy search; at most decode.beam's "
+                              "limit).", default=1, ge=1, le=MAX_BEAM)
     stop_metric: str = _h("The validation metric that picks the best checkpoint and drives train.patience: "
                           "valid_ppl (lower is better; every valid_every_steps) or valid_bleu (higher is better; "
                           "every valid_bleu_every_steps).", default="valid_ppl", choices=("valid_ppl", "valid_bleu"))
@@ -294,7 +302,9 @@ class DecodeConfig(Section):
 
     SECTION: typing.ClassVar[str] = "decode"
 
-    beam: int = _h("Beam size (1 = greedy search, exactly).", default=4, ge=1)
+    beam: int = _h(f"Beam size (1 = greedy search, exactly; at most {MAX_BEAM}: BLEU stops improving after a beam of "
+                   "a few and drops past a few dozen, while time and memory grow with the beam).", default=4, ge=1,
+                   le=MAX_BEAM)
     alpha: float = _h("Length penalty alpha (0 = rank by log-probability alone).", default=0.6, ge=0)
     length_penalty: str = _h("'gnmt': ((5+|Y|)/6)^alpha (tensor2tensor, the paper); 'fairseq': |Y|^alpha.",
                              default="gnmt", choices=("gnmt", "fairseq"))
@@ -305,7 +315,8 @@ class DecodeConfig(Section):
     split: str = _h("Split of the bpe artifact to translate.", default="test")
     max_tokens: int = _h("Padded source tokens (EOS included) per decoding batch; the decoder holds beam x this.",
                          default=8000, ge=1)
-    nbest: int = _h("Hypotheses kept per sentence in the Parquet output (1 <= nbest <= beam).", default=1, ge=1)
+    nbest: int = _h("Hypotheses kept per sentence in the Parquet output (1 <= nbest <= beam).", default=1, ge=1,
+                    le=MAX_BEAM)
     precision: str = _h("fp32, bf16 (autocast, CPU and GPU) or int8 (CPU: every linear layer and the output "
                         "projection with int8 weights, activations quantised on the fly).", default="fp32",
                         choices=("fp32", "bf16", "int8"))

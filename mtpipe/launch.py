@@ -8,17 +8,24 @@ started (``LOCAL_RANK`` set) always trains itself.
 
 The workers get every resolved params value as a flag, so they train exactly what the launcher resolved, whatever
 their own view of params.yaml.
+
+torchrun's agent runs inside ``mtpipe train`` (:func:`run_torchrun`). When a group fails for good, the user gets one
+line (the rank that failed and how, the last checkpoint on disk, the command that resumes) instead of every rank's
+traceback and torchrun's ChildFailedError report, which go to the run's ``train.log``: the workers record their
+errors in torchrun's error files rather than print them (:func:`worker_errors`), and the launcher picks the cause
+among them (:func:`root_failure`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import typing
 import dataclasses
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from mtpipe.errors import MtpipeError
 
@@ -126,3 +133,301 @@ def launch_command(model: Any, train: Any, paths: Mapping[str, Path | None], for
     args = [arg for name, path in paths.items() if path is not None for arg in ("--" + name, str(path))]
     args += section_flags(model) + section_flags(train, skip=LAUNCHER_ONLY) + (["--force"] if force else [])
     return torchrun_command(nproc, args, env, max_restarts=max_restarts)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# When a worker dies: one line, not torchrun's report
+# --------------------------------------------------------------------------------------------------------------------
+
+# Set by :func:`run_torchrun` for its workers: a worker then records its error in torchrun's error file instead of
+# printing it, and the launcher prints one line for the whole group (:func:`worker_errors`).
+REPORTS_ENV = "MTPIPE_LAUNCHER_REPORTS"
+
+
+@contextlib.contextmanager
+def worker_errors(env: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Around a worker's training, when :func:`run_torchrun` started it: an error ends the process with its exit
+    status and nothing on the console, recorded in torchrun's error file (``TORCHELASTIC_ERROR_FILE``, the JSON of
+    torch's ``@record``, with mtpipe's one-line message and the exact time beside the traceback).
+
+    Why: every rank of a group fails when one does (the others lose their peer in the next collective), and each
+    would print its own traceback, the consequences burying the cause. The launcher reads the files, picks the cause
+    (:func:`root_failure`) and prints one line; the tracebacks go to the run's ``train.log``. Anywhere else (one
+    process, or a torchrun that is not mtpipe's launcher) errors are reported as usual."""
+    env = os.environ if env is None else env
+    path = env.get("TORCHELASTIC_ERROR_FILE")
+    if not path or env.get(REPORTS_ENV) != "1":
+        yield
+        return
+    try:
+        yield
+    except BaseException as e:  # noqa: BLE001 -- every error is recorded, then the process exits with its status
+        if isinstance(e, (SystemExit, GeneratorExit)) or type(e).__name__ == "Exit":  # typer.Exit: a status only
+            raise
+        kind, message, code = _describe(e)
+        _record_error(Path(path), kind, message, code)
+        raise SystemExit(code) from None
+
+
+def _describe(e: BaseException) -> tuple[str, str, int]:
+    """``(kind, one-line message, exit status)`` of a worker's error: "mtpipe" (bad input: the message as one
+    process prints it), "os" (a full disk ...), "interrupted", or "exception" (a bug or a lost peer)."""
+    if isinstance(e, MtpipeError):
+        return "mtpipe", str(e), getattr(e, "exit_code", 1)
+    if isinstance(e, OSError):
+        from mtpipe.errors import os_reason
+
+        return "os", (f"{e.filename}: " if e.filename else "") + os_reason(e), 1
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted", "interrupted", 130
+    first = next((line for line in str(e).splitlines() if line.strip()), "")
+    return "exception", f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__, 1
+
+
+def _record_error(path: Path, kind: str, message: str, code: int) -> None:
+    """torch's error-file JSON (``ErrorHandler.record_exception``'s layout, which torchrun's ``ProcessFailure``
+    reads), with mtpipe's own fields under ``extraInfo.mtpipe``."""
+    import json
+    import time
+    import traceback
+
+    now = time.time()
+    data = {"message": {"message": message, "extraInfo": {
+        "py_callstack": traceback.format_exc(), "timestamp": str(int(now)),
+        "mtpipe": {"kind": kind, "message": message, "exit_code": code, "time": now}}}}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data), encoding="utf-8")
+    except OSError:
+        pass  # torchrun then reports the exit status alone
+
+
+def _mine(failure: Any) -> dict[str, Any] | None:
+    """What :func:`worker_errors` recorded for a torchrun ``ProcessFailure``, or None."""
+    message = failure.message
+    if isinstance(message, dict):
+        extra = message.get("extraInfo")
+        if isinstance(extra, dict) and isinstance(extra.get("mtpipe"), dict):
+            return extra["mtpipe"]
+    return None
+
+
+def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
+    """``(rank, ProcessFailure)`` that ended the group: a process killed by a signal torchrun does not send (SIGKILL
+    from the OOM killer or a user, SIGSEGV ...), else the first error a worker recorded (by exact time: the others
+    are its consequences, peers that lost it), else the earliest failure (torchrun's rule; its timestamps are whole
+    seconds, so several failures of the same second tie there)."""
+    import signal
+
+    killed = [r for r, f in failures.items() if f.exitcode < 0 and -f.exitcode not in (signal.SIGTERM, signal.SIGINT)]
+    if killed:
+        rank = min(killed, key=lambda r: (failures[r].timestamp, r))
+        return rank, failures[rank]
+    recorded = [r for r, f in failures.items() if _mine(f) is not None]
+    if recorded:
+        rank = min(recorded, key=lambda r: (float(_mine(failures[r]).get("time", 0.0)), r))
+        return rank, failures[rank]
+    rank = min(failures, key=lambda r: (failures[r].timestamp, r))
+    return rank, failures[rank]
+
+
+def rerun_command(argv: list[str] | None = None) -> str:
+    """The command line this process was started with, as a shell would take it back (what resumes a run: the same
+    command on the same ``--out`` continues from its last checkpoint)."""
+    import shlex
+
+    argv = list(sys.argv if argv is None else argv)
+    prog, rest = argv[0], argv[1:]
+    if Path(prog).name == "__main__.py":  # python -m mtpipe
+        head = [_program(sys.executable), "-m", "mtpipe"]
+    elif prog.endswith(".py"):  # stages/train.py
+        head = [_program(sys.executable), prog]
+    else:  # the mtpipe console script
+        head = [_program(prog)]
+    return shlex.join(head + rest)
+
+
+def _program(path: str) -> str:
+    """``path``'s bare name when the shell finds that very file by it on PATH, else ``path`` itself."""
+    import shutil
+
+    name = Path(path).name
+    found = shutil.which(name)
+    try:
+        if found and os.path.samefile(found, path):
+            return name
+    except OSError:
+        pass
+    return path
+
+
+def last_checkpoint(out: Path) -> str:
+    """The checkpoint a rerun resumes from, in words."""
+    from mtpipe.artifacts import list_checkpoints
+
+    try:
+        found = list_checkpoints(out)
+    except (MtpipeError, OSError):
+        found = []
+    if not found:
+        return "none yet (a rerun starts from step 0)"
+    step, path = found[-1]
+    return f"{path} (step {step:,})"
+
+
+def failure_summary(failures: Mapping[int, Any], out: Path, rerun: str, report: Path | None) -> tuple[str, int]:
+    """``(one line, exit status)`` for a group that failed: which rank, how (exit status or signal, or the error it
+    recorded), the last checkpoint, the command that resumes, and where torchrun's report went. An error a worker
+    reported as bad input (:class:`MtpipeError`: a refused resume, bad data) is that error's line alone: rerunning
+    would not help."""
+    import signal
+
+    rank, failure = root_failure(failures)
+    mine = _mine(failure)
+    if mine is not None and mine.get("kind") == "mtpipe":
+        return str(mine.get("message")), int(mine.get("exit_code") or 1)
+    if failure.exitcode < 0:
+        try:
+            name = signal.Signals(-failure.exitcode).name
+        except ValueError:
+            name = "?"
+        what = f"rank {rank} was killed by signal {name} ({-failure.exitcode})"
+    elif mine is not None:
+        what = f"rank {rank} failed (exit status {failure.exitcode}): {mine.get('message')}"
+    else:
+        what = f"rank {rank} exited with status {failure.exitcode}"
+    where = f"; torchrun's report and the tracebacks: {report}" if report is not None else ""
+    return (f"training failed: {what}; last checkpoint: {last_checkpoint(out)}; to resume, run: {rerun}{where}",
+            1)
+
+
+class _Captured:
+    """torchrun's own log records (torch.distributed's loggers print them to stderr), kept for the report instead;
+    a worker failure that torchrun answers with a restart is announced on one line."""
+
+    def __init__(self, max_restarts: int, nproc: str) -> None:
+        import logging
+
+        self.lines: list[str] = []
+        self.failures = 0
+        self.max_restarts, self.nproc = max_restarts, nproc
+        self.saved: dict[str, list[Any]] = {}  # logger name -> [handlers, propagate]
+        outer = self
+
+        class Handler(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                try:
+                    outer.lines.extend(self.format(record).splitlines())
+                    outer.note(record)
+                except Exception:  # noqa: BLE001 -- a logging handler never raises
+                    self.handleError(record)
+
+        self.handler = Handler()
+
+    def note(self, record: Any) -> None:
+        import logging
+
+        if record.levelno >= logging.ERROR and "failed (exitcode" in record.getMessage():
+            self.failures += 1
+            if self.failures <= self.max_restarts:
+                import typer
+
+                typer.echo(f"warning: torchrun: {record.getMessage()}; restarting the {self.nproc} processes from "
+                           f"the last checkpoint (restart {self.failures} of at most {self.max_restarts})", err=True)
+
+    def __enter__(self) -> "_Captured":
+        import logging
+
+        for name in ("torch", "torch.distributed"):  # the loggers torch gives a stderr handler
+            logger = logging.getLogger(name)
+            self.saved[name] = [list(logger.handlers), logger.propagate]
+            if logger.handlers and self.handler.formatter is None:
+                self.handler.setFormatter(logger.handlers[0].formatter)
+            for h in logger.handlers[:]:
+                logger.removeHandler(h)
+            logger.addHandler(self.handler)
+            logger.propagate = False
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import logging
+
+        for name, (handlers, propagate) in self.saved.items():
+            logger = logging.getLogger(name)
+            logger.removeHandler(self.handler)
+            for h in handlers:
+                logger.addHandler(h)
+            logger.propagate = propagate
+
+
+def write_report(out: Path, lines: list[str]) -> Path | None:
+    """Append ``lines`` to the run's ``train.log`` (UTC times, as training writes it), or, when ``out`` does not
+    exist (the group failed before writing anything), to a new file in the temporary directory; returns it. Where
+    neither can be written (a full disk), the lines go to stderr instead, and None is returned: the report is never
+    lost."""
+    import tempfile
+    import time
+
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+    text = "".join(f"{stamp}  {line}\n" for line in lines)
+    try:
+        if Path(out).is_dir():
+            path = Path(out) / "train.log"
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(text)
+            return path
+        fd, name = tempfile.mkstemp(prefix="mtpipe-train-", suffix=".log")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        return Path(name)
+    except OSError:
+        sys.stderr.write("\n".join(lines) + "\n")
+        return None
+
+
+def run_torchrun(cmd: list[str], out: Path, rerun: str | None = None) -> int:
+    """Run :func:`torchrun_command`'s ``cmd`` (torch.distributed.run, in this process) and return its exit status.
+
+    A group that fails ends in one line (:func:`failure_summary`), raised as :class:`MtpipeError` with the status:
+    which rank, how, the last checkpoint on disk and the command that resumes. What torchrun would print instead
+    (its log lines and the ~40-line ChildFailedError report, with each worker's traceback from its error file) is
+    appended to ``out/train.log``. ``rerun``: the resuming command (default: this process's own,
+    :func:`rerun_command`)."""
+    prefix = [sys.executable, "-m", "torch.distributed.run"]
+    if cmd[: len(prefix)] != prefix:
+        raise ValueError(f"not a torchrun_command: {cmd[:3]}")  # programming error
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(cmd[len(prefix):])
+    rerun = rerun_command() if rerun is None else rerun
+    os.environ[REPORTS_ENV] = "1"  # the workers inherit it
+    nproc = str(args.nproc_per_node)
+    with _Captured(int(args.max_restarts), nproc) as log:
+        try:
+            run(args)
+        except ChildFailedError as e:
+            report = None
+            if (_mine(root_failure(e.failures)[1]) or {}).get("kind") != "mtpipe":
+                header, _ = failure_summary(e.failures, out, rerun, report=None)
+                report = write_report(out, [header, *log.lines, *e.format_msg().splitlines()])
+            line, code = failure_summary(e.failures, out, rerun, report=report)
+            error = MtpipeError(line)
+            error.exit_code = code  # type: ignore[attr-defined]
+            raise error from None
+        except SignalException as e:
+            if e.sigval == signal.SIGINT:
+                raise KeyboardInterrupt from None
+            name = signal.Signals(e.sigval).name
+            report = write_report(out, [f"training stopped by {name}", *log.lines])
+            where = f"; torchrun's log: {report}" if report is not None else ""
+            error = MtpipeError(f"training stopped by {name}; last checkpoint: {last_checkpoint(out)}; to resume, "
+                                f"run: {rerun}{where}")
+            error.exit_code = 128 + int(e.sigval)  # type: ignore[attr-defined]
+            raise error from None
+        if log.failures:  # restarts that recovered: what torchrun said about them
+            write_report(out, ["torchrun restarted the processes:", *log.lines])
+    return 0

@@ -5,7 +5,10 @@ run resumes from, and whether it may.
 ``torch.load(weights_only=True)`` reads it without unpickling code: the :class:`TrainState` keys, ``optimizer``
 (Adam's moments and step count, so section 5.3's schedule continues), ``scaler`` (fp16's grad scaler, else empty),
 ``rng`` (every rank's torch CPU/CUDA RNG state, so dropout continues), ``world_size``, ``accum``, ``seed`` and
-``version``. With the same world size and accumulation a resumed run equals the uninterrupted one (bitwise on CPU).
+``version``. With the same world size and accumulation a resumed run equals the uninterrupted one (bitwise on CPU),
+and so do its checkpoints, byte for byte: the one wall-clock figure a resume needs, the training time so far
+(``train.max_time`` counts it across invocations), is kept beside them in the run directory's ``clock.json``
+(:func:`write_clock`), not in a checkpoint, whose hashes would otherwise differ on every rerun that changed nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import numpy as np
 import torch
 
 from mtpipe import artifacts, distributed, writing
-from mtpipe.config import TrainConfig, to_dict, with_model_defaults
+from mtpipe.config import MODEL_PRESETS, TrainConfig, to_dict, with_model_defaults
 from mtpipe.console import warn
 from mtpipe.distributed import rank0_only
 from mtpipe.errors import MtpipeError
@@ -79,7 +82,7 @@ class TrainState:
     position: int = 0  # batches of this epoch's order consumed (all ranks together)
     bad_steps: int = 0  # updates skipped in a row for a non-finite loss or gradient norm
     overflows: int = 0  # fp16 updates the grad scaler skipped (it lowered its scale, as designed)
-    train_seconds: float = 0.0  # training time of every invocation so far (train.max_time counts it)
+    train_seconds: float = 0.0  # training time of every invocation so far (train.max_time counts it; clock.json)
     tgt_seen: int = 0  # real target tokens of the applied updates
     src_seen: int = 0
     window: Window = field(default_factory=Window)  # sums since the last logged point: that point resumes exact
@@ -90,11 +93,12 @@ class TrainState:
     best: Best = field(default_factory=lambda: Best())  # early stopping: the best validation so far
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain numbers and dicts, under the keys every version-1 ``trainer.pt`` has."""
+        """Plain numbers and dicts, under the keys every version-1 ``trainer.pt`` has (``train_seconds`` aside: wall
+        time, kept in the run directory's ``clock.json``)."""
         return {
             "step": self.step, "epoch": self.epoch, "position": self.position,
             "bad_steps": self.bad_steps, "overflows": self.overflows,
-            "train_seconds": self.train_seconds, "tgt_seen": self.tgt_seen, "src_seen": self.src_seen,
+            "tgt_seen": self.tgt_seen, "src_seen": self.src_seen,
             "window": self.window.to_dict(),
             "last_valid_step": self.last_valid_step, "last_valid": dict(self.last_valid),
             "last_bleu_step": self.last_bleu_step, "last_bleu": self.last_bleu, "best": self.best.to_dict(),
@@ -106,7 +110,9 @@ class TrainState:
         return cls(
             step=int(ts["step"]), epoch=int(ts["epoch"]), position=int(ts["position"]),
             bad_steps=int(ts["bad_steps"]), overflows=int(ts["overflows"]),
-            train_seconds=float(ts["train_seconds"]), tgt_seen=int(ts["tgt_seen"]), src_seen=int(ts["src_seen"]),
+            # Checkpoints written before clock.json carry their training time here.
+            train_seconds=float(ts.get("train_seconds", 0.0)), tgt_seen=int(ts["tgt_seen"]),
+            src_seen=int(ts["src_seen"]),
             window=Window.from_dict(dict(ts["window"])),
             last_valid_step=int(ts["last_valid_step"]), last_valid=dict(ts["last_valid"]),
             # Checkpoints written before validation BLEU and early stopping existed lack these keys.
@@ -141,6 +147,12 @@ def restore(ck: artifacts.Checkpoint, optimizer: torch.optim.Optimizer, scaler: 
     if scaler is not None and ts.get("scaler"):
         scaler.load_state_dict(ts["scaler"])
     state = TrainState.from_dict(ts)
+    seconds = read_clock(ck.path.parent.parent, state.step)
+    if seconds is not None:
+        state.train_seconds = seconds
+    elif "train_seconds" not in ts:
+        warn(f"{ck.path.parent.parent / CLOCK_FILE}: no training time recorded for step {state.step}: train.max_time "
+             "counts from 0 again (the checkpoint was moved from its run directory?)")
     rank, world, rngs = distributed.rank(), distributed.world_size(), ts["rng"]
     if len(rngs) == world and ts.get("accum") == accum:
         set_rng_state(rngs[rank], device)
@@ -154,12 +166,13 @@ def restore(ck: artifacts.Checkpoint, optimizer: torch.optim.Optimizer, scaler: 
 @rank0_only
 def write(out: Path, model: torch.nn.Module, model_config: dict[str, Any], vocab: dict[str, Any],
           trainer_state: dict[str, Any], cfg: TrainConfig, upstream: dict[str, Path], extra: dict[str, Any],
-          spm: tuple[Path | None, Path | None] = (None, None)) -> None:
+          spm: tuple[Path | None, Path | None] = (None, None), seconds: float = 0.0) -> None:
     """Write checkpoint ``out/checkpoints/step_{step:08d}`` (:func:`mtpipe.writing.write_checkpoint`: atomic, so a
-    kill leaves the previous ones intact; ``spm``: the SentencePiece model and its vocab listing it carries), record
-    the best one in ``out/best.json``, and remove all but the last ``train.keep_last`` and the best
-    (:func:`prunable`)."""
+    kill leaves the previous ones intact; ``spm``: the SentencePiece model and its vocab listing it carries), its
+    training time so far (``seconds``) in ``out/clock.json`` first, record the best one in ``out/best.json``, and
+    remove all but the last ``train.keep_last`` and the best (:func:`prunable`)."""
     step = int(trainer_state["step"])
+    write_clock(out, {**read_clock_file(out), step: seconds})
     writing.write_checkpoint(
         artifacts.checkpoint_path(out, step), state_dict=model.state_dict(), model_config=model_config, vocab=vocab,
         step=step, trainer_state=trainer_state, params={"model": model_config, "train": to_dict(cfg)},
@@ -168,11 +181,45 @@ def write(out: Path, model: torch.nn.Module, model_config: dict[str, Any], vocab
     best = Best.from_dict(dict(trainer_state.get("best") or {}))
     if best.step >= 0:
         write_best(out, best)
-    for _, old in prunable(list_checkpoints(out), cfg.keep_last, protect={best.step}):
+    pruned = prunable(list_checkpoints(out), cfg.keep_last, protect={best.step})
+    for _, old in pruned:
         shutil.rmtree(old, ignore_errors=True)
+    if pruned:
+        kept = {s for s, _ in list_checkpoints(out)}
+        write_clock(out, {s: v for s, v in read_clock_file(out).items() if s in kept})
 
 
 BEST_FILE = "best.json"  # in the run directory: the best checkpoint by train.stop_metric
+CLOCK_FILE = "clock.json"  # in the run directory: each checkpoint's training time so far
+
+
+def write_clock(out: Path, seconds: dict[int, float]) -> None:
+    """``out/clock.json``: each checkpoint's training time so far, by step. :func:`write` records a checkpoint's
+    before writing it (so that every checkpoint has its entry) and drops those of the checkpoints it prunes."""
+    import json
+
+    record = {str(s): round(float(v), 3) for s, v in sorted(seconds.items())}
+    writing.atomic_write_text(out / CLOCK_FILE, json.dumps({"train_seconds": record}, indent=1) + "\n")
+
+
+def read_clock_file(out: Path) -> dict[int, float]:
+    """``out/clock.json``'s step -> training seconds ({} when absent; a damaged file is an error naming it)."""
+    import json
+
+    path = Path(out) / CLOCK_FILE
+    if not path.is_file():
+        return {}
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))["train_seconds"]
+        return {int(s): float(v) for s, v in record.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise MtpipeError(f"{path}: not a training clock written by mtpipe train ({e}); move it aside to resume "
+                          "with train.max_time counted from 0") from None
+
+
+def read_clock(out: Path, step: int) -> float | None:
+    """The training time recorded for checkpoint ``step`` in ``out/clock.json``, or None."""
+    return read_clock_file(out).get(step)
 
 
 def prunable(found: list[tuple[int, Path]], keep_last: int, protect: set[int]) -> list[tuple[int, Path]]:
@@ -231,15 +278,43 @@ def changed_trajectory_keys(ck: artifacts.Checkpoint, cfg: TrainConfig) -> list[
     return [k for k in TRAJECTORY_KEYS if k in before and before[k] != now[k]]
 
 
-def _first_difference(a: dict[str, Any], b: dict[str, Any]) -> str | None:
-    for k in sorted(set(a) | set(b)):
-        if a.get(k) != b.get(k):
-            return k
-    return None
+def model_difference(before: dict[str, Any], now: dict[str, Any], given: dict[str, Any] | None = None) -> str | None:
+    """How the model config ``now`` differs from a checkpoint's ``before`` (both resolved: preset values filled in,
+    d_k/d_v derived), as the user would fix it; None when they are the same model.
+
+    ``given``: the model keys the params and flags set (the unresolved section's non-null values). Those that differ
+    are named first, as the keys to restore (``model.d_model=128 but the params give 256``); what they change in turn
+    (d_k and d_v follow d_model / heads, a preset fills the keys left null) comes after, as their consequence.
+    Without a given key among the differences (a key left null now takes the preset's or the derived value), the
+    first differing key is named with where its new value comes from; ``given`` None (not known): the first
+    differing key, derived ones last."""
+    before, now = with_model_defaults(before), with_model_defaults(now)
+    derived = ("d_k", "d_v")  # d_model / heads unless set
+    differ = sorted((k for k in set(before) | set(now) if before.get(k) != now.get(k)),
+                    key=lambda k: (k in derived, k))
+    if not differ:
+        return None
+    known = given is not None
+    given = {k: v for k, v in (given or {}).items() if v is not None}
+    named = [k for k in differ if k in given] or differ[:1]
+    text = (f"checkpoint has {' and '.join(f'model.{k}={before.get(k)!r}' for k in named)} but the params give "
+            + (f"{now.get(named[0])!r}" if len(named) == 1
+               else " and ".join(f"model.{k}={now.get(k)!r}" for k in named)))
+    if known and named[0] not in given:  # a key left null: its value now comes from the preset or d_model / heads
+        k, preset = named[0], now.get("preset")
+        origin = ("d_model / heads" if k in derived else f"the {preset} preset's value"
+                  if k in MODEL_PRESETS.get(preset, {}) else "the default")
+        text += f" ({origin}: model.{k} is not set)"
+    follows = [k for k in differ if k not in named and k not in given]
+    if follows:
+        text += (", which makes " + ", ".join(f"model.{k} {before.get(k)!r} -> {now.get(k)!r}" for k in follows))
+    return text
 
 
-def check_resumable(ck: artifacts.Checkpoint, model_config: dict[str, Any], vocab: dict[str, Any]) -> None:
-    """Refuse a checkpoint of another vocabulary or model shape, naming what differs."""
+def check_resumable(ck: artifacts.Checkpoint, model_config: dict[str, Any], vocab: dict[str, Any],
+                    given: dict[str, Any] | None = None) -> None:
+    """Refuse a checkpoint of another vocabulary or model shape, naming what differs: the model keys the params set
+    (``given``, :func:`model_difference`), not the values derived from them."""
     if ck.vocab.get("spm_sha256") != vocab["spm_sha256"] or int(ck.vocab.get("size", -1)) != vocab["size"]:
         raise MtpipeError(
             f"{ck.path}: checkpoint was trained with another vocabulary (spm {str(ck.vocab.get('spm_sha256'))[:19]}, "
@@ -247,11 +322,10 @@ def check_resumable(ck: artifacts.Checkpoint, model_config: dict[str, Any], voca
             f"use the bpe artifact it was trained on, train into another --out, or move {ck.path.parent} aside "
             "(mtpipe never deletes checkpoints)"
         )
-    key = _first_difference(with_model_defaults(ck.model_config), with_model_defaults(model_config))
-    if key is not None:
+    difference = model_difference(ck.model_config, model_config, given)
+    if difference is not None:
         raise MtpipeError(
-            f"{ck.path}: checkpoint has model.{key}={ck.model_config.get(key)!r} but the params give "
-            f"{model_config.get(key)!r}; a new model needs a fresh run: restore the model params, train into another "
+            f"{ck.path}: {difference}; a new model needs a fresh run: restore the model params, train into another "
             f"--out, or move {ck.path.parent} aside (mtpipe never deletes checkpoints)"
         )
     ts = ck.trainer_state
@@ -278,8 +352,9 @@ def _latest_checkpoint(out: Path) -> str | None:
 
 
 def find_resume(out: Path, cfg: TrainConfig, model_config: dict[str, Any], vocab: dict[str, Any],
-                device: torch.device) -> artifacts.Checkpoint | None:
-    """The checkpoint this run continues from, loaded with its trainer state, or None for a fresh start.
+                device: torch.device, given: dict[str, Any] | None = None) -> artifacts.Checkpoint | None:
+    """The checkpoint this run continues from, loaded with its trainer state, or None for a fresh start; ``given``:
+    the model keys the params set (:func:`check_resumable`).
 
     Rank 0 picks the latest complete checkpoint (and removes half-written ones a kill left behind); every rank loads
     that one (the output directory must be shared between nodes)."""
@@ -291,7 +366,7 @@ def find_resume(out: Path, cfg: TrainConfig, model_config: dict[str, Any], vocab
         raise MtpipeError(f"{path}: rank {distributed.rank()} cannot see rank 0's checkpoint: --out must be on a "
                           "filesystem shared by every node")
     ck = artifacts.load_checkpoint(path, trainer_state=True, device=str(device))
-    check_resumable(ck, model_config, vocab)
+    check_resumable(ck, model_config, vocab, given)
     changed = changed_trajectory_keys(ck, cfg)
     if changed:
         before = ck.manifest.params["train"]

@@ -12,9 +12,14 @@ the d-128 model's compiled fp32 decoding time goes").
 The package's key (:func:`package_key`) covers everything its code depends on: the weights' bytes, the input
 variant (which optional inputs there are, their ranks and dtypes), the torch version, the CPU code torch
 dispatches (an AVX2-restricted process never loads an AVX-512 package), the source of mtpipe's step and the example
-sizes it is exported on (:data:`_SIZES`, every varying size distinct). Each package keeps beside it
-the sizes it accepts; a call outside them runs the ``fallback`` (torch.compile's step), as does every call when the
-export or build fails (one warning, with the reason).
+sizes it is exported on (:data:`_SIZES`, every varying size distinct). Each package keeps beside it, in its json
+record, the sizes it accepts and the hash of its bytes taken when it was built; a call outside those sizes runs the
+``fallback`` (torch.compile's step), as does every call when the export or build fails (one warning, with the reason).
+
+A package is native code and frozen weights that run unchecked, so it is never trusted for its name: every load
+first hashes the file and compares the record (:func:`verify`). Bytes overwritten inside a package keep its size
+and often still load, then decode wrongly or crash; a package that differs from its record, or has none (written by
+an older mtpipe, or its record lost), is built again, with a one-line warning naming it.
 
 The cache is bounded (:func:`prune`): after each build, the least recently used packages beyond
 ``$MTPIPE_CACHE_MAX_GB`` (default 5) are removed with their ranges and lock files, so that decoding checkpoint
@@ -37,6 +42,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import xxhash
 from torch import Tensor
 
 from mtpipe.console import info, warn
@@ -277,9 +283,12 @@ class PackagedStep:
                 if path.is_file():
                     try:
                         return self._load(path)
-                    except Exception:  # noqa: BLE001 -- unreadable (a damaged disk, a changed C++ runtime): a package
+                    except Unverified as e:  # modified, damaged or without a record: never run, built again
+                        warn(f"decode.compile: {path}: {e}; building it again")
+                    except Exception:  # noqa: BLE001 -- intact but unloadable (a changed C++ runtime): a package
                         # mtpipe wrote, so it is built again
-                        path.unlink()
+                        pass
+                    path.unlink()
                 self._build(path, variant, x, k_prev, v_prev, prev_mask, cross, src_mask, index)
                 self.built += 1
                 runner = self._load(path)
@@ -297,7 +306,9 @@ class PackagedStep:
 
     @staticmethod
     def _load(path: Path) -> tuple[Any, list[tuple]]:
-        ranges = [tuple(r) for r in json.loads(path.with_suffix(".json").read_text())["ranges"]]
+        """The package at ``path`` and its input ranges, after :func:`verify` (:class:`Unverified` if it fails)."""
+        record = verify(path)
+        ranges = [tuple(r) for r in record["ranges"]]
         package = torch._inductor.aoti_load_package(str(path))
         with contextlib.suppress(OSError):  # its time of last use, for prune (a read-only cache still loads)
             os.utime(path)
@@ -341,8 +352,10 @@ class PackagedStep:
             try:
                 torch._inductor.aoti_compile_and_package(program, package_path=tmp,
                                                          inductor_configs={"freezing": True})
-                # the ranges first, the package last: a package on disk always has its ranges beside it
-                _write(path.with_suffix(".json"), json.dumps({"ranges": _ranges(program, varying)}))
+                # the record (ranges and content hash) first, the package last: a package on disk always has its
+                # record beside it
+                _write(path.with_suffix(".json"), json.dumps({"ranges": _ranges(program, varying),
+                                                              "content": content_hash(Path(tmp))}))
                 os.replace(tmp, path)  # whole or absent: a build cut short leaves no package
             finally:
                 if os.path.exists(tmp):
@@ -366,6 +379,41 @@ def _ranges(program: Any, varying: set[tuple[int, int]]) -> list[tuple[int, int,
             if bounds is not None:
                 out.append((i, d, int(bounds.lower), None if bool(bounds.upper > 2**62) else int(bounds.upper)))
     return out
+
+
+class Unverified(Exception):
+    """A package that does not match the record beside it, or has none: what is wrong, in a few words."""
+
+
+def content_hash(path: Path, chunk: int = 1 << 22) -> str:
+    """``xxh3_128:<hex>`` of a file's bytes. The record guards against damage, not an attacker (whoever can rewrite a
+    package can rewrite its record too), so a fast non-cryptographic 128-bit hash does: it reads a package of hundreds
+    of MB in a small fraction of the load it precedes, where sha256 would add a noticeable share."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return "xxh3_128:" + h.hexdigest()
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """The record beside package ``path`` (its ``.json``: ``ranges`` and ``content``) once the package's bytes match
+    its ``content`` hash; :class:`Unverified`, saying why, when the record is missing, unreadable or lacks the hash,
+    or the bytes differ."""
+    record_path = path.with_suffix(".json")
+    try:
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise Unverified(f"no record ({record_path.name}) beside it") from None
+    except (OSError, ValueError) as e:
+        raise Unverified(f"its record {record_path.name} is unreadable ({e})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("ranges"), list):
+        raise Unverified(f"its record {record_path.name} is not a package record")
+    if not isinstance(record.get("content"), str):
+        raise Unverified(f"its record {record_path.name} holds no content hash (written by an older mtpipe)")
+    if content_hash(path) != record["content"]:
+        raise Unverified("its bytes do not match the content hash recorded when it was built (modified or damaged)")
+    return record
 
 
 def _write(path: Path, text: str) -> None:

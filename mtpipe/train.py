@@ -333,7 +333,10 @@ class Trainer:
         self.loop_start = self.last_save_time = time.monotonic()
         self.seconds_before = 0.0  # training seconds of the invocations before this one
         self.throughput = Throughput(self.loop_start)
-        ck = resume.find_resume(self.out, cfg, self.model_config, self.data.vocab, self.device)
+        # The model keys the params set, as given (before the preset fills the rest and d_k/d_v are derived): a
+        # resume refused for another model names the key the user changed, not one derived from it.
+        given = {k: v for k, v in to_dict(model_cfg).items() if v is not None}
+        ck = resume.find_resume(self.out, cfg, self.model_config, self.data.vocab, self.device, given=given)
         if ck is not None:
             self.model.load_state_dict(ck.state_dict)
         self.updater = Updater(self.model, cfg, self.device, self.precision)
@@ -398,7 +401,7 @@ class Trainer:
                          upstream={"tokens": self.tokens, "batches": self.batches},
                          extra={"epoch": st.epoch, "world_size": self.world, "precision": self.precision,
                                 "valid": self._valid_at_step(), "decode": self.decode},
-                         spm=self.spm_files)
+                         spm=self.spm_files, seconds=st.train_seconds)
         self.last_saved_step = self.state.step
         self.best_due = False
 

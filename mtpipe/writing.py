@@ -9,13 +9,17 @@
   not. :func:`prepare_output` runs every check before a stage starts work.
 * An ``OSError`` while writing (a full disk, no permission, a read-only filesystem) becomes one
   :class:`~mtpipe.errors.MtpipeError` line naming the output and the errno's meaning (:func:`os_reason`).
+* The same content gives the same bytes: a file's hash in a manifest, a manifest's hash upstream of the next stage,
+  the server's model hash and DVC's output hashes change only when something did. Manifests are sorted JSON;
+  checkpoint weights go through :func:`write_safetensors` (sorted header); ``trainer.pt`` is ``torch.save`` of plain
+  data into a file object (no file name, no time in the archive). Every file and folder of an artifact gets the usual
+  permissions (``0o666`` / ``0o777`` less the umask) when it is finalised, whichever library wrote it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import asdict
@@ -221,6 +225,7 @@ class ArtifactWriter:
                     self.manifest.files[str(p.relative_to(self.tmp))] = file_hash(p)
             text = json.dumps(asdict(self.manifest), indent=2, sort_keys=True, default=str)
             (self.tmp / MANIFEST).write_text(text + "\n", encoding="utf-8")
+            usual_permissions(self.tmp)
             replace_dir(self.tmp, self.out)
         except OSError as e:
             shutil.rmtree(self.tmp, ignore_errors=True)
@@ -234,6 +239,24 @@ def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
     return umask
+
+
+def usual_permissions(root: Path) -> None:
+    """Give ``root`` and everything below it the permissions a plain ``open`` / ``mkdir`` would: files
+    ``0o666 & ~umask``, directories ``0o777 & ~umask`` (symbolic links are left alone).
+
+    Writers that go through a temporary file (``tempfile.mkstemp``; safetensors' and so transformers'
+    ``save_pretrained``) leave ``0600``, so that one file of an artifact would be unreadable to the group and others
+    who read the rest; done once here, when an artifact is finalised, whatever wrote its files."""
+    umask = _umask()
+    os.chmod(root, 0o777 & ~umask)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            if not os.path.islink(os.path.join(dirpath, name)):
+                os.chmod(os.path.join(dirpath, name), 0o777 & ~umask)
+        for name in filenames:
+            if not os.path.islink(os.path.join(dirpath, name)):
+                os.chmod(os.path.join(dirpath, name), 0o666 & ~umask)
 
 
 def replace_dir(src: Path, dst: Path) -> None:
@@ -293,9 +316,6 @@ def write_checkpoint(out: Path | str, *, state_dict: dict[str, Any], model_confi
     checkpoints ``trainer.pt`` (optimizer, schedule, RNG, data position; loads with weights_only=True) and, given
     ``spm``, a copy of the SentencePiece model (it must be the one ``vocab`` names) and of its ``spm_vocab`` listing,
     so that the checkpoint decodes on its own."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
     if spm is not None and bare_sha(file_hash(spm)) != bare_sha(vocab.get("spm_sha256")):
         raise MtpipeError(f"{spm}: is not the SentencePiece model of the checkpoint's vocabulary (vocab.spm_sha256 "
                           f"{vocab.get('spm_sha256')})")
@@ -306,19 +326,81 @@ def write_checkpoint(out: Path | str, *, state_dict: dict[str, Any], model_confi
             if spm_vocab is not None:
                 shutil.copyfile(spm_vocab, w.path(CHECKPOINT_SPM_VOCAB))
                 w.extra["spm_vocab"] = CHECKPOINT_SPM_VOCAB
-        tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-        meta = {"model_config": json.dumps(model_config, sort_keys=True), "vocab": json.dumps(vocab),
+        meta = {"model_config": json.dumps(model_config, sort_keys=True), "vocab": json.dumps(vocab, sort_keys=True),
                 "step": str(step), "format_version": str(FORMAT_VERSIONS["checkpoint"])}
-        try:
-            save_file(tensors, str(w.path(WEIGHTS)), metadata=meta)
-        except SafetensorError as e:  # its I/O errors arrive as text: "... (os error 28)"
-            code = re.search(r"os error (\d+)", str(e))
-            if code is None:
-                raise
-            raise OSError(int(code.group(1)), os.strerror(int(code.group(1)))) from None
+        write_safetensors(state_dict, w.path(WEIGHTS), meta)
         if trainer_state is not None:
             _torch_save(trainer_state, w.path(TRAINER_STATE))
         w.extra.update({"model_config": model_config, "vocab": vocab, "step": step, **(extra or {})})
+
+
+# safetensors' dtype names, in the order of its Rust ``Dtype`` enum: its serializer lays tensors out by that order,
+# descending (the widest first, so that every tensor is aligned to its width), then by name.
+_SAFETENSORS_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32", "F32",
+                      "C64", "F64", "I64", "U64")
+_SAFETENSORS_DTYPES = {  # torch dtype name -> safetensors dtype (the unsigned ones exist in torch 2.3 and later)
+    "bool": "BOOL", "uint8": "U8", "int8": "I8", "float8_e5m2": "F8_E5M2", "float8_e4m3fn": "F8_E4M3",
+    "int16": "I16", "uint16": "U16", "float16": "F16", "bfloat16": "BF16", "int32": "I32", "uint32": "U32",
+    "float32": "F32", "complex64": "C64", "float64": "F64", "int64": "I64", "uint64": "U64",
+}
+
+
+def write_safetensors(tensors: dict[str, Any], path: Path | str, metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` to ``path`` in the safetensors format, with the header's metadata in sorted key order.
+
+    ``safetensors.torch.save_file`` takes the metadata as a Python dict but hands it to Rust as a ``HashMap``, whose
+    iteration order is seeded afresh in every process: the same weights and metadata came out as different bytes
+    (one of the 24 orders of a checkpoint's 4 keys), so the file's hash changed between a resumed and an uninterrupted
+    run and between any two processes. The format is documented and small: an 8-byte little-endian header length, the
+    JSON header (``__metadata__`` first, then each tensor's dtype, shape and ``data_offsets``) padded with spaces to a
+    multiple of 8, then the tensors' bytes. This writes exactly what safetensors writes (the same tensor layout, order
+    and JSON) but for the metadata's order, and refuses what it refuses (a sparse or non-tensor value, tensors sharing
+    memory); anything that reads safetensors reads it. An OS error is an ``OSError``."""
+    import struct
+    import sys
+
+    import torch
+
+    path = Path(path)
+    if sys.byteorder != "little":  # the format is little-endian; safetensors' own writer swaps (in whatever order)
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path), metadata=metadata)
+        return
+    entries, storages = [], {}
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            raise ValueError(f"{path}: '{name}' is not a named dense tensor; safetensors cannot hold it")
+        dtype = _SAFETENSORS_DTYPES.get(str(t.dtype).removeprefix("torch."))
+        if dtype is None:
+            raise ValueError(f"{path}: tensor '{name}' has dtype {t.dtype}, which safetensors cannot hold")
+        t = t.detach().cpu().contiguous()  # what safetensors was given before (a copy unless already so)
+        if t.numel():
+            key = t.untyped_storage().data_ptr()
+            if key in storages:  # an alias would be written twice and load as two tensors (safetensors refuses it)
+                raise ValueError(f"{path}: tensors '{storages[key]}' and '{name}' share memory; save one of them")
+            storages[key] = name
+        entries.append((name, dtype, t))
+    entries.sort(key=lambda e: (-_SAFETENSORS_ORDER.index(e[1]), e[0]))
+    header: dict[str, Any] = {}
+    if metadata is not None:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise ValueError(f"{path}: safetensors metadata must map strings to strings")
+        header["__metadata__"] = {k: metadata[k] for k in sorted(metadata)}
+    offset = 0
+    for name, dtype, t in entries:
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    # serde_json's compact form: no spaces, non-ASCII as UTF-8 (json.dumps escapes what serde_json escapes)
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for _, _, t in entries:
+            if t.numel():
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
 class _WriteRecorder:

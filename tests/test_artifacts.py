@@ -105,3 +105,176 @@ def test_checkpoint_format_1_is_still_read_and_a_newer_one_refused(tmp_path: Pat
     path.write_text(json.dumps(m))
     with pytest.raises(MtpipeError, match="format version 3, .* reads versions 1, 2"):
         artifacts.read_manifest(tmp_path / "ck")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The same content, the same bytes; the usual permissions
+# --------------------------------------------------------------------------------------------------------------------
+
+# Writes one checkpoint (weights, trainer state, a carried SentencePiece model) into argv[1]: the same content in every
+# process, the metadata dicts built in the order argv[2] says (a resumed run reads them back from a manifest, sorted).
+_WRITE_CHECKPOINT = """
+import sys
+from pathlib import Path
+
+import torch
+
+from mtpipe import writing
+from mtpipe.artifacts import file_hash
+from mtpipe.config import ModelConfig, to_dict
+from mtpipe.model import Transformer
+
+out, flip = Path(sys.argv[1]), sys.argv[2] == "1"
+order = (lambda d: dict(reversed(list(d.items())))) if flip else dict
+torch.manual_seed(0)
+model = Transformer(ModelConfig(preset="tiny", dropout=0.0, max_positions=32), 24)
+opt = torch.optim.Adam(model.parameters())
+model(torch.randint(4, 24, (2, 5)), torch.randint(4, 24, (2, 4))).sum().backward()
+opt.step()
+state = dict(model.state_dict(), extra_bf16=torch.arange(5).bfloat16(), extra_i64=torch.arange(3))
+spm = out.parent / (out.name + ".spm")
+spm.write_bytes(b"not really a SentencePiece model")
+vocab = order({"size": 24, "spm_sha256": file_hash(spm)})
+trainer_state = {"version": 1, "step": 7, "optimizer": opt.state_dict(), "rng": [{"cpu": torch.get_rng_state()}],
+                 "window": {"loss": 1.25, "tokens": 9}}
+writing.write_checkpoint(out, state_dict=state, model_config=order(to_dict(model.cfg)), vocab=vocab, step=7,
+                         trainer_state=trainer_state, params=order({"model": order(to_dict(model.cfg)), "b": 1}),
+                         extra=order({"epoch": 1, "valid": order({"valid/loss": 2.5, "valid/bleu": 1.0})}), spm=spm)
+"""
+
+
+def test_a_checkpoint_is_the_same_bytes_in_every_process(tmp_path: Path):
+    # safetensors' save_file hands its metadata to Rust as a HashMap, iterated in an order seeded per process: the
+    # same weights and metadata came out as other bytes, and so every hash of them (manifest, lineage, server, DVC).
+    # Two processes with other hash seeds, the metadata dicts built in opposite orders: every file byte for byte.
+    import os
+    import struct
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    procs = []
+    for i in (1, 2):
+        env = dict(os.environ, PYTHONHASHSEED=str(i))
+        procs.append(subprocess.Popen([sys.executable, "-c", _WRITE_CHECKPOINT, str(tmp_path / f"ck{i}"), str(i - 1)],
+                                      env=env, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        assert p.wait() == 0, p.stderr.read()
+    one, two = tmp_path / "ck1", tmp_path / "ck2"
+    names = sorted(p.name for p in one.iterdir())
+    assert names == ["manifest.json", "model.safetensors", "spm.model", "trainer.pt"]
+    assert names == sorted(p.name for p in two.iterdir())
+    for name in names:
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
+    assert artifacts.manifest_hash(one) == artifacts.manifest_hash(two)
+    # The header holds its metadata in sorted order whatever the process (not by luck: 1 in 24 above)
+    raw = (one / artifacts.WEIGHTS).read_bytes()
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    assert list(header["__metadata__"]) == sorted(header["__metadata__"]) == ["format_version", "model_config",
+                                                                             "step", "vocab"]
+    # ... and the file is an ordinary safetensors file: safetensors reads the weights and the metadata back
+    ck = artifacts.load_checkpoint(one, trainer_state=True)
+    assert ck.step == 7 and ck.trainer_state["window"] == {"loss": 1.25, "tokens": 9}
+    assert ck.state_dict["extra_bf16"].dtype == torch.bfloat16 and ck.state_dict["extra_i64"].tolist() == [0, 1, 2]
+    assert set(load_file(str(one / artifacts.WEIGHTS))) == set(ck.state_dict)
+    with safe_open(str(one / artifacts.WEIGHTS), "pt") as f:
+        assert json.loads(f.metadata()["vocab"]) == ck.vocab and int(f.metadata()["step"]) == 7
+
+
+def test_the_safetensors_writer_writes_what_safetensors_writes_but_for_the_metadata_order(tmp_path: Path):
+    # With one metadata key (or none) safetensors' own order is fixed: the bytes must be its bytes, for every dtype,
+    # a scalar, an empty tensor, a non-ASCII name and escaped metadata; what it refuses is refused.
+    import torch
+    from safetensors.torch import save
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"z.weight": torch.randn(3, 5, generator=g), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
+               "bf16": torch.randn(7, generator=g).bfloat16(), "f16": torch.randn(3, generator=g).half(),
+               "i64": torch.arange(5), "i32": torch.arange(3, dtype=torch.int32),
+               "u8": torch.arange(3, dtype=torch.uint8), "mask": torch.rand(4, generator=g) > 0.5,
+               "f64": torch.randn(2, 2, generator=g).double(),
+               "\u00e9": torch.ones(1), "view": torch.randn(4, 4, generator=g).t()}  # not contiguous: written packed
+    out = tmp_path / "w.safetensors"
+    for metadata in ({"k": 'v\u00e9\n/\x01"'}, {}, None):
+        writing.write_safetensors(tensors, out, metadata)
+        assert out.read_bytes() == save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
+    base = torch.zeros(4)
+    with pytest.raises(ValueError, match="share memory"):
+        writing.write_safetensors({"a": base, "b": base[:2]}, out)
+    with pytest.raises(ValueError, match="cannot hold"):
+        writing.write_safetensors({"a": [1.0]}, out)
+
+
+def _modes(root: Path) -> dict[str, int]:
+    import stat
+
+    return {str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode) for p in [root, *root.rglob("*")]}
+
+
+def test_every_file_of_an_artifact_gets_the_usual_permissions(tmp_path: Path):
+    # safetensors writes through a temporary file (0600), as tempfile.mkstemp / mkdtemp do: when an artifact is
+    # finalised every file gets what a plain open would give (0666 less the umask), every folder 0777 less the umask.
+    import os
+    import tempfile
+
+    import torch
+
+    spm = tmp_path / "x.model"
+    spm.write_bytes(b"spm")
+    old = os.umask(0o027)
+    try:
+        writing.write_checkpoint(tmp_path / "ck", state_dict={"w": torch.ones(2)}, model_config={},
+                                 vocab={"size": 2, "spm_sha256": artifacts.file_hash(spm)}, step=1,
+                                 trainer_state={"step": 1}, spm=spm, spm_vocab=spm)
+        with writing.ArtifactWriter(tmp_path / "other", "plots") as w:
+            fd, _ = tempfile.mkstemp(dir=w.path("sub/deeper/x").parent)
+            os.close(fd)
+            Path(tempfile.mkdtemp(dir=w.tmp)).joinpath("f").write_text("x")
+            os.symlink("sub", w.path("link"))
+    finally:
+        os.umask(old)
+    for root in (tmp_path / "ck", tmp_path / "other"):
+        modes = _modes(root)
+        assert {m for p, m in modes.items() if (root / p).is_file() and not (root / p).is_symlink()} == {0o640}, modes
+        assert {m for p, m in modes.items() if (root / p).is_dir()} == {0o750}, modes
+    assert len(_modes(tmp_path / "ck")) == 1 + 5  # the folder, weights, trainer.pt, spm.model, spm.vocab, manifest
+
+
+@pytest.mark.filterwarnings("ignore:Recommended. pip install sacremoses")
+@pytest.mark.parametrize("fmt", ["marian", "ctranslate2"])
+def test_every_file_of_an_export_gets_the_usual_permissions(tmp_path: Path, fmt: str):
+    # The Hugging Face export's files come from save_pretrained (safetensors: 0600), CTranslate2's from its converter;
+    # all of them, and the checkpoint exported, have the one mode every other artifact file has.
+    import os
+
+    import torch
+    from conftest import train_spm
+
+    from mtpipe import export
+    from mtpipe.config import ModelConfig, to_dict
+    from mtpipe.model import Transformer
+
+    pytest.importorskip("transformers" if fmt == "marian" else "ctranslate2")
+    sp = train_spm(tmp_path / "spm", [f"the {w} sees a {v} ." for w in "dog cat man child".split()
+                                      for v in "ball book house apple".split()], 40)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(preset="tiny", dropout=0.0, max_positions=32), sp.get_piece_size())
+    spm = tmp_path / "spm.model"
+    writing.write_checkpoint(tmp_path / "ck", state_dict=model.state_dict(), model_config=to_dict(model.cfg),
+                             vocab={"spm_sha256": artifacts.file_hash(spm), "size": sp.get_piece_size()}, step=1,
+                             spm=spm)
+    out = tmp_path / "export"
+    if fmt == "marian":
+        export.export_marian(tmp_path / "ck", None, out)
+    else:
+        export.export_ctranslate2(tmp_path / "ck", None, out)
+    umask = os.umask(0)
+    os.umask(umask)
+    for root in (tmp_path / "ck", out):
+        modes = _modes(root)
+        assert {m for p, m in modes.items() if (root / p).is_file()} == {0o666 & ~umask}, modes
+        assert {m for p, m in modes.items() if (root / p).is_dir()} == {0o777 & ~umask}, modes
+    assert fmt != "marian" or "model.safetensors" in _modes(out)

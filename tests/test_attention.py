@@ -18,9 +18,10 @@ from typer.testing import CliRunner
 
 from mtpipe import artifacts, writing
 from mtpipe.artifacts import EOS_ID
-from mtpipe.attention import KINDS, attention_maps, chosen_layers, record_attention
+from mtpipe.attention import (GRID_LABELS, HEAD_LABELS, KINDS, MAX_PIECES, AttentionMaps, attention_maps,
+                              chosen_layers, head_figure, layer_figure, record_attention, tick_labels)
 from mtpipe.cli import app
-from mtpipe.config import ModelConfig, to_dict
+from mtpipe.config import MAX_BEAM, ModelConfig, to_dict
 from mtpipe.decode import translate_batches
 from mtpipe.errors import MtpipeError
 from mtpipe.model import Transformer
@@ -214,3 +215,111 @@ def test_a_folder_mtpipe_did_not_write_is_not_replaced(ckpt):
     r = run(ckpt, "--text", TEXT, "--out", str(out))
     assert r.exit_code == 1 and "not an mtpipe artifact" in r.output
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Long sentences: a bounded drawing, and a bound on the sentence
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def synthetic_maps(source: int, output: int, layers: int = 2, heads: int = 4) -> AttentionMaps:
+    """Maps of a ``source``-piece sentence and an ``output``-piece translation (</s> counted), random rows that sum
+    to 1: what the pictures are drawn from, without a model."""
+    rng = np.random.default_rng(0)
+
+    def weights(rows: int, cols: int) -> np.ndarray:
+        w = rng.random((heads, rows, cols)).astype(np.float32)
+        return w / w.sum(-1, keepdims=True)
+
+    src = [f"\u2581s{i}" for i in range(source)]
+    out = [f"\u2581t{i}" for i in range(output)]
+    return AttentionMaps("text", "translation", src, ["<s>", *out[:-1]], out,
+                         {"encoder": [weights(source, source) for _ in range(layers)],
+                          "decoder": [weights(output, output) for _ in range(layers)],
+                          "cross": [weights(output, source) for _ in range(layers)]})
+
+
+def shown_texts(fig) -> list:
+    from matplotlib.text import Text
+
+    return [t for t in fig.findobj(Text) if t.get_visible() and t.get_text()]
+
+
+@pytest.mark.parametrize("n, most", [(5, 8), (8, 8), (9, 8), (256, 64), (257, 32), (1000, 32)])
+def test_tick_labels_thin_a_long_axis_evenly_and_say_where_they_are(n, most):
+    pieces = [f"p{i}" for i in range(n)]
+    at, labels = tick_labels(pieces, most)
+    assert 1 <= len(at) <= most and at[0] == 0 and len(labels) == len(at)
+    steps = {b - a for a, b in zip(at, at[1:])}
+    assert len(steps) <= 1  # evenly spaced
+    if n <= most:
+        assert at == list(range(n)) and labels == pieces  # short: every piece, as it is
+    else:
+        assert all(label == f"{i + 1} {pieces[i]}" for i, label in zip(at, labels))  # thinned: 1-based position
+
+
+def test_a_long_sentence_is_drawn_with_a_bounded_number_of_artists():
+    """What makes matplotlib slow is artists (chiefly the text of tick labels, measured at every layout pass), not
+    pixels: a sentence at the bound draws each head as one image with no more labels than a short one's cap, and
+    every figure stays within its size cap."""
+    from matplotlib.image import AxesImage
+
+    heads = 4
+    for source in (12, MAX_PIECES):
+        maps = synthetic_maps(source, source + 51, heads=heads)
+        for kind in KINDS:
+            fig = head_figure(maps, kind, 2, 1)
+            assert len(fig.findobj(AxesImage)) == 1
+            assert len(shown_texts(fig)) <= 2 * HEAD_LABELS + 20  # tick labels + title, axis names, colour bar
+            assert max(fig.get_size_inches()) <= 17.2
+            grid = layer_figure(maps, kind, 1)
+            assert len(grid.findobj(AxesImage)) == heads
+            # one row of 4 heads: the left panel's pieces and the bottom of each column's
+            assert len(shown_texts(grid)) <= (1 + heads) * GRID_LABELS + heads + 20
+            assert max(grid.get_size_inches()) <= 7.0 * 4 + 1.0
+    import io
+
+    maps = synthetic_maps(MAX_PIECES, MAX_PIECES + 51, layers=1, heads=2)
+    for fig in (head_figure(maps, "decoder", 1, 1), layer_figure(maps, "cross", 1)):
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=50)
+        assert buffer.getvalue()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def long_ckpt(ckpt) -> Path:
+    """The random tiny model with room for more than MAX_PIECES positions, so that attention's own bound, not the
+    model's, is the one a long sentence meets."""
+    root, sp = ckpt["root"], ckpt["sp"]
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(preset="tiny", dropout=0.0, max_positions=2 * MAX_PIECES), sp.get_piece_size())
+    checkpoint = root / "ckpt-long"
+    writing.write_checkpoint(checkpoint, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
+                             vocab={"spm_sha256": artifacts.file_hash(root / "spm.model"), "size": sp.get_piece_size()},
+                             step=7)
+    return checkpoint
+
+
+def test_a_sentence_over_the_bound_is_refused_in_one_line_before_any_drawing(ckpt, long_ckpt):
+    text = " ".join([TEXT] * (MAX_PIECES // len(ckpt["sp"].encode(TEXT)) + 2))
+    pieces = len(ckpt["sp"].encode(text))
+    assert MAX_PIECES < pieces < 2 * MAX_PIECES - 1  # within the model's positions, over attention's bound
+    out = ckpt["root"] / "too-long"
+    r = CliRunner().invoke(app, ["attention", "--checkpoint", str(long_ckpt), "--tokens", str(ckpt["tokens"]),
+                                 "--text", text, "--out", str(out)])
+    assert r.exit_code == 1
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1, r.output
+    assert lines[0] == (f"error: --text: {pieces} pieces, more than the {MAX_PIECES} that attention draws (a longer "
+                        "sentence's heatmap cells are too small to read); give a shorter sentence")
+    assert not out.exists() and not [p for p in out.parent.iterdir() if p.name.startswith(".too-long")]
+
+
+@pytest.mark.parametrize("beam", ["0", str(MAX_BEAM + 1), "100000"])
+def test_beam_out_of_range_is_one_line_naming_the_limit(ckpt, beam):
+    out = ckpt["root"] / "bad-beam"
+    r = run(ckpt, "--text", TEXT, "--beam", beam, "--out", str(out))
+    assert r.exit_code == 1
+    lines = r.output.strip().splitlines()
+    assert lines == [f"error: --beam {beam}: must be between 1 (greedy search) and {MAX_BEAM}"], r.output
+    assert not out.exists()

@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from mtpipe import artifacts, writing
 from mtpipe.artifacts import EOS_ID
 from mtpipe.cli import app
-from mtpipe.config import DecodeConfig, to_dict
+from mtpipe.config import MAX_BEAM, DecodeConfig, to_dict
 from mtpipe.decode import validate
 from mtpipe.errors import MtpipeError
 from mtpipe.kernels import Linear
@@ -199,7 +199,8 @@ def test_cli_truncates_sources_longer_than_the_model(trained):
 
 
 @pytest.mark.parametrize("case", ["not_checkpoint", "tokens_as_checkpoint", "vocab_sha", "vocab_size", "beam0",
-                                  "nbest_over_beam", "missing_split", "missing_input", "penalty", "stop"])
+                                  "beam_over_limit", "nbest_over_limit", "nbest_over_beam", "missing_split",
+                                  "missing_input", "penalty", "stop"])
 def test_cli_bad_input_fails_cleanly(trained, case):
     root = trained["root"]
     out = root / f"out_bad_{case}"
@@ -221,6 +222,10 @@ def test_cli_bad_input_fails_cleanly(trained, case):
                                    vocab=vocab, step=1)
     elif case == "beam0":
         extra = ["--beam", "0"]
+    elif case == "beam_over_limit":  # refused before any search: no minutes and gigabytes spent on it
+        extra = ["--beam", "100000"]
+    elif case == "nbest_over_limit":
+        extra = ["--beam", str(MAX_BEAM), "--nbest", str(MAX_BEAM + 1)]
     elif case == "nbest_over_beam":
         extra = ["--beam", "2", "--nbest", "3"]
     elif case == "missing_split":
@@ -238,11 +243,24 @@ def test_cli_bad_input_fails_cleanly(trained, case):
     assert len(errors) == 1, r.stderr
     expected = {"not_checkpoint": "plain_dir", "tokens_as_checkpoint": "expected 'checkpoint'",
                 "vocab_sha": "SentencePiece", "vocab_size": "vocabulary size", "beam0": "decode.beam",
+                "beam_over_limit": f"--beam: decode.beam = 100000 must be >= 1 and <= {MAX_BEAM}",
+                "nbest_over_limit": f"--nbest: decode.nbest = {MAX_BEAM + 1} must be >= 1 and <= {MAX_BEAM}",
                 "nbest_over_beam": "decode.nbest", "missing_split": "valid", "missing_input": "no-such-file",
                 "penalty": "length_penalty", "stop": "decode.stop = 'early' is not one of bound, finished"}[case]
     assert expected in errors[0]
     assert not out.exists()
     assert not [p for p in root.iterdir() if p.name.startswith(f".{out.name}")]  # no temporary leftovers
+
+
+@pytest.mark.parametrize("key, value", [("beam", 500), ("nbest", 500)])
+def test_beam_and_nbest_over_the_limit_in_params_yaml_name_the_file_key_and_limit(trained, tmp_path, key, value):
+    params = tmp_path / "params.yaml"
+    params.write_text(f"decode:\n  {key}: {value}\n", encoding="utf-8")
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["decode", "--params", str(params), *decode_args(trained, out)])
+    assert r.exit_code == 1, r.output
+    assert r.stderr.strip().splitlines() == [f"error: {params}: decode.{key} = {value} must be >= 1 and <= {MAX_BEAM}"]
+    assert not out.exists()
 
 
 def test_decode_device_picks_where_to_decode(monkeypatch):

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtpipe import artifacts, writing
+from mtpipe import artifacts, resume, writing
 from mtpipe.config import ModelConfig, TrainConfig
 from mtpipe.errors import MtpipeError
 
@@ -388,6 +388,46 @@ def test_checkpoint_of_another_vocabulary_or_model_is_refused(ws1_run: Path, dat
         train_model(mcfg(d_ff=96), tcfg(max_steps=20), *data, out)
 
 
+def test_a_model_refused_on_resume_is_named_by_the_keys_the_user_changed(ws1_run: Path, data: tuple[Path, Path],
+                                                                         tmp_path: Path) -> None:
+    """Another d_model also changes d_k and d_v (d_model / heads): the refusal names d_model, the key given, and
+    the derived ones only as its consequence; a key the params no longer set is named with where its value now
+    comes from (the preset). From the command line too, where the flag is what the user changed."""
+    import shutil
+
+    from mtpipe.train import train_model
+
+    out = tmp_path / "out"
+    shutil.copytree(ws1_run, out)
+    with pytest.raises(MtpipeError) as e:
+        train_model(mcfg(d_model=64), tcfg(max_steps=20), *data, out)
+    assert str(e.value).startswith(f"{out / 'checkpoints'}/step_")
+    assert (": checkpoint has model.d_model=32 but the params give 64, which makes model.d_k 16 -> 32, model.d_v "
+            "16 -> 32; a new model needs a fresh run") in str(e.value)
+    with pytest.raises(MtpipeError, match=r"checkpoint has model.d_model=32 and model.heads=2 but the params give "
+                                          r"model.d_model=64 and model.heads=4;"):
+        train_model(mcfg(d_model=64, heads=4), tcfg(max_steps=20), *data, out)
+    unset = {k: v for k, v in TINY.items() if k != "d_model"}  # the tiny preset's d_model is 64
+    with pytest.raises(MtpipeError, match=r"checkpoint has model.d_model=32 but the params give 64 \(the tiny "
+                                          r"preset's value: model.d_model is not set\), which makes model.d_k"):
+        train_model(ModelConfig(**unset), tcfg(max_steps=20), *data, out)
+    import dataclasses
+
+    from typer.testing import CliRunner
+
+    from mtpipe.cli import app
+
+    train = {k: v for k, v in dataclasses.asdict(tcfg(max_steps=20)).items() if v is not None}
+    params = write_params(tmp_path / "params.yaml", TINY, {**train, "nproc": "1"})
+    r = CliRunner().invoke(app, ["train", "--params", str(params), "--tokens", str(data[0]), "--batches",
+                                 str(data[1]), "--out", str(out), "--d-model", "48"])
+    assert r.exit_code == 1
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]  # (the fixture's spm warns)
+    assert len(errors) == 1 and "Traceback" not in r.output, r.output
+    assert ("checkpoint has model.d_model=32 but the params give 48, which makes model.d_k 16 -> 24, model.d_v 16 "
+            "-> 24") in errors[0]
+
+
 def test_nonfinite_loss_skips_the_update_then_stops(data: tuple[Path, Path], tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     import mtpipe.train as mt
@@ -531,6 +571,30 @@ def test_time_limits_stop_and_checkpoint(data: tuple[Path, Path], tmp_path: Path
     assert s["stopped_by"] == "max_time" and s["steps"] >= 1 and s["train_minutes"] >= 0.02
     steps = [st for st, _ in list_checkpoints(tmp_path / "out")]
     assert len(steps) >= 2 and steps[-1] == s["steps"]
+
+
+def test_the_training_time_resumes_from_the_run_clock_not_the_checkpoint(data: tuple[Path, Path],
+                                                                         tmp_path: Path) -> None:
+    """Wall time stays out of the checkpoints (their bytes depend on the weights and state alone) and in the run's
+    clock.json, one entry per kept checkpoint; a resumed run's train.max_time counts the time before it from there,
+    and a checkpoint moved away from its clock resumes with the time counted from 0 and a warning."""
+    from mtpipe.train import list_checkpoints, train_model
+
+    out = tmp_path / "out"
+    s = train_model(mcfg(), tcfg(max_steps=4, save_every_steps=1, keep_last=2, valid_every_steps=0), *data, out)
+    clock = resume.read_clock_file(out)
+    assert sorted(clock) == [st for st, _ in list_checkpoints(out)] == [3, 4]  # pruned checkpoints' entries gone
+    assert 0 < clock[4] <= s["train_minutes"] * 60 + 0.06  # train_minutes is rounded to 0.001 min
+    ts = torch.load(artifacts.checkpoint_path(out, 4) / artifacts.TRAINER_STATE, weights_only=True)
+    assert "train_seconds" not in ts
+    s = train_model(mcfg(), tcfg(max_steps=5, save_every_steps=1, keep_last=2, valid_every_steps=0), *data, out)
+    assert s["train_minutes"] * 60 > clock[4]  # the time before the resume counted
+    (out / resume.CLOCK_FILE).write_text("{}")
+    with pytest.raises(MtpipeError, match=r"clock.json: not a training clock"):
+        train_model(mcfg(), tcfg(max_steps=6, valid_every_steps=0), *data, out)
+    (out / resume.CLOCK_FILE).unlink()
+    s = train_model(mcfg(), tcfg(max_steps=6, save_every_steps=1, valid_every_steps=0), *data, out)
+    assert s["steps"] == 6 and s["train_minutes"] * 60 < clock[4] + 60  # counted from 0 again (not an error)
 
 
 def test_max_time_is_the_plan_under_the_linear_schedule(data: tuple[Path, Path], tmp_path: Path) -> None:
@@ -726,6 +790,47 @@ def _assert_same_run(a: Path, b: Path, last: int) -> None:
     assert [s for s, _ in tsv(b, "train/loss")] == list(range(1, last + 1))  # no step logged twice
     wa, wb = weights(a / "checkpoints" / f"step_{last:08d}"), weights(b / "checkpoints" / f"step_{last:08d}")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    common = {s for s, _ in artifacts.list_checkpoints(a)} & {s for s, _ in artifacts.list_checkpoints(b)}
+    assert last in common
+    for step in sorted(common):
+        _assert_same_checkpoint_files(artifacts.checkpoint_path(a, step), artifacts.checkpoint_path(b, step))
+
+
+def _assert_same_checkpoint_files(a: Path, b: Path) -> None:
+    """The same checkpoint written by an uninterrupted run and by a resumed one: every file byte for byte (weights
+    with their safetensors header, trainer.pt: its training time is in the run's clock.json, not here), so their
+    hashes agree wherever they are recorded; the manifests differ at most in the params of the launch (which may
+    differ between the two runs), and are equal bytes when those are equal."""
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    for name in names:
+        if name != artifacts.MANIFEST:
+            assert (a / name).read_bytes() == (b / name).read_bytes(), a / name
+    ma, mb = artifacts.read_manifest(a), artifacts.read_manifest(b)
+    assert ma.upstream == mb.upstream and ma.extra == mb.extra and ma.rows == mb.rows and ma.files == mb.files
+    if ma.params == mb.params:
+        assert (a / artifacts.MANIFEST).read_bytes() == (b / artifacts.MANIFEST).read_bytes()
+    ta, tb = (torch.load(d / artifacts.TRAINER_STATE, weights_only=True) for d in (a, b))
+    assert "train_seconds" not in ta
+    _assert_same_state(ta, tb, "trainer.pt")
+    # each run's clock has the checkpoint's training time (wall time: not compared)
+    assert a.name in {artifacts.checkpoint_path(".", s).name for s in resume.read_clock_file(a.parent.parent)}
+
+
+def _assert_same_state(x: object, y: object, where: str) -> None:
+    assert type(x) is type(y), where
+    if isinstance(x, dict):
+        assert list(x) == list(y), where  # the same keys in the same order: torch.save writes them in that order
+        for k in x:
+            _assert_same_state(x[k], y[k], f"{where}[{k!r}]")
+    elif isinstance(x, (list, tuple)):
+        assert len(x) == len(y), where
+        for i, (u, v) in enumerate(zip(x, y)):
+            _assert_same_state(u, v, f"{where}[{i}]")
+    elif isinstance(x, torch.Tensor):
+        assert x.dtype == y.dtype and torch.equal(x, y), where
+    else:
+        assert x == y, where
 
 
 @needs_proc
@@ -813,3 +918,135 @@ def test_sigkill_and_worker_crash_resume_bitwise_at_world_size_2(ws2_ref: tuple[
     _assert_same_run(ref, out, 16)
     ts = torch.load(out / "checkpoints" / "step_00000016" / "trainer.pt", weights_only=True)
     assert len(ts["rng"]) == 2 and not torch.equal(ts["rng"][0]["torch"], ts["rng"][1]["torch"])
+
+
+@pytest.mark.slow
+@needs_proc
+def test_a_killed_worker_ends_in_one_line_that_resumes_the_run_at_world_size_2(
+        ws2_ref: tuple[Path, Path], data: tuple[Path, Path], tmp_path: Path) -> None:
+    """Without restarts, a SIGKILLed worker ends the launch with a non-zero status and one line: the rank, its
+    signal, the last checkpoint on disk and the command that resumes; torchrun's report (ChildFailedError, the
+    surviving ranks' tracebacks) goes to the run's train.log, not the console. Running the printed command resumes
+    the run, which then equals the uninterrupted one, bitwise."""
+    import shlex
+    import shutil
+
+    params, ref = ws2_ref
+    out = tmp_path / "out"
+    cmd = _command(params, data, out, launcher=False)  # python -m mtpipe train ...; nproc 2 from params.yaml
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err, open(tmp_path / "stdout.txt", "w") as stdout:
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=err, env=_env(), cwd=tmp_path)
+    try:
+        _wait_for(out / "checkpoints" / "step_00000003", proc, err_path)
+        os.kill(_worker(proc, 1), signal.SIGKILL)
+        proc.wait(timeout=120)
+    finally:
+        _kill_tree(proc, out)
+    assert proc.returncode == 1
+    stderr = err_path.read_text()
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr
+    for noise in ("Traceback", "ChildFailedError", "[rank", "FAILED", "Root Cause"):
+        assert noise not in stderr, stderr
+    step, last = artifacts.list_checkpoints(out)[-1]
+    assert step < 16
+    head, rerun = errors[0].split("; to resume, run: ")
+    assert head == ("error: training failed: rank 1 was killed by signal SIGKILL (9); last checkpoint: "
+                    f"{last} (step {step})")
+    rerun, report = rerun.split("; torchrun's report and the tracebacks: ")
+    assert report == str(out / "train.log")
+    log = (out / "train.log").read_text()
+    assert "Root Cause (first observed failure)" in log and "exitcode  : -9" in log and "training failed: rank 1" in log
+    # The command is this launch's own, word for word, with a program the shell finds.
+    words = shlex.split(rerun)
+    assert words[1:] == cmd[1:]
+    assert os.path.samefile(shutil.which(words[0]) or words[0], sys.executable)
+    _run(words, tmp_path / "rerun.log")
+    assert f"resuming from {last}" in (tmp_path / "rerun.log").read_text()
+    _assert_same_run(ref, out, 16)
+
+
+@pytest.mark.slow
+@needs_proc
+def test_a_refusal_in_the_workers_is_their_one_line_at_world_size_2(ws2_ref: tuple[Path, Path],
+                                                                    data: tuple[Path, Path], tmp_path: Path) -> None:
+    """An error every worker reports as bad input (here: a resume with another d_model) is printed once, as one
+    process prints it, with no resume advice and no torchrun report."""
+    import shutil
+
+    params, ref = ws2_ref
+    out = tmp_path / "out"
+    shutil.copytree(ref, out)
+    r = subprocess.run(_command(params, data, out, launcher=False) + ["--d-model", "48"], capture_output=True,
+                       text=True, env=_env(), cwd=tmp_path)
+    assert r.returncode == 1
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr, r.stderr
+    assert errors[0].startswith(f"error: {out / 'checkpoints' / 'step_00000016'}: checkpoint has model.d_model=32 "
+                                "but the params give 48, which makes model.d_k 16 -> 24")
+    assert "to resume" not in errors[0]
+
+
+class _Failure:
+    """A stand-in for torchrun's ProcessFailure (what root_failure and failure_summary read)."""
+
+    def __init__(self, exitcode: int, timestamp: int = 100, message: object = "") -> None:
+        self.exitcode, self.timestamp, self.message = exitcode, timestamp, message
+
+
+def _recorded(kind: str, message: str, at: float, code: int = 1) -> dict:
+    return {"message": message, "extraInfo": {"py_callstack": "Traceback ...", "timestamp": str(int(at)),
+                                              "mtpipe": {"kind": kind, "message": message, "exit_code": code,
+                                                         "time": at}}}
+
+
+def test_the_root_failure_is_the_killed_process_else_the_first_recorded_error(tmp_path: Path) -> None:
+    from mtpipe.launch import failure_summary, root_failure
+
+    lost_peer = _recorded("exception", "RuntimeError: Connection reset by peer", 100.9)
+    killed = {0: _Failure(1, 100, lost_peer), 1: _Failure(-9, 101), 2: _Failure(-15, 100)}
+    assert root_failure(killed)[0] == 1  # the one killed from outside, though rank 0's error is "earlier"
+    bug = _recorded("exception", "ValueError: bad thing", 100.2)
+    assert root_failure({0: _Failure(1, 100, lost_peer), 1: _Failure(1, 100, bug)})[0] == 1  # same second: by time
+    assert root_failure({0: _Failure(-15, 100), 1: _Failure(3, 99)})[0] == 1  # torchrun's rule, earliest
+    line, code = failure_summary({0: _Failure(1, 100, lost_peer), 1: _Failure(1, 100, bug)}, tmp_path / "none",
+                                 "mtpipe train --out x", tmp_path / "train.log")
+    assert code == 1 and line == ("training failed: rank 1 failed (exit status 1): ValueError: bad thing; last "
+                                  "checkpoint: none yet (a rerun starts from step 0); to resume, run: mtpipe train "
+                                  f"--out x; torchrun's report and the tracebacks: {tmp_path / 'train.log'}")
+    refused = _recorded("mtpipe", "x/step_00000004: checkpoint has model.d_model=32 but ...", 100.1, code=1)
+    assert failure_summary({0: _Failure(1, 100, refused), 1: _Failure(-15, 100)}, tmp_path, "mtpipe train",
+                           None) == ("x/step_00000004: checkpoint has model.d_model=32 but ...", 1)
+
+
+def test_a_workers_error_is_recorded_where_torchrun_reads_it(tmp_path: Path) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from mtpipe.launch import REPORTS_ENV, _mine, worker_errors
+
+    path = tmp_path / "attempt_0" / "1" / "error.json"
+    env = {"TORCHELASTIC_ERROR_FILE": str(path), REPORTS_ENV: "1"}
+    for error, kind, message, code in [(ValueError("bad\nthing"), "exception", "ValueError: bad", 1),
+                                       (MtpipeError("train.x: bad"), "mtpipe", "train.x: bad", 1),
+                                       (KeyboardInterrupt(), "interrupted", "interrupted", 130)]:
+        with pytest.raises(SystemExit) as e:
+            with worker_errors(env):
+                raise error
+        assert e.value.code == code
+        failure = ProcessFailure(local_rank=1, pid=1, exitcode=code, error_file=str(path))
+        assert _mine(failure)["kind"] == kind and _mine(failure)["message"] == message
+        assert "Traceback" in failure.message["extraInfo"]["py_callstack"]  # the traceback, for the report
+    # Not a worker of mtpipe's launcher: errors pass through as usual.
+    with pytest.raises(ValueError):
+        with worker_errors({"TORCHELASTIC_ERROR_FILE": str(path)}):
+            raise ValueError("plain")
+
+
+def test_the_resume_command_is_the_launch_command() -> None:
+    from mtpipe.launch import rerun_command
+
+    main = str(REPO / "mtpipe" / "__main__.py")
+    assert rerun_command([main, "train", "--out", "my run"]).endswith(" -m mtpipe train --out 'my run'")
+    assert rerun_command(["stages/train.py", "--nproc", "2"]).endswith(" stages/train.py --nproc 2")
+    assert rerun_command(["/nowhere/bin/mtpipe", "train"]) == "/nowhere/bin/mtpipe train"  # not on PATH: as given
