@@ -544,8 +544,8 @@ def score(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     ],
 )
 def export(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
-    """Export a checkpoint to a CTranslate2 model directory (or a Hugging Face Marian model) with its SentencePiece
-    model beside it."""
+    """Export a checkpoint to a CTranslate2 model directory (or a Hugging Face Marian / Pegasus model) with its
+    SentencePiece model beside it."""
     from mtpipe.export import export_model
 
     export_model(cfg.export, checkpoint=opts.checkpoint, tokens=opts.tokens, out=opts.out, force=opts.force)

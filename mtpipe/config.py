@@ -424,9 +424,12 @@ class ExportConfig(Section):
 
     SECTION: typing.ClassVar[str] = "export"
 
-    format: str = _h("ctranslate2 (a CTranslate2 model directory; needs the optional ctranslate2 package) or marian "
-                     "(a Hugging Face MarianMTModel directory; needs the optional transformers package).",
-                     default="ctranslate2", choices=("ctranslate2", "marian"))
+    format: str = _h("ctranslate2 (a CTranslate2 model directory; needs the optional ctranslate2 package), marian "
+                     "(a Hugging Face MarianMTModel directory: post-norm models), pegasus (a Hugging Face "
+                     "PegasusForConditionalGeneration directory: pre-norm models) or huggingface (marian for a "
+                     "post-norm model, pegasus for a pre-norm one); the Hugging Face formats need the optional "
+                     "transformers package.",
+                     default="ctranslate2", choices=("ctranslate2", "marian", "pegasus", "huggingface"))
     # CTranslate2's weight types (ctranslate2.specs.model_spec.ACCEPTED_MODEL_TYPES), plus "none" = keep float32.
     quantization: str = _h("CTranslate2 weight type: none (float32), int8, int8_float32, int8_float16, int8_bfloat16, "
                            "int16, float16, bfloat16 or float32.", default="none",

@@ -1,6 +1,8 @@
 """`mtpipe export`: a small trained model exported to CTranslate2 decodes like mtpipe (same log-probabilities, same
 greedy output, mtpipe's scores and length limits at beam 4), quantised and odd-shaped models export, the Hugging Face
-Marian export computes the same logits, and bad input fails with one line and writes nothing."""
+Marian export (post-norm) computes the same logits, the Hugging Face Pegasus export of a pre-norm model (the
+quickstart's) loads with transformers' Auto classes and generates mtpipe's output, and bad input fails with one line
+and writes nothing."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -405,7 +408,7 @@ def other_tokens(world):
 
 
 @pytest.mark.parametrize("case", ["not_a_checkpoint", "missing", "other_spm", "bad_quantization", "bad_format",
-                                  "marian_quantized"])
+                                  "marian_quantized", "huggingface_quantized"])
 def test_cli_bad_input_fails_with_one_line_and_writes_nothing(world, other_tokens, tmp_path, case):
     ck, tok = str(world["checkpoint"]), str(world["tokens"])
     args, want = {
@@ -415,9 +418,11 @@ def test_cli_bad_input_fails_with_one_line_and_writes_nothing(world, other_token
         "bad_quantization": (["--checkpoint", ck, "--tokens", tok, "--quantization", "int3"],
                              "--quantization: export.quantization = 'int3' is not one of none, int8"),
         "bad_format": (["--checkpoint", ck, "--tokens", tok, "--format", "onnx"],
-                       "--format: export.format = 'onnx' is not one of ctranslate2, marian"),
+                       "--format: export.format = 'onnx' is not one of ctranslate2, marian, pegasus, huggingface"),
         "marian_quantized": (["--checkpoint", ck, "--tokens", tok, "--format", "marian", "--quantization", "int8"],
                              "applies to CTranslate2 only"),
+        "huggingface_quantized": (["--checkpoint", ck, "--tokens", tok, "--format", "huggingface", "--quantization",
+                                   "int8"], "applies to CTranslate2 only; use 'none' with format huggingface"),
     }[case]
     out = tmp_path / "out"
     r = invoke(*args, "--out", str(out))
@@ -513,3 +518,194 @@ def test_marian_export_of_untied_biased_eos_start_models(world, tmp_path, case):
         assert gen[0] == model.start_id
         ref = translate(model, [src], DecodeConfig(beam=1, max_len_a=1.0, max_len_b=5))[0][0].tokens
         assert [t for t in gen[1:] if t != EOS_ID] == ref
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Hugging Face Pegasus: the pre-norm model (the quickstart's model.norm_position=pre)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def memorise_pre_norm(src: list[list[int]], tgt: list[list[int]], vocab: int, steps: int = 300) -> Transformer:
+    """conftest's ``memorise`` for a pre-norm model: a tiny Transformer (dropout 0, seed 0) trained by full-batch
+    teacher forcing, returned in eval mode."""
+
+    def pad(seqs: list[list[int]]) -> torch.Tensor:
+        return torch.nn.utils.rnn.pad_sequence([torch.tensor(x) for x in seqs], batch_first=True)
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(preset="tiny", dropout=0.0, max_positions=64, norm_position="pre"), vocab)
+    s = pad([x + [EOS_ID] for x in src])
+    t_in, t_out = pad([[BOS_ID] + y for y in tgt]), pad([y + [EOS_ID] for y in tgt])
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss = F.cross_entropy(model(s, t_in).view(-1, vocab), t_out.view(-1), ignore_index=PAD_ID)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def pegasus(world):
+    """The pre-norm model trained on the same 20 pairs, exported by the CLI with ``--format huggingface`` and loaded
+    back with transformers' Auto classes (fresh objects, from the directory alone)."""
+    transformers = pytest.importorskip("transformers")
+    sp, root = world["sp"], world["root"]
+    train = corpus()[::4]
+    model = memorise_pre_norm([sp.encode(s) for s, _ in train], [sp.encode(t) for _, t in train], sp.get_piece_size())
+    ckpt = save(model, root / "pre_ckpt", root / "spm.model")
+    out = root / "pegasus"
+    r = invoke("--checkpoint", str(ckpt), "--tokens", str(world["tokens"]), "--out", str(out), "--format",
+               "huggingface")
+    assert r.exit_code == 0, r.output
+    assert "PegasusForConditionalGeneration" in r.output and "MarianTokenizer" in r.output
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Recommended. pip install sacremoses")
+        tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(out)).eval()
+    return {"model": model, "checkpoint": ckpt, "out": out, "hf": hf, "tok": tok}
+
+
+def test_pegasus_export_holds_the_pre_norm_model_and_its_tokenizer(world, pegasus):
+    from safetensors.torch import load_file
+
+    out, hf, tok, model, sp = pegasus["out"], pegasus["hf"], pegasus["tok"], pegasus["model"], world["sp"]
+    m = artifacts.read_manifest(out, "export")
+    assert m.params["export"]["format"] == "huggingface"
+    assert m.extra["format"] == "pegasus" and m.extra["model_class"] == "PegasusForConditionalGeneration"
+    assert m.upstream["checkpoint"] == artifacts.manifest_hash(pegasus["checkpoint"])
+    for name in ("config.json", "generation_config.json", "model.safetensors", "spm.model", "source.spm",
+                 "target.spm", "vocab.json", "tokenizer_config.json"):
+        assert (out / name).is_file() and name in m.files
+    assert type(hf).__name__ == "PegasusForConditionalGeneration" and type(tok).__name__ == "MarianTokenizer"
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    assert config["model_type"] == "pegasus" and config["activation_function"] == "relu"
+    assert config["scale_embedding"] is True and config["tie_word_embeddings"] is True
+    gen = hf.generation_config
+    assert (gen.decoder_start_token_id, gen.forced_eos_token_id, gen.eos_token_id, gen.pad_token_id) == (
+        BOS_ID, EOS_ID, EOS_ID, PAD_ID)
+    assert gen.bad_words_ids == [[PAD_ID], [BOS_ID]]
+    # The position tables are saved with the weights and loaded as saved: mtpipe's sinusoids (sines first).
+    saved = load_file(str(out / "model.safetensors"))
+    for stack in ("encoder", "decoder"):
+        assert torch.equal(saved[f"model.{stack}.embed_positions.weight"], model.positions)
+        assert torch.equal(getattr(hf.model, stack).embed_positions.weight, model.positions)
+    # three-way tying survives the round trip
+    assert hf.lm_head.weight.data_ptr() == hf.model.encoder.embed_tokens.weight.data_ptr()
+    for s, t in corpus()[:6]:
+        src = sp.encode(s)
+        assert tok([s]).input_ids[0] == src + [EOS_ID]  # MarianTokenizer = our SentencePiece model + EOS
+        x, y = torch.tensor([src + [EOS_ID]]), torch.tensor([[BOS_ID] + sp.encode(t)])
+        with torch.no_grad():
+            assert torch.allclose(hf(input_ids=x, decoder_input_ids=y).logits, model(x, y), atol=1e-4)
+
+
+def hf_generate(hf, tok, sentences: list[str], max_new_tokens: int, **kwargs) -> list[list[int]]:
+    """``generate`` over a padded batch (the tokenizer's attention mask), as a transformers user would call it; the
+    output ids after the decoder start token, up to EOS."""
+    batch = tok(sentences, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = hf.generate(**batch, do_sample=False, max_new_tokens=max_new_tokens, **kwargs)
+    hyps = []
+    for row in out.tolist():
+        assert row[0] == BOS_ID  # the decoder starts from <s>
+        ids = row[1:]
+        hyps.append(ids[:ids.index(EOS_ID)] if EOS_ID in ids else ids)
+    return hyps
+
+
+def test_pegasus_greedy_generate_equals_mtpipe_decode(world, pegasus):
+    """Greedy search (num_beams=1) in transformers gives mtpipe's output on every source: in-domain, new
+    combinations and odd ones that run to the length limit (19 tokens, then EOS)."""
+    sp, model = world["sp"], pegasus["model"]
+    sentences = [s for s, _ in corpus()] + ODD
+    sources = [sp.encode(x) for x in sentences]
+    ref = translate(model, sources, DecodeConfig(beam=1, max_len_a=0.0, max_len_b=19))
+    got = hf_generate(pegasus["hf"], pegasus["tok"], sentences, 20, num_beams=1)
+    assert got == [r[0].tokens for r in ref]
+    assert got == [greedy(model, src, 19) for src in sources]
+    assert len({tuple(g) for g in got}) > 10 and any(len(g) == 19 for g in got)
+
+
+def test_pegasus_beam_4_generate_equals_mtpipe_decode_with_fairseq_rules(world, pegasus):
+    """transformers' beam search is fairseq's: with ``length_penalty=alpha`` (|Y|^alpha, EOS counted) and
+    ``early_stopping=True`` (stop once 4 hypotheses have finished) it is mtpipe's ``decode.stop=finished``,
+    ``length_penalty=fairseq``. The sources are the 80 in-domain ones: a hypothesis cut at the length limit is
+    scored differently (transformers counts the forced EOS as log-probability 0, mtpipe re-scores it)."""
+    sp, model = world["sp"], pegasus["model"]
+    sentences = [s for s, _ in corpus()]
+    sources = [sp.encode(x) for x in sentences]
+    cfg = DecodeConfig(beam=4, alpha=ALPHA, length_penalty="fairseq", stop="finished", max_len_a=0.0, max_len_b=19)
+    ref = translate(model, sources, cfg)
+    got = hf_generate(pegasus["hf"], pegasus["tok"], sentences, 20, num_beams=4, length_penalty=ALPHA,
+                      early_stopping=True)
+    assert got == [r[0].tokens for r in ref]
+    assert all(len(g) < 19 for g in got)  # every output ended with its own EOS
+
+
+PEGASUS_VARIANTS = {
+    "none_bias_eos_per_stack": UNTIED["none_bias_eos_per_stack"],  # learned-per-stack positions: two saved tables
+    "decoder": UNTIED["decoder"],
+    "learned": dict(positions="learned", output_bias=True),
+}
+
+
+@pytest.mark.parametrize("case", list(PEGASUS_VARIANTS))
+def test_pegasus_export_of_untied_biased_eos_start_learned_position_models(world, tmp_path, case):
+    """Pegasus holds untied source/target/output matrices (transformers 5: tie_word_embeddings=false unties all
+    three), ``final_logits_bias``, the decoder start token and learned position tables (saved and loaded as
+    saved)."""
+    transformers = pytest.importorskip("transformers")
+    from mtpipe.export import export_pegasus
+
+    sp = world["sp"]
+    model = untied_model(world, 9, norm_position="pre", **PEGASUS_VARIANTS[case])
+    ckpt = save(model, tmp_path / "ckpt", world["root"] / "spm.model")
+    extra = export_pegasus(ckpt, world["tokens"], tmp_path / "pegasus")
+    assert extra["format"] == "pegasus"
+    hf = transformers.PegasusForConditionalGeneration.from_pretrained(str(tmp_path / "pegasus")).eval()
+    if case != "learned":
+        assert hf.model.encoder.embed_tokens.weight.data_ptr() != hf.model.decoder.embed_tokens.weight.data_ptr()
+    for s, t in corpus()[:4]:
+        src = sp.encode(s)
+        x, y = torch.tensor([src + [EOS_ID]]), torch.tensor([[model.start_id] + sp.encode(t)])
+        with torch.no_grad():
+            assert torch.allclose(hf(input_ids=x, decoder_input_ids=y).logits, model(x, y), atol=1e-4)
+    sources = world["sources"][:6] + world["sources"][-3:]
+    ref = translate(model, sources, DecodeConfig(beam=1, max_len_a=0.0, max_len_b=12))
+    for src, r in zip(sources, ref):
+        with torch.no_grad():
+            gen = hf.generate(torch.tensor([src + [EOS_ID]]), num_beams=1, do_sample=False, max_new_tokens=13)
+        gen = gen[0].tolist()
+        assert gen[0] == model.start_id
+        assert [t for t in gen[1:] if t != EOS_ID] == r[0].tokens
+
+
+def test_hugging_face_refusals_name_what_does_not_map_and_the_format_that_works(world, tmp_path):
+    pytest.importorskip("transformers")
+    from mtpipe.export import export_huggingface, export_marian, export_pegasus
+
+    root, vocab = world["root"], world["sp"].get_piece_size()
+    pre = save(Transformer(ModelConfig(preset="tiny", norm_position="pre"), vocab), tmp_path / "pre",
+               root / "spm.model")
+    cases = [
+        (export_marian, pre, "Hugging Face Marian: model.norm_position=pre: MarianMTModel is post-norm only; "
+                             "export.format=pegasus (or huggingface)"),
+        (export_pegasus, world["checkpoint"], "Hugging Face Pegasus: model.norm_position=post: "
+                                              "PegasusForConditionalGeneration is pre-norm only; export.format=marian"),
+    ]
+    heads = Transformer(ModelConfig(preset="tiny", norm_position="pre", d_k=16, d_v=16), vocab)
+    cases.append((export_pegasus, save(heads, tmp_path / "heads", root / "spm.model"),
+                  "Hugging Face Pegasus: d_k=16, d_v=16 with heads=2: Pegasus's attention fixes the head size"))
+    fixnorm = Transformer(ModelConfig(preset="tiny", norm_position="pre", fixnorm=True), vocab)
+    cases.append((export_huggingface, save(fixnorm, tmp_path / "fixnorm", root / "spm.model"),
+                  "Hugging Face Pegasus: model.fixnorm=true"))
+    for export, ckpt, want in cases:
+        with pytest.raises(MtpipeError, match=re.escape(want)):
+            export(ckpt, world["tokens"], tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+    r = invoke("--checkpoint", str(pre), "--tokens", str(world["tokens"]), "--out", str(tmp_path / "out"),
+               "--format", "marian")
+    assert r.exit_code == 1 and "export.format=pegasus" in r.output and not (tmp_path / "out").exists()
