@@ -422,13 +422,33 @@ class _WriteRecorder:
         self.f.flush()
 
 
+def unshared(obj: Any) -> Any:
+    """``obj`` (dicts, lists, tuples, strings, numbers, tensors) with every container and string of two or more
+    characters a new object of its own.
+
+    Why: pickle writes an object it has written before as a back-reference, so the bytes of ``torch.save`` depend on
+    which equal strings and tuples happen to be one object. A resumed run's optimizer state holds the key strings it
+    unpickled where an uninterrupted run holds the code's literals, and the two files differed though every value
+    was equal. With nothing shared (CPython's one-character and empty strings are single objects everywhere), the
+    bytes depend on the values alone."""
+    if isinstance(obj, dict):
+        return {unshared(k): unshared(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [unshared(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(unshared(v) for v in obj)
+    if type(obj) is str:
+        return "".join(list(obj))  # a new object (the one-character and empty ones are shared singletons anyway)
+    return obj
+
+
 def _torch_save(obj: Any, path: Path) -> None:
     import torch
 
     with open(path, "wb") as f:
         w = _WriteRecorder(f)
         try:
-            torch.save(obj, w)  # type: ignore[arg-type]
+            torch.save(unshared(obj), w)  # type: ignore[arg-type]
         except RuntimeError:
             if w.error is not None:
                 raise w.error from None
