@@ -24,11 +24,23 @@ requests, answers that differ from the offline translation, and the most request
         --sentences /data/multi30k/test_2016_flickr.en.gz
     python bench/serve.py ... --n 100 --rounds 3 --clients 8 --decode-args "--beam 4 --threads 2" \\
         --serve-args "--batch-wait-ms 5"
+
+``--case slow-clients``: what slow, silent and greedy clients cost everyone else. Each round runs the same short
+requests (``--clients`` clients, one sentence per request, as above) twice, in alternating order: once on a quiet
+server, and once while ``--idle`` connections are held open (half send nothing, half send headers and a few bytes
+of a body; each reopened as soon as the server closes it, ``serve.read_timeout_s``) and one large request is always
+in flight (the ``--large-n`` longest sentences at ``--large-beam``, resent as soon as it is answered; halved until
+``serve.max_request_work`` accepts it). Reported: p50 / p99 latency of the short requests in both runs and the p99
+ratio, failed / lost / differing answers, how many large requests were answered and how many idle connections the
+server closed. Target: p99 with the hostile clients within 2x of the quiet run's. No offline decode is run.
+
+    python bench/serve.py ... --case slow-clients --n 200 --rounds 3 --idle 100
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gzip
 import itertools
@@ -125,14 +137,17 @@ def offline(args: argparse.Namespace, infile: Path, n: int) -> tuple[float, list
     return n / max(seconds, 1e-9), p.stdout.splitlines()
 
 
-def load(url: str, sentences: list[str], clients: int, timeout: float) -> dict:
+def load(url: str, sentences: list[str], clients: int, timeout: float, during: Any = None) -> dict:
     """``clients`` concurrent clients, each on its own keep-alive connection, sending the sentences one per request:
     throughput, latencies, failures, answers.
 
     Why asyncio and hand-written HTTP/1.1 rather than an HTTP library in threads: the clients share the machine with
     the server, and 128 threads of httpx took ~26 % of this 2-core machine's CPU time (~7 ms per request), which the
     server then lacked. One event loop writing prepared requests and reading ``Content-Length`` bodies costs a small
-    fraction of that; the table reports the clients' share either way."""
+    fraction of that; the table reports the clients' share either way.
+
+    ``during``: a coroutine function run alongside the clients (started half a second before them, cancelled when
+    they are done): other clients of the server, such as :func:`hostile`'s."""
     import asyncio
     import json
 
@@ -178,14 +193,26 @@ def load(url: str, sentences: list[str], clients: int, timeout: float) -> dict:
         finally:
             writer.close()
 
+    timed = [0.0, 0.0]
+
     async def run() -> None:
-        await asyncio.gather(*(client() for _ in range(clients)))
+        background = asyncio.ensure_future(during()) if during is not None else None
+        if background is not None:
+            await asyncio.sleep(0.5)  # its connections open and its requests in flight before the clients start
+        timed[0] = time.perf_counter()
+        try:
+            await asyncio.gather(*(client() for _ in range(clients)))
+        finally:
+            timed[1] = time.perf_counter()
+            if background is not None:
+                background.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await background
 
     busy0, total0 = cpu_ticks()
     own0 = own_cpu()
-    start = time.perf_counter()
     asyncio.run(run())
-    wall = time.perf_counter() - start
+    wall = timed[1] - timed[0]
     busy, total = (a - b for a, b in zip(cpu_ticks(), (busy0, total0)))
     own = own_cpu() - own0
     latencies.sort()
@@ -276,6 +303,161 @@ class Ceiling:
             w.close()
 
 
+HALF_BODY = (b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 5000\r\n\r\n"
+             b'{"text":')
+
+
+def hostile(url: str, idle: int, large: dict, stats: dict) -> Any:
+    """A coroutine function for :func:`load`'s ``during``: ``idle`` connections held open, half silent and half
+    stuck in their body, each reopened when the server closes it, and one request ``large`` always in flight on its
+    own connection. Counts in ``stats``: idle connections opened, closed by the server, refused (503 or no connect),
+    large requests answered (by status)."""
+    import asyncio
+    import json
+
+    host, port = url.split("://", 1)[1].rstrip("/").rsplit(":", 1)
+    body = json.dumps(large).encode()
+    request = (b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+               % len(body)) + body
+
+    async def hold(i: int) -> None:
+        while True:
+            try:
+                reader, writer = await asyncio.open_connection(host, int(port))
+            except OSError:
+                stats["refused"] += 1
+                await asyncio.sleep(0.5)
+                continue
+            stats["opened"] += 1
+            try:
+                if i % 2:
+                    writer.write(HALF_BODY)
+                answer = await reader.read()  # until the server closes it
+                stats["refused" if answer.startswith(b"HTTP/1.1 503") else "closed"] += 1
+            except OSError:
+                stats["closed"] += 1
+            finally:
+                writer.close()
+
+    async def greedy() -> None:
+        while True:
+            try:
+                reader, writer = await asyncio.open_connection(host, int(port))
+            except OSError:
+                stats["large_lost"] += 1
+                await asyncio.sleep(0.5)
+                continue
+            try:
+                while True:
+                    writer.write(request)
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    lines = head.decode("latin-1").split("\r\n")
+                    status = int(lines[0].split()[1])
+                    length = next(int(v) for k, v in (line.split(":", 1) for line in lines[1:] if ":" in line)
+                                  if k.strip().lower() == "content-length")
+                    await reader.readexactly(length)
+                    stats["large"][status] = stats["large"].get(status, 0) + 1
+            except (OSError, asyncio.IncompleteReadError):
+                stats["large_lost"] += 1
+            finally:
+                writer.close()
+
+    async def run() -> None:
+        await asyncio.gather(*(hold(i) for i in range(idle)), greedy())
+
+    return run
+
+
+def large_request(url: str, sentences: list[str], n: int, beam: int) -> tuple[dict, int]:
+    """The ``n`` longest sentences at ``beam`` (within the server's serve.max_beam), halved until the server
+    accepts the work (serve.max_request_work): the request, and its decoding seconds on the quiet server."""
+    import httpx
+
+    serve = httpx.get(url + "/info", timeout=30).json()["serve"]
+    beam = min(beam, serve["max_beam"])
+    longest = sorted(sentences, key=len, reverse=True)[: min(n, serve["max_sentences"])]
+    while True:
+        body = {"text": longest, "beam": beam}
+        start = time.perf_counter()
+        r = httpx.post(url + "/translate", json=body, timeout=600)
+        if r.status_code == 200:
+            return body, time.perf_counter() - start
+        if r.status_code != 413 or len(longest) == 1:
+            sys.exit(f"error: the large request got {r.status_code}: {r.text[:200]}")
+        longest = longest[: len(longest) // 2]
+
+
+def slow_clients(args: argparse.Namespace, sentences: list[str]) -> None:
+    """``--case slow-clients`` (module docstring): short requests' latency on a quiet server and beside idle
+    connections and a large request, round by round."""
+    import httpx
+
+    server = Server(args, args.out / "serve.log")
+    rows = []
+    try:
+        load(server.url, sentences[: 4 * args.clients], args.clients, args.timeout)  # warm-up, not timed
+        large, large_s = large_request(server.url, sentences, args.large_n, args.large_beam)
+        console.print(f"large request: {len(large['text'])} sentences at beam {large['beam']}, {large_s:.1f} s alone")
+        for r in range(args.rounds):
+            row: dict = {"round": r + 1}
+            stats: dict = {"opened": 0, "closed": 0, "refused": 0, "large": {}, "large_lost": 0}
+            for part in (["quiet", "hostile"] if r % 2 == 0 else ["hostile", "quiet"]):
+                during = hostile(server.url, args.idle, large, stats) if part == "hostile" else None
+                row[part] = load(server.url, sentences, args.clients, args.timeout, during)
+            row.update(stats)
+            row["ratio"] = row["hostile"]["p99_ms"] / row["quiet"]["p99_ms"]
+            row["differ"] = sum(a is not None and b is not None and a != b
+                                for a, b in zip(row["quiet"]["answers"], row["hostile"]["answers"]))
+            rows.append(row)
+            console.print(f"round {r + 1}: p99 quiet {row['quiet']['p99_ms']:.0f} ms, with {args.idle} idle "
+                          f"connections and a large request {row['hostile']['p99_ms']:.0f} ms ({row['ratio']:.2f}x); "
+                          f"large answered {sum(stats['large'].values())}, idle closed by the server "
+                          f"{stats['closed']}")
+        counters = httpx.get(server.url + "/info", timeout=30).json()["counters"]
+    finally:
+        code = server.stop()
+
+    def both(key: str) -> list[list[Any]]:
+        return [[f"{key.split('_')[0]} latency (ms), {part}", *[row[part][key] for row in rows],
+                 spread([row[part][key] for row in rows])] for part in ("quiet", "hostile")]
+
+    header = ["", *[f"round {row['round']}" for row in rows], "min / median / max"]
+    body = [*both("p50_ms"), *both("p99_ms"),
+            ["p99 ratio, hostile / quiet", *[row["ratio"] for row in rows], spread([row["ratio"] for row in rows])]]
+    for name, key in (("failed short requests", "failed"), ("lost short requests", "lost")):
+        values = [row["quiet"][key] + row["hostile"][key] for row in rows]
+        body.append([name, *values, spread(values)])
+    for name, key in (("answers differing between the runs", "differ"), ("idle connections opened", "opened"),
+                      ("idle connections closed by the server", "closed"), ("idle connections refused", "refused"),
+                      ("large requests lost", "large_lost")):
+        body.append([name, *[row[key] for row in rows], spread([row[key] for row in rows])])
+    answered = [sum(row["large"].values()) for row in rows]
+    body.append(["large requests answered (any status)", *answered, spread(answered)])
+    table("mtpipe serve: short requests beside slow clients and a large request", header, body)
+    ratio = statistics.median(row["ratio"] for row in rows)
+    verdict = "pass" if ratio <= 2.0 else "missed"
+    console.print(f"p99 with {args.idle} idle connections and a large request / quiet, median: {ratio:.2f}x (target "
+                  f"<= 2x: {verdict}); server counters: read timeouts {counters.get('read_timeouts')}, refused "
+                  f"connections {counters.get('refused_connections')}; exit status {code}")
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    md = [f"# mtpipe serve: short requests beside slow clients and a large request ({stamp})", "",
+          f"{args.checkpoint}, {len(sentences):,} sentences of {args.sentences.name}, {args.clients} clients (one "
+          f"sentence per request); {args.idle} idle connections (half silent, half mid-body) and one request of "
+          f"{len(large['text'])} sentences at beam {large['beam']} in flight ({large_s:.1f} s alone); {args.rounds} "
+          f"rounds, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs. decode args: "
+          f"`{args.decode_args}`; serve args: `{args.serve_args}`.", "",
+          "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    md += ["| " + " | ".join(str(c) if isinstance(c, str) else fmt(c) for c in line) + " |" for line in body]
+    md += ["", f"Median p99 ratio {ratio:.2f}x (target <= 2x: {verdict}). Server exit status: {code}.", ""]
+    out = args.out / "serve_slow_clients.md"
+    out.write_text("\n".join(md), encoding="utf-8")
+    console.print(f"written: {out}")
+    failed = sum(row["quiet"]["failed"] + row["quiet"]["lost"] + row["hostile"]["failed"] + row["hostile"]["lost"]
+                 for row in rows)
+    sys.exit(0 if code == 0 and failed == 0 else 1)
+
+
 def spread(values: list[float]) -> str:
     return f"{fmt(min(values))} / {fmt(statistics.median(values))} / {fmt(max(values))}"
 
@@ -296,16 +478,28 @@ def main() -> None:
                          "at a time straight down their pipes (no HTTP, queue or batching window): the bound the "
                          "decoding step sets on the server at this load")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds a request may take before it counts lost")
+    ap.add_argument("--case", choices=("throughput", "slow-clients"), default="throughput",
+                    help="throughput: the server against offline decode; slow-clients: short requests' latency "
+                         "beside idle connections and a large request, against a quiet server")
+    ap.add_argument("--idle", type=int, default=100, help="slow-clients: idle connections held open")
+    ap.add_argument("--large-n", type=int, default=64, help="slow-clients: sentences of the large request "
+                    "(the longest ones; halved until serve.max_request_work accepts it)")
+    ap.add_argument("--large-beam", type=int, default=8, help="slow-clients: beam of the large request")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "serve", help="markdown table and logs")
     args = ap.parse_args()
     if args.rounds < 1 or args.clients < 1 or args.n < 1:
         sys.exit("error: --rounds, --clients and --n must be >= 1")
+    if args.idle < 0 or args.large_n < 1 or args.large_beam < 1:
+        sys.exit("error: --idle must be >= 0, --large-n and --large-beam >= 1")
 
     args.out.mkdir(parents=True, exist_ok=True)
     sentences = read_sentences(args.sentences, args.n)
     infile = args.out / "sentences.txt"
     infile.write_text("".join(s + "\n" for s in sentences), encoding="utf-8")
     console.print(f"{len(sentences):,} sentences, {args.clients} clients, {args.rounds} rounds")
+    if args.case == "slow-clients":
+        slow_clients(args, sentences)
+        return
 
     server = Server(args, args.out / "serve.log")
     ceiling = None

@@ -466,14 +466,38 @@ class ServeConfig(Section):
                       "several cores better side by side than split; with several GPUs worker i decodes on GPU i "
                       "mod their number. 1 = the model in the server's own process.",
                       default=1, ge=1)
-    max_beam: int = _h("Largest beam a request may ask for (decode.beam is the default).", default=8, ge=1)
-    max_nbest: int = _h("Largest nbest a request may ask for (decode.nbest is the default).", default=4, ge=1)
+    max_beam: int = _h("Largest beam a request may ask for (decode.beam is the default; at most decode.beam's own "
+                       "limit).", default=8, ge=1, le=MAX_BEAM)
+    max_nbest: int = _h("Largest nbest a request may ask for (decode.nbest is the default).", default=4, ge=1,
+                        le=MAX_BEAM)
     max_alpha: float = _h("Largest length-penalty alpha a request may ask for (decode.alpha is the default).",
                           default=4.0, ge=0)
     keep_alive_s: float = _h("How long an idle client connection stays open for its next request (seconds). Behind "
                              "a proxy or load balancer that reuses its connections to the server, set it above the "
                              "proxy's idle timeout (e.g. 75 for a 60-second one): else a request the proxy sends as "
                              "the server closes the connection is reset.", default=5.0, gt=0)
+    read_timeout_s: float = _h("Seconds a client has to send a whole request, headers and body, counted from its "
+                               "first byte (from the connection's opening for its first request); then the "
+                               "connection is closed, with a 408 if part of a request came. Bounds silent and slow "
+                               "clients, which keep_alive_s (after a response) does not.", default=30.0, gt=0)
+    max_connections: int = _h("Most client connections open at once; one more is answered 503 and closed at once, "
+                              "so that idle clients cannot use up the process's open files (checked against its "
+                              "limit, ulimit -n, at start-up).", default=1000, ge=1)
+    drain_s: float = _h("Seconds SIGTERM (or Ctrl-C) waits for the requests in flight; then those still waiting or "
+                        "decoding are answered 503, connections still sending a request are closed, and the process "
+                        "exits 0.", default=30.0, ge=0)
+    max_request_work: int = _h("Most decoding work one request may ask for: its source tokens (EOS included) x its "
+                               "beam, summed over its sentences (more: 413). Bounds how long one request keeps a "
+                               "worker busy, which max_sentences x max_chars do not (64 sentences of 1,000 "
+                               "characters at beam 8 are ~128,000).", default=20000, ge=1)
+    chunk_work: int = _h("Work (source tokens x beam) a worker takes from one request at a time: a larger request "
+                         "is decoded in chunks of about this much, and the waiting requests take turns chunk by "
+                         "chunk, the least served first, so a short request waits for a chunk, not for a large "
+                         "request. Smaller: shorter waits behind large requests; larger: fuller batches.",
+                         default=2000, ge=1)
+    max_output_tokens: int = _h("Most tokens decoded for one sentence (decode.max_len_a / max_len_b and the "
+                                "model's positions still apply when lower): bounds the work of a runaway output.",
+                                default=400, ge=1)
 
 
 # The decode settings a checkpoint records (train: the params.yaml decode keys it ran with; average and export copy

@@ -15,7 +15,8 @@ sentences alone, and a row that joined later sees only its own positions (:meth:
 from __future__ import annotations
 
 import collections
-from typing import Any, Hashable, Sequence
+import dataclasses
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
@@ -25,6 +26,25 @@ from mtpipe.search import BeamSearch, DecodeRules, Hypothesis
 
 # Most decoder steps a waiting sentence waits for company before it joins the running batch alone.
 ADMIT_EVERY = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedRules(DecodeRules):
+    """The server's rules: the ``decode`` section's, with each sentence's output capped at ``max_output``
+    (``serve.max_output_tokens``; 0: no cap of its own). ``max_len_a x S + max_len_b`` grows with the source and
+    the model's positions may be many (1,024): a server bounds the decoder steps any one sentence may cost, whatever
+    the decode section allows. Every engine asks :meth:`max_output_len`, so the cap reaches them all."""
+
+    max_output: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_output < 0:
+            raise ValueError(f"serve.max_output_tokens: {self.max_output} is not >= 0")
+
+    def max_output_len(self, src_len: int, max_positions: int) -> int:
+        longest = super().max_output_len(src_len, max_positions)
+        return min(longest, self.max_output) if self.max_output else longest
 
 
 class StreamDecoder:
@@ -58,6 +78,16 @@ class StreamDecoder:
     def __len__(self) -> int:
         """Sentences queued or decoding."""
         return len(self.waiting) + len(self.tokens) + len(self.ready)
+
+    def drop(self, unwanted: Callable[[Hashable], bool]) -> int:
+        """Forget the queued sentences whose key is ``unwanted`` (a request whose client has gone): the number
+        dropped. Sentences already in the running search decode to their end and come out of :meth:`step` as
+        usual (the caller ignores them): rows cannot leave a beam search mid-way. The server hands a lane a request
+        a chunk at a time (``serve.chunk_work``), so little of a large request is ever in the search."""
+        before = len(self.waiting) + len(self.ready)
+        self.waiting = collections.deque(item for item in self.waiting if not unwanted(item[0]))
+        self.ready = [item for item in self.ready if not unwanted(item[0])]
+        return before - len(self.waiting) - len(self.ready)
 
     @property
     def batch_sentences(self) -> int:
@@ -103,4 +133,4 @@ class StreamDecoder:
             self.tokens[key] = len(source) + 1
 
 
-__all__ = ["StreamDecoder"]
+__all__ = ["ServedRules", "StreamDecoder"]

@@ -37,9 +37,9 @@ def _worker_main(conn: Any, index: int, cfg: DecodeConfig, checkpoint: str, toke
                  beams: tuple[int, ...] = ()) -> None:
     """Worker process ``index``: on a machine with several GPUs, pick its own (:func:`worker_gpu`); open the model as
     the server does, warm it up (also at ``beams``: :func:`warm_beams`),
-    then run a lane: lists of ``(key, sources, rules)`` in (what the server took at once), lists of ``(key, result)``
-    out (what one poll of the lane finished; an exception travels as its one-line reason), until the server closes
-    the pipe."""
+    then run a lane: lists of ``(key, sources, rules)`` in (what the server took at once; a ``(key,)`` alone cancels
+    that key: its client has gone), lists of ``(key, result)`` out (what one poll of the lane finished; an exception
+    travels as its one-line reason), until the server closes the pipe."""
     # The server drains and stops on SIGTERM / Ctrl-C (which a terminal sends to the whole process group): a worker
     # must go on decoding what the server still hands it, and ends when the server closes its pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -70,7 +70,10 @@ def _worker_main(conn: Any, index: int, cfg: DecodeConfig, checkpoint: str, toke
                 # Between decoder steps take whatever arrived; with nothing to decode, wait for it.
                 while conn.poll(0 if lane.busy() else None):
                     for request in conn.recv():
-                        lane.add(*request)
+                        if len(request) == 1:
+                            lane.cancel(request)
+                        else:
+                            lane.add(*request)
             except (EOFError, OSError):
                 return
             done = lane.poll()
@@ -132,6 +135,15 @@ class WorkerProcess:
     def busy(self) -> bool:
         return bool(self._held)
 
+    def cancel(self, keys: Sequence[int]) -> None:
+        """Forget ``keys`` (their clients have gone): the worker process drops what it has not decoded of them,
+        at its next look at the pipe (between decoder steps, or after the batch in hand)."""
+        keys = [k for k in keys if k in self._held]
+        self._held.difference_update(keys)
+        self._outbox = [item for item in self._outbox if item[0] not in keys]
+        if keys and not self._dead:
+            self._outbox += [(k,) for k in keys]  # sent with the next poll's message  # type: ignore[misc]
+
     def decoding(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # the worker process enters its lane's own
 
@@ -149,6 +161,8 @@ class WorkerProcess:
             if not self._dead and self._conn.poll(0.002 if self.continuous else 0.5):
                 while True:
                     for key, (status, payload) in self._conn.recv():
+                        if key not in self._held:  # cancelled meanwhile: nobody waits for it
+                            continue
                         self._held.discard(key)
                         finished.append((key, payload if status == "ok" else RuntimeError(payload)))
                     if not self._conn.poll(0):
@@ -166,11 +180,16 @@ class WorkerProcess:
 
     def close(self, wait: float = 30) -> None:
         """Close the pipe (the worker then exits once its work in hand is done) and wait up to ``wait`` seconds for
-        the process, then end it (0: at once, e.g. when the command was interrupted)."""
+        the process, then end it (0: at once, e.g. when the command was interrupted). A worker ignores SIGTERM
+        (see :func:`_worker_main`): one still alive after that is killed, else the interpreter's exit would wait
+        for it."""
         self._conn.close()
         self._proc.join(wait)
         if self._proc.is_alive():
             self._proc.terminate()
+            self._proc.join(min(wait, 5))
+        if self._proc.is_alive():
+            self._proc.kill()
             self._proc.join(5)
 
 

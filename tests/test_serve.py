@@ -2,7 +2,10 @@
 sentences. Its answers equal `mtpipe decode`'s on the same sentences, also when requests of different lengths and
 settings share a batch; bad input gets a 4xx with one line of JSON and the server keeps serving; a full queue gets
 503 with Retry-After; concurrent requests are decoded together, a request joining the running batch; SIGTERM lets the request in flight finish and
-exits 0."""
+exits 0. Every phase of a request is bounded: silent and half-sent requests are closed after serve.read_timeout_s,
+connections past serve.max_connections refused, work past serve.max_request_work refused (413), a large request takes
+turns with short ones chunk by chunk, a client that leaves is cancelled (one log line), and SIGTERM exits 0 within
+serve.drain_s whatever the clients do."""
 
 from __future__ import annotations
 
@@ -332,6 +335,7 @@ BAD = {
     "too many sentences": (json.dumps({"text": ["the dog runs ."] * 13}), 413, "serve.max_sentences"),
     "too many chars": (json.dumps({"text": ["the dog runs . " * 6]}), 413, "serve.max_chars"),
     "huge body": (b'{"text": ["' + b"a" * 2_000_000 + b'"]}', 413, "body"),
+    "nested 5,000 deep": (b'{"text": ' + b"[" * 5_000 + b"]" * 5_000 + b"}", 400, "nested too deeply"),
     "beam a string": ("{" + OK + ', "beam": "4"}', 422, "beam: must be an integer"),
     "beam a float": ("{" + OK + ', "beam": 2.5}', 422, "beam: must be an integer"),
     "beam a bool": ("{" + OK + ', "beam": true}', 422, "beam: must be an integer"),
@@ -707,3 +711,344 @@ def test_a_server_with_worker_processes_holds_the_vocabulary_not_the_weights(mod
     assert remote.detok([served.sp.encode(PAIRS[6][1])]) == [PAIRS[6][1]]
     with pytest.raises(Exception, match="holds no copy of the model"):
         remote.lane()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Bounds: silent and slow clients, connections, work, fair turns, cancellation, drain
+# --------------------------------------------------------------------------------------------------------------------
+
+LONG = PAIRS[5][0]  # the longest sentence
+HALF_BODY = (b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 5000\r\n\r\n"
+             b'{"text":')
+
+
+def raw(server: Server):
+    """A plain socket connected to ``server`` (30 s timeout: every read below is bounded)."""
+    import socket
+    import urllib.parse
+
+    url = urllib.parse.urlsplit(server.url)
+    return socket.create_connection((url.hostname, url.port), timeout=30)
+
+
+def read_all(sock) -> bytes:
+    """What the server sends until it closes the connection (a reset counts as closed)."""
+    data = b""
+    for _ in range(1000):
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def error_of(response: bytes) -> str:
+    """The ``error`` line of a raw HTTP response's JSON body."""
+    return json.loads(response.split(b"\r\n\r\n", 1)[1])["error"]
+
+
+def post_raw(sock, body: dict) -> None:
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+
+
+def counters(server: Server) -> dict:
+    return server.client.get("/info").json()["counters"]
+
+
+def until(check, what: str, tries: int = 400, pause: float = 0.05):
+    """``check()``'s first truthy value, tried at most ``tries`` times (errors count as not yet)."""
+    for _ in range(tries):
+        try:
+            value = check()
+        except (httpx.HTTPError, KeyError, ValueError):
+            value = None
+        if value:
+            return value
+        time.sleep(pause)
+    raise AssertionError(f"never {what}")
+
+
+def work_of(model: dict, text: str, beam: int) -> int:
+    """serve.max_request_work's measure of one sentence: its tokens with EOS x the beam."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(model["root"] / "spm.model"))
+    return (len(sp.encode(text)) + 1) * beam
+
+
+@pytest.fixture(scope="module")
+def guarded(model):
+    """A server with tight bounds: a request read within 1.5 s, 6 connections, a request taken a sentence at a time
+    (chunk work 1), and a work budget that 48 long sentences at beam 8 fit and 64 do not."""
+    budget = 48 * work_of(model, LONG, 8)
+    s = Server(model, "--read-timeout-s", "1.5", "--max-connections", "6", "--chunk-work", "1", "--max-sentences",
+               "64", "--max-request-work", str(budget), "--batch-wait-ms", "0")
+    yield s
+    s.stop()
+
+
+def test_silent_and_half_sent_requests_are_closed_after_the_read_timeout(guarded):
+    """serve.read_timeout_s (1.5 s): a connection that sends nothing is closed; one that sent part of its headers, or
+    its headers and part of its body, gets a 408 line and is closed; the server serves on, and logs no traceback."""
+    before = counters(guarded)
+    socks = {"silent": raw(guarded), "headers": raw(guarded), "body": raw(guarded)}
+    socks["headers"].sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Le")
+    socks["body"].sendall(HALF_BODY)
+    start = time.monotonic()
+    try:
+        got = {name: read_all(sock) for name, sock in socks.items()}
+    finally:
+        for sock in socks.values():
+            sock.close()
+    waited = time.monotonic() - start
+    assert got["silent"] == b""
+    for name in ("headers", "body"):
+        assert got[name].startswith(b"HTTP/1.1 408"), got[name]
+        assert "serve.read_timeout_s" in error_of(got[name])
+    assert 1.0 < waited < 20, waited  # the timeout closed them: not at once, not never
+    assert counters(guarded)["read_timeouts"] - before["read_timeouts"] >= 3
+    ok = guarded.post({"text": ["the dog runs ."]})
+    assert ok.status_code == 200 and ok.json()["translations"] == ["der hund rennt ."]
+    log = "".join(guarded.log)
+    assert log.count("request not received whole within 1.5 s") >= 2 and "Traceback" not in log
+
+
+def test_connections_past_serve_max_connections_are_refused(guarded):
+    """serve.max_connections (6): one more connection is answered 503 with one JSON line and closed at once; once
+    connections close, the server takes new ones again."""
+    until(lambda: counters(guarded)["open_connections"] == 1, "only this test's client connected")
+    before = counters(guarded)["refused_connections"]
+    socks = [raw(guarded) for _ in range(7)]  # this test's client holds one: the 6th or the 7th is one too many
+    try:
+        refused = read_all(socks[-1])
+        assert refused.startswith(b"HTTP/1.1 503"), refused
+        assert "serve.max_connections" in error_of(refused) and "\n" not in error_of(refused)
+    finally:
+        for sock in socks:
+            sock.close()
+    ok = until(lambda: guarded.post({"text": ["a cat sleeps ."]}).status_code == 200, "served again")
+    assert ok and counters(guarded)["refused_connections"] > before
+
+
+def test_a_client_leaving_mid_body_is_one_log_line(guarded):
+    """A client that closes its connection halfway through its body: one line in the log, no ASGI traceback."""
+    def lines() -> list[str]:
+        return [line for line in guarded.log if "went away before sending the whole body" in line]
+
+    seen = len(lines())
+    sock = raw(guarded)
+    sock.sendall(HALF_BODY)
+    until(lambda: counters(guarded)["open_connections"] >= 2, "the connection accepted")
+    sock.close()
+    until(lambda: len(lines()) == seen + 1, "a line for the client that left")
+    assert "(8 bytes of 5000)" in lines()[-1]
+    log = "".join(guarded.log)
+    assert "Traceback" not in log and "Exception in ASGI application" not in log
+
+
+def test_json_nested_100000_deep_gets_400(guarded):
+    r = guarded.post(b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    assert r.status_code == 400 and list(r.json()) == ["error"] and "nested too deeply" in r.json()["error"]
+    assert "Traceback" not in "".join(guarded.log)
+
+
+def test_work_over_serve_max_request_work_gets_413(guarded):
+    """Work, not characters: 64 long sentences at beam 8 are over the budget (413 naming the key); the same sentences
+    at beam 4, half the work, are decoded."""
+    r = guarded.post({"text": [LONG] * 64, "beam": 8})
+    assert r.status_code == 413 and list(r.json()) == ["error"], r.text
+    assert "serve.max_request_work" in r.json()["error"] and "\n" not in r.json()["error"]
+    ok = guarded.post({"text": [LONG] * 64, "beam": 4})
+    assert ok.status_code == 200 and len(set(ok.json()["translations"])) == 1
+    assert counters(guarded)["rejected_work"] >= 1
+
+
+def check_turns_and_cancel(s: Server, model: dict) -> None:
+    """A short request sent while a large one (48 long sentences at beam 8, taken a sentence at a time) decodes is
+    answered before the large one ends, and both answers are `mtpipe decode`'s; a large request whose client leaves
+    is cancelled: counted, its sentences no worker had started dropped, never answered, one log line."""
+    want = decode(model, [LONG], "--beam", "8")[0]["hypothesis"]
+    order: list[str] = []
+    large: list = []
+
+    def send_large() -> None:
+        large.append(s.post({"text": [LONG] * 48, "beam": 8}))
+        order.append("large")
+
+    thread = threading.Thread(target=send_large)
+    thread.start()
+    try:
+        s.wait_queued(1)  # the large request is in: it stays queued until its last chunk is taken
+        short = s.post({"text": ["the dog runs ."], "beam": 1})
+        order.append("short")
+    finally:
+        thread.join(120)
+    assert short.status_code == 200 and short.json()["translations"] == ["der hund rennt ."]
+    assert large and large[0].status_code == 200 and large[0].json()["translations"] == [want] * 48
+    assert order == ["short", "large"]
+
+    before = counters(s)
+    said = sum("went away before its answer" in line for line in s.log)
+    sock = raw(s)
+    post_raw(sock, {"text": [LONG] * 48, "beam": 8})
+    s.wait_queued(1)
+    sock.close()
+    after = until(lambda: (c := counters(s))["cancelled"] > before["cancelled"] and c, "the request cancelled")
+    assert after["dropped_sentences"] > before["dropped_sentences"]
+    assert after["requests"] == before["requests"]  # never answered
+    until(lambda: counters(s)["queued"] == 0, "the queue emptied")
+    assert s.post({"text": ["a cat sleeps ."]}).json()["translations"] == ["eine katze schläft ."]
+    until(lambda: sum("went away before its answer" in line for line in s.log) == said + 1, "one line for it")
+    assert "Traceback" not in "".join(s.log)
+
+
+def test_a_short_request_overtakes_a_large_one_and_a_cancelled_one_is_dropped(guarded, model):
+    check_turns_and_cancel(guarded, model)
+
+
+@pytest.mark.parametrize("batching,workers", [("continuous", "1"), ("continuous", "2")])
+def test_turns_and_cancelling_in_continuous_batching_and_worker_processes(model, batching, workers):
+    s = Server(model, "--batching", batching, "--workers", workers, "--chunk-work", "1", "--max-sentences", "64",
+               "--batch-wait-ms", "0")
+    try:
+        check_turns_and_cancel(s, model)
+    finally:
+        s.stop()
+
+
+def test_sigterm_with_a_half_sent_body_exits_0_within_drain_s(model):
+    """serve.drain_s (2 s; the read timeout is 60 s): a client that sent half its body holds a stopping server no
+    longer than that, and the process exits 0. Also serve.max_output_tokens: 3 tokens, as `mtpipe decode` with a
+    length limit of 3."""
+    s = Server(model, "--drain-s", "2", "--read-timeout-s", "60", "--max-output-tokens", "3")
+    sock = None
+    try:
+        text = PAIRS[4][0]
+        want = decode(model, [text], "--max-len-a", "0", "--max-len-b", "3")[0]["hypothesis"]
+        r = s.post({"text": [text]})
+        assert r.status_code == 200 and r.json()["translations"] == [want]
+        assert want != PAIRS[4][1] and 0 < len(want.split()) <= 3
+        sock = raw(s)
+        sock.sendall(HALF_BODY)
+        until(lambda: counters(s)["open_connections"] >= 2, "the connection accepted")
+        s.client.close()
+        start = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        code = s.proc.wait(60)
+        took = time.monotonic() - start
+        assert code == 0, "".join(s.log)
+        assert took < 2 + 15, took  # the drain's 2 s and a generous margin: not the read timeout's 60 s
+        assert read_all(sock) == b""  # dropped, no answer
+        log = "".join(s.log)
+        assert "drain (serve.drain_s = 2 s" in log and "Traceback" not in log, log
+    finally:
+        if sock is not None:
+            sock.close()
+        s.stop()
+
+
+def test_a_large_request_takes_turns_with_a_short_one_chunk_by_chunk():
+    """Batcher: a request is taken a chunk at a time (chunk_work: one sentence here), the least served first: a short
+    request that arrives while a large one's first chunk decodes goes into the very next batch, and is answered
+    before the large one, whose answer keeps its sentences' order."""
+    import asyncio
+
+    from mtpipe.search import Hypothesis
+    from mtpipe.serve import BatchLane, Batcher, Job
+
+    loop = asyncio.new_event_loop()
+    first, release, batches = threading.Event(), threading.Event(), []
+
+    def translate(sources, rules):
+        batches.append([list(s) for s in sources])
+        if len(batches) == 1:
+            first.set()
+            release.wait(10)
+        return [[Hypothesis(list(s), 0.0, 0.0)] for s in sources]
+
+    batcher = Batcher(lambda tokens: [" ".join(map(str, t)) for t in tokens], max_queue=8, wait_s=0.0,
+                      batch_tokens=10_000, chunk_work=3)
+    batcher.start(BatchLane(translate))
+    done: list[str] = []
+
+    def job(name: str, sources: list[list[int]]) -> Job:
+        future = loop.create_future()
+        future.add_done_callback(lambda f: done.append(name))
+        return Job(sources, "rules", future, loop, time.monotonic())
+
+    large = job("large", [[5, 6], [5, 7], [5, 8], [5, 9]])
+    short = job("short", [[7]])
+    try:
+        batcher.submit(large)
+        assert first.wait(10)
+        batcher.submit(short)
+        release.set()
+        loop.run_until_complete(asyncio.wait_for(asyncio.gather(large.future, short.future), 10))
+    finally:
+        release.set()
+        batcher.close()
+        batcher.join(10)
+        loop.close()
+    assert batches == [[[5, 6]], [[7], [5, 7]], [[5, 8]], [[5, 9]]]
+    assert done == ["short", "large"]
+    assert [h[0][0] for h in large.future.result().hypotheses] == ["5 6", "5 7", "5 8", "5 9"]
+
+
+def test_abandon_answers_every_request_left_and_stops_the_workers():
+    """The drain's end (Batcher.abandon): the request decoding and the one queued are answered ServerStopping at
+    once, and the worker stops after the batch in hand."""
+    import asyncio
+
+    from mtpipe.search import Hypothesis
+    from mtpipe.serve import BatchLane, Batcher, Job, ServerStopping
+
+    loop = asyncio.new_event_loop()
+    started, release = threading.Event(), threading.Event()
+
+    def translate(sources, rules):
+        started.set()
+        release.wait(10)
+        return [[Hypothesis(list(s), 0.0, 0.0)] for s in sources]
+
+    batcher = Batcher(lambda tokens: ["x"] * len(tokens), max_queue=8, wait_s=0.0, batch_tokens=10_000)
+    batcher.start(BatchLane(translate))
+    jobs = [Job([[5, 6]], "rules", loop.create_future(), loop, time.monotonic()) for _ in range(2)]
+    try:
+        batcher.submit(jobs[0])
+        assert started.wait(10)
+        batcher.submit(jobs[1])
+        assert batcher.abandon() == 2
+        loop.run_until_complete(asyncio.wait(
+            [j.future for j in jobs], timeout=10))
+        for j in jobs:
+            assert isinstance(j.future.exception(), ServerStopping)
+        release.set()
+        batcher.join(10)
+        assert batcher._done.is_set() and batcher.snapshot()["queued"] == 0
+    finally:
+        release.set()
+        batcher.close()
+        loop.close()
+
+
+def test_bound_settings_are_checked_with_one_line(model):
+    """The bounds are serve settings, checked like the others; serve.max_connections must fit the open-file limit."""
+    from mtpipe.config import ServeConfig
+    from mtpipe.errors import MtpipeError
+    from mtpipe.serve import check_open_files
+
+    base = ["serve", "--params", str(model["params"]), "--port", "0", "--checkpoint", str(model["checkpoint"]),
+            "--tokens", str(model["tokens"])]
+    for flag, value, key in (("--read-timeout-s", "0", "read_timeout_s"), ("--max-connections", "0", "max_connections"),
+                             ("--drain-s", "-1", "drain_s"), ("--max-request-work", "0", "max_request_work"),
+                             ("--chunk-work", "0", "chunk_work"), ("--max-output-tokens", "0", "max_output_tokens")):
+        r = CliRunner().invoke(app, [*base, flag, value])
+        assert r.exit_code == 1 and f"serve.{key}" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    with pytest.raises(MtpipeError, match=r"serve.max_connections = 1000000000 needs .* open files"):
+        check_open_files(ServeConfig(max_connections=10**9))
+    check_open_files(ServeConfig(max_connections=8))  # fits
