@@ -855,7 +855,11 @@ def test_a_packaged_step_serves_every_size_its_export_allowed(model, monkeypatch
     # package of its own (one exported for beams would refuse its rows, and one for greedy search its beams').
     # With MTPIPE_CACHE_MAX_GB=0 the cache keeps only the package just built: the greedy one's build removes the
     # beams' (already loaded, so still decoding), and says so.
+    import json
     import os
+    import random
+
+    from mtpipe import step_package
 
     cache = Path(os.environ["MTPIPE_CACHE_DIR"]) / "bounded"
     monkeypatch.setenv("MTPIPE_CACHE_DIR", str(cache))
@@ -876,17 +880,34 @@ def test_a_packaged_step_serves_every_size_its_export_allowed(model, monkeypatch
     assert len(packages) == 1 and len(list((cache / "decode-step").glob("*.json"))) == 1
     assert re.search(r"removed 1 least recently used packaged step\(s\) \(\d+ MB\) from", capsys.readouterr().err)
 
-    # A damaged package on disk (mtpipe's own file) is built again, with one warning naming it; the others are loaded.
-    packages[-1].write_bytes(b"not a package")  # the greedy one, built last
-    again = copy.deepcopy(model)
-    again.compile_step()
+    # A package is native code and frozen weights that run unchecked: every load hashes it against the record
+    # written beside it when it was built. Intact, a new model (as a new process) loads it without a word ...
+    [package] = packages  # the greedy one, built last
+    assert json.loads(package.with_suffix(".json").read_text())["content"] == step_package.content_hash(package)
     cfg = DecodeConfig(beam=1, max_len_b=8, max_tokens=1000, compile=True)
-    got = translate(again, many, cfg)
-    assert [h[0].tokens for h in got] == [h[0].tokens for h in translate(model, many, dataclasses.replace(
-        cfg, compile=False))]
-    assert again._compiled_step.built == 1 and packages[-1].stat().st_size > 1000
+    want = [h[0].tokens for h in translate(model, many, dataclasses.replace(cfg, compile=False))]
+
+    def decode_anew() -> tuple[PackagedStep, list[list[int]]]:
+        again = copy.deepcopy(model)
+        again.compile_step()
+        return again._compiled_step, [h[0].tokens for h in translate(again, many, cfg)]
+
+    step, got = decode_anew()
+    assert step.built == 0 and got == want and "decode.compile" not in capsys.readouterr().err
+    # ... and changed in place (4 KB in the middle overwritten, its size kept: loaded silently, it changed
+    # translations), it is never run but built again, with one warning naming it (a truncated one: the unit test
+    # below).
+    size, before = package.stat().st_size, package.read_bytes()
+    with open(package, "r+b") as f:
+        f.seek(size // 2)
+        f.write(random.Random(0).randbytes(4096))
+    assert package.stat().st_size == size and package.read_bytes() != before
+    step, got = decode_anew()
     err = capsys.readouterr().err
-    assert "could not package" not in err and err.count(f"decode.compile: {packages[-1]}: its bytes do not match") == 1
+    assert err.count(f"decode.compile: {package}: its bytes do not match the content hash recorded when it was "
+                     "built (modified or damaged); building it again") == 1
+    assert "could not package" not in err and step.built == 1 and got == want
+    assert step_package.verify(package)["content"] == step_package.content_hash(package)  # the new one, recorded
 
 
 def test_the_package_cache_removes_the_least_recently_used_beyond_its_bound(tmp_path, monkeypatch):
@@ -1036,49 +1057,6 @@ def test_a_packaged_step_is_keyed_by_its_weights_and_environment(model, monkeypa
     plain = copy.deepcopy(model)
     plain.compile_step()
     assert plain._compiled() and not isinstance(plain._compiled_step, PackagedStep)
-
-
-def test_a_package_changed_on_disk_is_never_run_but_built_again(model, monkeypatch, capsys):
-    # A package is native code and frozen weights that run unchecked: 4 KB overwritten inside one, its size kept,
-    # loaded silently and changed translations. Every load hashes it against the record written beside it when it
-    # was built; one that differs is built again, with one warning naming it, and decodes as eager decoding does.
-    import json
-    import os
-    import random
-
-    from mtpipe import step_package
-
-    cache = Path(os.environ["MTPIPE_CACHE_DIR"]) / "verified"
-    monkeypatch.setenv("MTPIPE_CACHE_DIR", str(cache))
-    srcs = sources(5, seed=31, lo=3, hi=10)
-    cfg = DecodeConfig(beam=1, max_len_b=8, max_tokens=1000, compile=True)
-    want = [h[0].tokens for h in translate(model, srcs, dataclasses.replace(cfg, compile=False))]
-
-    def decode() -> tuple[PackagedStep, list[list[int]]]:  # as a new process would: a new model, its step unloaded
-        compiled = copy.deepcopy(model)
-        compiled.compile_step()
-        step = compiled._compiled_step
-        return step, [h[0].tokens for h in translate(compiled, srcs, cfg)]
-
-    step, got = decode()
-    assert step.built == 1 and got == want
-    [package] = (cache / "decode-step").glob("*.pt2")
-    assert json.loads(package.with_suffix(".json").read_text())["content"] == step_package.content_hash(package)
-    step, got = decode()  # intact: loaded, without a word
-    assert step.built == 0 and got == want and "decode.compile" not in capsys.readouterr().err
-
-    size, before = package.stat().st_size, package.read_bytes()
-    with open(package, "r+b") as f:
-        f.seek(size // 2)
-        f.write(random.Random(0).randbytes(4096))
-    assert package.stat().st_size == size and package.read_bytes() != before
-    step, got = decode()
-    err = capsys.readouterr().err
-    assert err.count(f"decode.compile: {package}: its bytes do not match the content hash recorded when it was "
-                     "built (modified or damaged); building it again") == 1
-    assert "could not package" not in err
-    assert step.built == 1 and got == want
-    assert step_package.verify(package)["content"] == step_package.content_hash(package)  # the new one, recorded
 
 
 def test_a_package_without_a_matching_record_is_not_verified(tmp_path):
