@@ -1,19 +1,13 @@
 #!/bin/bash
-# mtpipe's GPU paths in one short run on the visible GPU: bf16 training and its throughput, average, beam-search
-# decoding in fp32 and bf16 (sentences/s and sacreBLEU on valid and test), `mtpipe serve` under 8 concurrent clients
-# against offline decoding, with one decoding process and with two (bench/serve.py; needs the serve extra: fastapi,
-# uvicorn), decoding with decode.processes 2, a search step's cost for a
-# server's few sentences against a full batch, each with and without decode.cuda_graphs (bench/step_cost.py), fp16
-# training with the grad scaler, torch.compile, and exact resume (one run of N updates against N/2 then resumed; the
-# weights compared bitwise).
+# mtpipe's GPU paths in one short run: bf16 training, average, beam search in fp32 and bf16 (sentences/s, sacreBLEU),
+# `mtpipe serve` against offline decoding with one and two decoding processes (bench/serve.py; needs fastapi and
+# uvicorn), decode.processes 2, a server's few-sentence step against a full batch with and without CUDA graphs
+# (bench/decode_speed.py), fp16 training, torch.compile, exact resume (N updates against N/2 then resumed).
 #
 #   bash bench/gpu_check.sh ARTIFACTS [UPDATES] [MINUTES]
 #
-# ARTIFACTS: a directory with the quickstart's fetch, bpe and bucket artifacts (`make pipeline`, or the three stages);
-# UPDATES (default 8500): the main run's train.max_steps, its schedule's end; MINUTES (default 0 = none): a time cap
-# (train.max_time) that ends the run, and its schedule, first. Model and training settings come from ./params.yaml.
-# Writes every log and score under $OUT (default bench/out/gpu-check-<UTC time>); work files under $W (default a
-# temporary directory). Needs a CUDA GPU: on a CPU the fp16 step fails by design and the rest runs slowly.
+# ARTIFACTS: `make pipeline`'s fetch, bpe and bucket; UPDATES (default 8500): train.max_steps; MINUTES (default 0 =
+# none): train.max_time. Settings from ./params.yaml. Logs and results under $OUT, work files under $W.
 set -u
 ART=${1:?usage: bash bench/gpu_check.sh ARTIFACTS [UPDATES] [MINUTES]}
 STEPS=${2:-8500}
@@ -32,8 +26,7 @@ train() { $M train --tokens "$ART/bpe" --batches "$ART/bucket" "$@"; }
 
 el "machine"
 nvidia-smi -L 2>&1 | head -2
-$PY -c "import sys, torch; c = torch.cuda.is_available(); print('python', sys.version.split()[0], 'torch', torch.__version__, 'gpu', c and torch.cuda.get_device_name(), 'bf16', c and torch.cuda.is_bf16_supported())"
-grep -m1 'model name' /proc/cpuinfo; echo "cpu flags: $(grep -m1 -o 'avx512_bf16\|amx_bf16\|avx512f\|avx2' /proc/cpuinfo | sort -u | tr '\n' ' ')cores $(nproc)"
+$PY bench/machine.py
 
 el "train: $STEPS updates (time cap: $MINUTES min), train.precision from params.yaml"
 train --out "$W/train" --max-steps "$STEPS" --max-time "$MINUTES" > "$OUT/train.log" 2>&1; echo "rc=$?"
@@ -55,8 +48,8 @@ for split in valid test; do
 done
 
 el "serve: 8 clients, the test sentences one per request, against offline decode (fp32, 2 rounds)"
-$PY -c "import pyarrow.parquet as pq; print('\\n'.join(pq.read_table('$ART/fetch/test.parquet').column('src').to_pylist()))" \
-  > "$W/test.src"
+$PY -c "import pyarrow.parquet as pq; t = pq.read_table('$ART/fetch/test.parquet')
+for column, name in (('src', 'src'), ('tgt', 'ref')): open('$W/test.' + name, 'w').write('\n'.join(t[column].to_pylist()) + '\n')"
 $PY bench/serve.py --checkpoint "$W/average" --tokens "$ART/bpe" --sentences "$W/test.src" --clients 8 --rounds 2 \
   --out "$OUT/serve" > "$OUT/serve.log" 2>&1; echo "rc=$?"
 grep -E "^(round|server / offline)" "$OUT/serve.log"
@@ -67,18 +60,14 @@ grep -E "^(round|server / offline)" "$OUT/serve_w2.log"
 $M decode --checkpoint "$W/average" --tokens "$ART/bpe" --split test --processes 2 --stats > "$W/p2.txt" \
   2> "$OUT/decode-test-p2.log"; echo "rc=$? decode.processes 2: $(stats "$OUT/decode-test-p2.log" | tr '\n' ' ')"
 
-el "one search step: ~8-sentence batches (a server's at 8 clients) against 8,000-token batches, fp32, + profile"
-$PY bench/step_cost.py --checkpoint "$W/average" --tokens "$ART/bpe" --sentences "$W/test.src" --device cuda \
-  --rounds 2 --cuda-graphs both --profile > "$OUT/step_cost.log" 2>&1; echo "rc=$?"
-grep -E "│ (full|small)|small / full|graphs / eager|buckets|cudaLaunchKernel|cudaGraphLaunch|Self (CPU|CUDA) time total" \
-  "$OUT/step_cost.log"
-el "the same with graphs for up to 1,024 rows (the default: 256), and with 32,000-token full batches: the next defaults?"
-$PY bench/step_cost.py --checkpoint "$W/average" --tokens "$ART/bpe" --sentences "$W/test.src" --device cuda \
-  --rounds 2 --cuda-graphs both --graph-rows 1024 > "$OUT/step_cost_1024.log" 2>&1; echo "rc=$?"
-grep -E "│ (full|small)|graphs / eager|buckets" "$OUT/step_cost_1024.log"
-$PY bench/step_cost.py --checkpoint "$W/average" --tokens "$ART/bpe" --sentences "$W/test.src" --device cuda \
-  --rounds 2 --cuda-graphs on --max-tokens 32000 --small-tokens 8000 > "$OUT/step_cost_32k.log" 2>&1; echo "rc=$?"
-grep -E "│ (full|small)|small / full" "$OUT/step_cost_32k.log"
+el "one search step: ~8-sentence batches (a server's at 8 clients) against 8,000-token batches, fp32, with and \
+without CUDA graphs; then a profile of the small batches"
+DS=($PY bench/decode_speed.py --checkpoint "$W/average" --tokens "$ART/bpe" --source "$W/test.src" --reference \
+  "$W/test.ref" --device cuda --no-naive --precisions fp32 --rounds 2)
+"${DS[@]}" --batches 8000,130 --plain cuda-graphs --results "$OUT/step.json" > "$OUT/step.log" 2>&1; echo "rc=$?"
+grep -E "^│" "$OUT/step.log"
+"${DS[@]}" --batches 130 --sentences 48 --profile > "$OUT/step_profile.log" 2>&1; echo "rc=$?"
+grep -E "cudaLaunchKernel|cudaGraphLaunch|Self (CPU|CUDA) time total" "$OUT/step_profile.log"
 
 el "fp16 + grad scaler, $SHORT updates"
 train --out "$W/fp16" --max-steps "$SHORT" --max-time 0 --precision fp16 > "$OUT/fp16.log" 2>&1; echo "rc=$?"

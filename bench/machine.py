@@ -1,23 +1,163 @@
-"""What the benchmarks share: CPU time counters (how busy the whole machine was, and how much of that was this
-process), :func:`patched`, which switches one of mtpipe's speed tricks off for a baseline row, and :func:`spread`,
-a measurement's rounds as a table cell.
+"""The benchmarks' shared harness: the machine probe, interleaved rounds, spread, results files, CPU counters.
 
-These machines are shared and noisy, so a benchmark reports the share of CPU time other processes took while it
-measured, next to its figures."""
+    python bench/machine.py [--speed]    # the probe as one line of JSON (--speed: matmul and int8 rates too)
+
+Speeds drift by up to 40 % over minutes on these shared machines: :func:`interleaved` times every system on every
+item in rotating order, round after round, and figures are ratios to a baseline of the same round, min / median /
+max. :func:`write_results` writes the results file every benchmark leaves (command, commit, machine probe, date,
+figures). ``--isa avx2`` (:func:`isa_from_argv`) restricts torch, oneDNN and fbgemm to AVX2; :func:`probe` records
+it. Importing this module loads no torch (the anchors' venvs import it).
+"""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import datetime
+import json
 import os
+import platform
 import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+# What an AVX2-only CPU offers, on a CPU with more: torch's dispatch level, oneDNN's, and fbgemm's (mtpipe's int8
+# products; it heeds neither of the first two). Read when torch loads: see isa_from_argv.
+AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
+ISA_VARIABLES = (*AVX2_ONLY, "CT2_FORCE_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS")
+
+
+def isa_from_argv() -> None:
+    """``--isa avx2`` on the command line: this process run again with :data:`AVX2_ONLY` in its environment (unless
+    it already has them). Call it before importing torch, which reads them as it loads."""
+    avx2 = "--isa=avx2" in sys.argv or ("--isa", "avx2") in zip(sys.argv, sys.argv[1:])
+    if avx2 and any(os.environ.get(k) != v for k, v in AVX2_ONLY.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ONLY})
+
+
+def add_flags(ap: argparse.ArgumentParser, rounds: int = 3) -> None:
+    """The flags every speed benchmark shares: ``--rounds``, ``--isa``, ``--results``."""
+    ap.add_argument("--rounds", type=int, default=rounds, help=f"interleaved rounds (default {rounds})")
+    ap.add_argument("--isa", choices=["native", "avx2"], default="native", help="avx2: restrict torch, oneDNN and "
+                    "fbgemm to AVX2 (" + " ".join(f"{k}={v}" for k, v in AVX2_ONLY.items()) + ")")
+    ap.add_argument("--results", type=Path, help="the results file (default bench/results/<name>-<UTC time>.json)")
+
+
+def cpu_info() -> dict[str, Any]:
+    """CPU model, family and the AVX / AMX / FMA flags of /proc/cpuinfo, and the CPUs this process may use."""
+    text = Path("/proc/cpuinfo").read_text(errors="replace") if Path("/proc/cpuinfo").exists() else ""
+    field = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in text.splitlines()[:40]) if v}
+    flags = sorted({f for f in field.get("flags", "").split() if f.startswith(("avx", "amx", "fma"))})
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"model": field.get("model name", platform.processor() or "unknown"), "family": field.get("cpu family"),
+            "flags": flags, "cpus": cpus}
+
+
+def rates(native_bf16: bool) -> dict[str, float]:
+    """G(FL)OP/s, the best of a few: n^3 matmuls in float32 by torch's route (MKL's on x86) and by mtpipe's layers'
+    (oneDNN's), in bf16 (far below fp32 without native bf16), and mtpipe's int8 decoding layer (fbgemm's)."""
+    import warnings
+
+    import torch
+
+    from mtpipe.decode import _int8_linear
+    from mtpipe.kernels import mm
+
+    def best(run: Callable[[], Any], ops: float, reps: int = 5) -> float:
+        run()  # allocation and kernel choice
+        return round(ops / min(interleaved([0], range(reps), 1, lambda k, i: run())[0][0]) / 1e9, 1)
+
+    n, m = 1024, 1024 if native_bf16 else 256  # emulated bf16 is slow: a smaller product
+    a, b, c, d = torch.randn(n, n), torch.randn(n, n), torch.randn(m, m).bfloat16(), torch.randn(m, m).bfloat16()
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        layer, x = _int8_linear(torch.randn(8000, 512), None), torch.randn(64, 512)
+        return {"fp32_gflops": best(lambda: a @ b, 2 * n**3), "fp32_mtpipe_gflops": best(lambda: mm(a, b), 2 * n**3),
+                "bf16_gflops": best(lambda: c @ d, 2 * m**3), "int8_gops": best(lambda: layer(x), 2 * 64 * 512 * 8000,
+                                                                               20)}
+
+
+def probe(speed: bool = False) -> dict[str, Any]:
+    """What this process runs on: CPU, torch's dispatched capability and threads, native bf16 (what ``precision:
+    auto`` sees), the ISA variables set (a restriction), versions, GPU; ``speed``: :func:`rates` too."""
+    out: dict[str, Any] = {"cpu": cpu_info(), "python": sys.version.split()[0],
+                           "environment": {k: os.environ[k] for k in ISA_VARIABLES if k in os.environ}}
+    import torch
+
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from mtpipe.runtime import cpu_supports_bf16
+
+    gpu = torch.cuda.is_available()
+    out.update(torch=torch.__version__, torch_capability=torch.backends.cpu.get_cpu_capability(),
+               threads=torch.get_num_threads(), native_bf16=cpu_supports_bf16(),
+               gpu=gpu and {"name": torch.cuda.get_device_name(), "bf16": torch.cuda.is_bf16_supported(),
+                            "cuda": torch.version.cuda})
+    return {**out, **(rates(out["native_bf16"]) if speed else {})}
+
+
+def probe_under(env: dict[str, str], prefix: Sequence[str] = ()) -> dict[str, Any]:
+    """:func:`probe` with ``speed`` in a fresh process under ``env`` (``prefix``: e.g. ``taskset -c 0``)."""
+    run = subprocess.run([*prefix, sys.executable, __file__, "--speed"], env={**env, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, check=True)
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def commit() -> str:
+    """The checkout's commit, ``+dirty`` when tracked files differ from it."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    return (git("rev-parse", "--short", "HEAD") or "?") + ("+dirty" if git("status", "--porcelain", "-uno") else "")
+
+
+def write_results(name: str, figures: Any, path: Path | None = None, machine: dict[str, Any] | None = None,
+                  command: str | None = None) -> Path:
+    """The results file, ``{name, command, commit, date, machine, figures}`` as JSON at ``path`` (default
+    ``bench/results/<name>-<UTC time>.json``); ``machine``: a probe (default: :func:`probe` of this process)."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    path = Path(path or REPO / "bench" / "results" / f"{name}-{now:%Y%m%dT%H%M%SZ}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    argv = [os.path.relpath(sys.argv[0], REPO) if sys.argv[0].startswith("/") else sys.argv[0], *sys.argv[1:]]
+    doc = {"name": name, "command": command or "python " + " ".join(argv), "commit": commit(),
+           "date": now.isoformat(timespec="seconds"), "machine": machine or probe(), "figures": figures}
+    path.write_text(json.dumps(doc, indent=1, default=str) + "\n", encoding="utf-8")
+    print(f"results: {path}", file=sys.stderr)
+    return path
+
+
+def interleaved(keys: Sequence[Any], items: Sequence[Any], rounds: int, run: Callable[[Any, Any], Any],
+                clock: Callable[[], float] = time.perf_counter) -> dict[Any, list[list[float]]]:
+    """``run(key, item)`` for every item by every key in turn, the order rotating from item to item and round to
+    round, so drift and other processes fall on every key alike; the seconds of each, ``[key][round][item]``."""
+    seconds: dict[Any, list[list[float]]] = {k: [[0.0] * len(items) for _ in range(rounds)] for k in keys}
+    for r in range(rounds):
+        for i, item in enumerate(items):
+            shift = (i + r) % len(keys)
+            for key in [*keys[shift:], *keys[:shift]]:
+                start = clock()
+                run(key, item)
+                seconds[key][r][i] = clock() - start
+    return seconds
+
+
+def stats(values: Sequence[float]) -> dict[str, float]:  # for the results file
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def spread(values: Sequence[float], unit: str = "") -> str:
+    """Rounds as "median (min-max)", two decimals."""
+    return f"{statistics.median(values):.2f}{unit} ({min(values):.2f}-{max(values):.2f})"
 
 
 @contextlib.contextmanager
 def patched(*changes: tuple[Any, str, Any]) -> Iterator[None]:
-    """Each ``(owner, name, value)``: ``owner.name`` set to ``value`` for the length of the block, the old values put
-    back afterwards (also when the block raises), so a baseline row cannot leak its switch into the next row."""
+    """Each ``(owner, name, value)``: ``owner.name`` set to ``value`` for the block (a baseline row switching one of
+    mtpipe's tricks off), the old values put back afterwards, also when the block raises."""
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in changes]
     try:
         for owner, name, value in changes:
@@ -29,8 +169,7 @@ def patched(*changes: tuple[Any, str, Any]) -> Iterator[None]:
 
 
 def cpu_ticks() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine so far, all cores, from the first line of /proc/stat (0, 0
-    where unavailable)."""
+    """(busy, total) CPU seconds of the whole machine so far, all cores (/proc/stat; 0, 0 where unavailable)."""
     try:
         values = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     except (OSError, ValueError):
@@ -42,10 +181,16 @@ def cpu_ticks() -> tuple[float, float]:
 
 def own_cpu() -> float:
     """CPU seconds this process has used (user + system, all its threads)."""
-    t = os.times()
-    return t.user + t.system
+    return os.times().user + os.times().system
 
 
-def spread(values: list[float]) -> str:
-    """Rounds as "median (min-max)", two decimals."""
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+def others_share(since: tuple[float, float], own_since: float) -> float:
+    """The share of the machine's CPU time other processes used since ``cpu_ticks()`` and ``own_cpu()`` were taken."""
+    busy, total = cpu_ticks()
+    return max(0.0, busy - since[0] - (own_cpu() - own_since)) / max(total - since[1], 1e-9)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--speed", action="store_true", help="also fp32 / bf16 matmul and int8 layer rates")
+    print(json.dumps(probe(ap.parse_args().speed)))

@@ -512,10 +512,10 @@ def banded_min_length(window: int) -> int:
     """From this length on :func:`banded_attention` is used (shorter inputs take the masked full score matrix).
 
     Why this rule: the banded form scores about ``L (block + 2r)`` query-key pairs against the full form's ``L^2``,
-    but pays for padding, the unfolded views and more, smaller matmuls. ``bench/complexity.py`` (one layer, fp32,
-    forward + backward, d = 512, 2 CPU threads, the banded form forced at every length) measured where it starts to
-    win: for r = 16 between n = 128 and 256, r = 64 between 256 and 512 (about even at 384), r = 256 between 512
-    and 1,024 (BENCHMARKS.md). ``max(256, 4r + 128)`` lies inside or just above each interval."""
+    but pays for padding, the unfolded views and more, smaller matmuls. A benchmark (``bench/complexity.py``, in git
+    history at a632779: one layer, fp32, forward + backward, d = 512, 2 CPU threads, the banded form forced at every
+    length) measured where it starts to win: for r = 16 between n = 128 and 256, r = 64 between 256 and 512 (about
+    even at 384), r = 256 between 512 and 1,024 (BENCHMARKS.md). ``max(256, 4r + 128)`` lies inside or just above each interval."""
     return max(256, 4 * window + 128)
 
 

@@ -1,17 +1,12 @@
 #!/usr/bin/env python3
-"""fairseq 0.12.2 decoding, timed the way bench/anchors.py times mtpipe and CTranslate2 (runs in the anchors'
-venv-fs38, Python 3.8 + torch 1.13.1; not imported by anything else).
+"""fairseq 0.12.2 decoding for the anchors' decode and quality parts, timed as they time mtpipe and CTranslate2 (a
+script for the anchors' venv-fs38, Python 3.8 + torch 1.13.1: imports nothing of bench).
 
-fairseq-generate's own loop, through its Python API so that fairseq too gets a warm-up: the model and the test set
-are loaded as fairseq-generate loads them, batches are fairseq's (``--max-tokens`` source tokens, sorted by length),
-the search is fairseq's ``SequenceGenerator`` (beam, ``len_penalty`` alpha: scores divided by |Y|^alpha with EOS
-counted, stop once ``beam`` hypotheses finished, at most ``max_len_a * src_len + max_len_b`` tokens where src_len
-counts the source's EOS). The first ``--warmup`` test sentences are decoded untimed first; the timer then covers
-generation of every batch (not loading, not writing). fairseq 0.12.2's fused encoder path crashes under torch 1.13, so
-encoder layers are marked ``ever_training`` (fairseq's own switch; the anchors' fs_generate_nobt.py does the same).
-
-    venv-fs38/bin/python bench/fairseq_decode.py --checkpoint CK.pt --data DATA_BIN --max-tokens 8000 \
-        --beam 4 --alpha 0.6 --threads 2 --json OUT.json --hyps OUT.txt --pieces OUT.pieces
+fairseq-generate's loop through its Python API, so that fairseq too gets a warm-up: the model and the data set loaded
+as fairseq-generate loads them, fairseq's batches (``--max-tokens``, sorted by length), its ``SequenceGenerator``
+(|Y|^alpha with EOS counted, stop once ``beam`` finished, at most ``max_len_a * src_len + max_len_b`` with the
+source's EOS in src_len). The first ``--warmup`` sentences untimed; the timer covers generation only. fairseq
+0.12.2's fused encoder path crashes under torch 1.13: encoder layers are marked ``ever_training`` (its own switch).
 """
 
 import argparse

@@ -1,15 +1,12 @@
 """mtpipe's budgeted ``linear`` learning-rate schedule as a fairseq 0.12 scheduler, for the quality comparison.
 
-``fairseq-train --user-dir bench/fs_budget --lr-scheduler budget_linear --lr P --warmup-updates W
+``fairseq-train --user-dir bench/anchors/fs_budget --lr-scheduler budget_linear --lr P --warmup-updates W
 --budget-hours H --stop-time-hours H`` (or ``--budget-updates N --max-update N``) runs
-``mtpipe.train.linear_learning_rate`` in fairseq: the rate of update ``n`` (from 1) is
-``P * max(0, min(n / W, 1 - progress))``, ``progress`` being the larger of the fractions of the time budget
-(``--budget-hours``, counted from the scheduler's construction, right after fairseq's trainer starts its own stop
-clock) and of the update budget (``--budget-updates``) spent before the update. So the decay reaches 0 as fairseq's
-time budget runs out, whatever its speed does meanwhile, as mtpipe's does: no prediction of fairseq's update count
-is needed (a ``polynomial_decay`` to 0 at a predicted update either stops short of 0 or ends before the budget
-when the machine drifts). The rule itself, :func:`budget_linear_rate`, needs no fairseq; the scheduler is
-registered only where fairseq is installed (the anchors' venv).
+``mtpipe.train.linear_learning_rate`` in fairseq: update ``n`` (from 1) at ``P * max(0, min(n / W, 1 - progress))``,
+``progress`` the larger share spent of the time budget (from the scheduler's construction, right after fairseq
+starts its own stop clock) and of the update budget. So the decay reaches 0 as fairseq's budget runs out, whatever
+its speed meanwhile, as mtpipe's does. The rule needs no fairseq; the scheduler is registered where fairseq is
+installed (the anchors' venv-fs38, Python 3.8). ``python -m bench.anchors.fs_budget --self-check`` checks it.
 """
 
 import time
