@@ -61,7 +61,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.machine import cpu_ticks, own_cpu  # noqa: E402
+from bench.machine import cpu_ticks, own_cpu, write_results  # noqa: E402
 from mtpipe.console import console, fmt, table  # noqa: E402
 
 
@@ -453,6 +453,15 @@ def slow_clients(args: argparse.Namespace, sentences: list[str]) -> None:
     out = args.out / "serve_slow_clients.md"
     out.write_text("\n".join(md), encoding="utf-8")
     console.print(f"written: {out}")
+    write_results("serve_slow_clients", {
+        "settings": {"sentences": len(sentences), "clients": args.clients, "idle": args.idle,
+                     "large_sentences": len(large["text"]), "large_beam": large["beam"], "large_alone_s": large_s,
+                     "decode_args": args.decode_args, "serve_args": args.serve_args},
+        "rounds": [{k: v for k, v in row.items() if k not in ("quiet", "hostile")}
+                   | {part: {k: v for k, v in row[part].items() if k != "answers"} for part in ("quiet", "hostile")}
+                   for row in rows],
+        "p99_ratio_median": ratio, "target": "<= 2x", "verdict": verdict, "server_exit": code,
+        "server_counters": counters}, args.results)
     failed = sum(row["quiet"]["failed"] + row["quiet"]["lost"] + row["hostile"]["failed"] + row["hostile"]["lost"]
                  for row in rows)
     sys.exit(0 if code == 0 and failed == 0 else 1)
@@ -486,6 +495,8 @@ def main() -> None:
                     "(the longest ones; halved until serve.max_request_work accepts it)")
     ap.add_argument("--large-beam", type=int, default=8, help="slow-clients: beam of the large request")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "serve", help="markdown table and logs")
+    ap.add_argument("--results", type=Path, help="the results file (default bench/results/serve[_slow_clients]-<UTC "
+                    "time>.json)")
     args = ap.parse_args()
     if args.rounds < 1 or args.clients < 1 or args.n < 1:
         sys.exit("error: --rounds, --clients and --n must be >= 1")
@@ -567,6 +578,12 @@ def main() -> None:
     out = args.out / "serve.md"
     out.write_text("\n".join(md), encoding="utf-8")
     console.print(f"written: {out}")
+    write_results("serve", {
+        "settings": {"sentences": len(sentences), "clients": args.clients, "decode_args": args.decode_args,
+                     "serve_args": args.serve_args},
+        "rounds": [{k: v for k, v in row.items() if k not in ("answers",)} for row in rows],
+        "ratio_median": ratio, "target": ">= 0.70x", "verdict": verdict, "server_exit": code,
+        "max_requests_together": counters["max_requests_together"]}, args.results)
     sys.exit(0 if code == 0 and all(row["failed"] == row["lost"] == 0 for row in rows) else 1)
 
 
