@@ -19,6 +19,7 @@ lies inside the artifact, each file's hash, and each Parquet file's schema.
 | corpus      | {train,valid,test}.parquet              | id int64, src string, tgt string                            |
 | tokens      | {split}.parquet, spm.model, spm.vocab   | id int64, src list<int32>, tgt list<int32> (EOS not stored) |
 | batches     | {train,valid}.parquet                   | batch int64, ids list<int64>, src_tokens, tgt_tokens, ... |
+|             | train.arrow (Arrow IPC, uncompressed)   | batch int64, ids list<int64>, src/tgt list<list<int32>>     |
 | checkpoint  | model.safetensors [, trainer.pt, spm.*] | safetensors weights; trainer.pt loads with weights_only     |
 | hypotheses  | {split}.parquet, {split}.txt            | id int64, hypothesis string, score float64, nbest ...       |
 | export      | model.bin, config.json, *vocabulary.json, spm.model (CTranslate2) or Marian files | extra: format |
@@ -29,6 +30,15 @@ so that it decodes away from the bpe artifact (:func:`checkpoint_spm` validates 
 ``extra["decode"]`` may record the decode settings it was trained with (the params.yaml ``decode`` keys of
 :data:`mtpipe.config.RECORDED_DECODE`), which ``decode`` and ``serve`` use where neither params.yaml nor a flag sets
 them.
+
+Batches ``train.arrow``: the train batches again, with their sentences' token ids, one row per batch in the order of
+``train.parquet``, as an uncompressed Arrow IPC file (:data:`BATCH_TOKENS_SCHEMA`, record batches of whole batches)
+that training memory-maps (:func:`open_ipc`): the processes of a node share one copy through the page cache instead
+of each reading the tokens artifact into its memory. An addition, so the batches format stays 1: an older mtpipe
+ignores the file, and an artifact without it (an older mtpipe's) still trains, from the Parquet files. Such large
+files are hashed once: :func:`verify_file` with ``remember`` records a successful check under
+``$MTPIPE_CACHE_DIR/verified``, keyed by the file's real path, size, mtime, ctime and inode and its manifest hash, and
+later reads compare that key only; a changed key (the file was written, touched or replaced) means hashing it again.
 
 Hypotheses contract (written by ``decode``, read by ``score``): ``manifest.extra["split"]`` names the split that was
 translated; the rows are in ``{split}.parquet`` (and ``{split}.txt``, one detokenised line per row in ``id`` order).
@@ -43,6 +53,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -96,6 +108,18 @@ HYPOTHESES_SCHEMA = pa.schema(
         ("score", pa.float64()),  # length-penalised log-probability
         ("nbest", pa.list_(pa.string())),  # the n best hypotheses, best first (empty when nbest = 1)
         ("nbest_scores", pa.list_(pa.float64())),
+    ]
+)
+# The batches artifact's train.arrow: the train batches with their sentences (in the order of the batch's ``ids``),
+# one row per batch, batches in train.parquet's order; an uncompressed Arrow IPC file whose record batches hold whole
+# batches, written by the bucket stage and memory-mapped by training (mtpipe.batches.map_train).
+TRAIN_ARROW = "train.arrow"
+BATCH_TOKENS_SCHEMA = pa.schema(
+    [
+        ("batch", pa.int64()),
+        ("ids", pa.list_(pa.int64())),  # as in train.parquet
+        ("src", pa.list_(pa.list_(pa.int32()))),  # every sentence's token ids (EOS not stored), as in the tokens split
+        ("tgt", pa.list_(pa.list_(pa.int32()))),
     ]
 )
 SCHEMAS: dict[str, pa.Schema] = {
@@ -183,9 +207,14 @@ def manifest_hash(directory: Path | str) -> str:
     return file_hash(Path(directory) / MANIFEST)
 
 
-def verify_file(directory: Path | str, name: str, manifest: Manifest | None = None) -> Path:
+def verify_file(directory: Path | str, name: str, manifest: Manifest | None = None, *,
+                remember: bool = False) -> Path:
     """Path of ``name`` inside an artifact after checking it is listed, lies inside the artifact (symlinks
-    included), and its hash matches."""
+    included), and its hash matches.
+
+    ``remember``: for large files read at every start (training's ``train.arrow``): the hash is checked only when no
+    verification record of the file matches its current stat key (:func:`verified_before`), and a successful check
+    is recorded (:func:`remember_verified`)."""
     directory = Path(directory)
     m = manifest or read_manifest(directory)
     check_member_name(directory / MANIFEST, name)
@@ -197,9 +226,77 @@ def verify_file(directory: Path | str, name: str, manifest: Manifest | None = No
     if not path.resolve().is_relative_to(directory.resolve()):
         raise MtpipeError(f"{directory / MANIFEST}: lists '{name}', a link to {path.resolve()}, outside its "
                           "artifact folder")
+    if remember and verified_before(path, m.files[name]):
+        return path
+    before = _stat_key(path) if remember else None
     if file_hash(path) != m.files[name]:
         raise MtpipeError(f"{path}: content does not match its manifest hash (modified or truncated)")
+    if before is not None:
+        remember_verified(path, m.files[name], before)
     return path
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Verification records: a large file is hashed once, not at every start
+# --------------------------------------------------------------------------------------------------------------------
+
+VERIFIED_FORMAT = 1
+# A file whose mtime or ctime is less than this before the end of its check is not recorded (it is hashed again at
+# the next start): a filesystem stamps times from a coarse clock (a tick of a few ms; an NFS server's own clock), and a
+# change within the tick of the check would leave the stat key as it was ("racy" entries, as git calls them).
+RACY_NS = 2_000_000_000
+
+
+def cache_root() -> Path:
+    """mtpipe's per-user cache: ``$MTPIPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mtpipe`` (``~/.cache/mtpipe``)."""
+    root = os.environ.get("MTPIPE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mtpipe")
+    return Path(root)
+
+
+def _stat_key(path: Path) -> dict[str, int]:
+    """What changes when a file is written, truncated, touched or replaced: size, mtime, ctime (which no user can
+    set back) and inode. The device number is left out: it differs between the nodes that mount one NFS export."""
+    st = os.stat(path)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
+
+
+def verification_record(path: Path | str) -> Path:
+    """Where the verification record of the file ``path`` lives: ``<cache_root>/verified/<hash of its real
+    path>.json``, one small JSON file per data file (so that processes checking different files never write the
+    same record)."""
+    real = str(Path(path).resolve())
+    return cache_root() / "verified" / (hashlib.sha256(real.encode("utf-8")).hexdigest()[:32] + ".json")
+
+
+def verified_before(path: Path, want: str) -> bool:
+    """Whether a record says that the file ``path``, with exactly its current stat key, was hashed to ``want`` (its
+    manifest hash); an unreadable, foreign or stale record is no record."""
+    try:
+        rec = json.loads(verification_record(path).read_text(encoding="utf-8"))
+        return (isinstance(rec, dict) and rec.get("format") == VERIFIED_FORMAT
+                and rec.get("path") == str(path.resolve()) and rec.get("sha256") == want
+                and rec.get("stat") == _stat_key(path))
+    except (OSError, ValueError):
+        return False
+
+
+def remember_verified(path: Path, want: str, before: dict[str, int]) -> None:
+    """Record that ``path`` hashed to ``want``, if its stat key is still ``before`` (taken before hashing) and no
+    change of it could hide within the filesystem's clock tick (:data:`RACY_NS`). Written atomically; a cache that
+    cannot be written costs a warning and another check at the next start, nothing else."""
+    from mtpipe.writing import atomic_write_text
+
+    key = _stat_key(path)
+    if key != before or time.time_ns() - max(key["mtime_ns"], key["ctime_ns"]) < RACY_NS:
+        return
+    record = {"format": VERIFIED_FORMAT, "path": str(path.resolve()), "sha256": want, "stat": key}
+    try:
+        atomic_write_text(verification_record(path), json.dumps(record, sort_keys=True) + "\n")
+    except MtpipeError as e:
+        from mtpipe.console import warn
+
+        warn(f"{e}: the check of {path} is not recorded; the next start hashes it again")
 
 
 def _check_schema(path: Path, got: pa.Schema, want: pa.Schema) -> None:
@@ -223,6 +320,53 @@ def open_parquet(directory: Path | str, name: str, kind: str) -> pq.ParquetFile:
         raise MtpipeError(f"{path}: not a readable Parquet file ({e})") from None
     _check_schema(path, pf.schema_arrow, SCHEMAS[kind])
     return pf
+
+
+@dataclass
+class MappedIpc:
+    """An Arrow IPC file of an artifact, memory-mapped (:func:`open_ipc`)."""
+
+    path: Path
+    reader: pa.ipc.RecordBatchFileReader
+    region: tuple[int, int]  # the mapping's [start, end) addresses
+
+    def __len__(self) -> int:
+        return self.reader.num_record_batches
+
+    def batch(self, k: int) -> pa.RecordBatch:
+        """Record batch ``k``, every buffer of it a view of the mapped file (checked: a compressed file would be
+        decompressed into each process's memory), its structure validated (lengths and end offsets, not every
+        value: the file's hash is checked)."""
+        try:
+            rb = self.reader.get_batch(k)
+            rb.validate()
+        except (pa.ArrowInvalid, OSError) as e:
+            raise MtpipeError(f"{self.path}: record batch {k} is unreadable ({e})") from None
+        lo, hi = self.region
+        for col in rb.columns:
+            for buf in col.buffers():  # a nested array's buffers include its children's
+                if buf is not None and buf.size and not (lo <= buf.address and buf.address + buf.size <= hi):
+                    raise MtpipeError(f"{self.path}: record batch {k} is not stored as plain buffers (compressed?) "
+                                      "and cannot be memory-mapped: re-run the stage that made it")
+        return rb
+
+
+def open_ipc(directory: Path | str, name: str, schema: pa.Schema, manifest: Manifest | None = None) -> MappedIpc:
+    """A validated, memory-mapped Arrow IPC file of an artifact: its hash checked once and remembered
+    (``verify_file(remember=True)``), its schema checked. Its record batches (:meth:`MappedIpc.batch`) are views of
+    the mapped file: no copy, and the page cache holds one copy for every process that maps it."""
+    directory = Path(directory)
+    m = manifest or read_manifest(directory)
+    path = verify_file(directory, name, m, remember=True)
+    try:
+        mm = pa.memory_map(str(path), "r")
+        whole = mm.read_buffer(mm.size())  # zero-copy: the mapping itself, for MappedIpc.batch's check
+        mm.seek(0)
+        reader = pa.ipc.open_file(mm)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise MtpipeError(f"{path}: not a readable Arrow IPC file ({e})") from None
+    _check_schema(path, reader.schema, schema)
+    return MappedIpc(path, reader, (whole.address, whole.address + whole.size))
 
 
 def read_table(directory: Path | str, name: str, kind: str, columns: list[str] | None = None) -> pa.Table:

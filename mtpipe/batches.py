@@ -10,6 +10,12 @@
   (:func:`rank_batches`), so ranks never share a batch and any world size walks the same batch sequence.
 * Collation (section 3, "the output embeddings are offset by one position"): ``src = tokens + EOS``,
   ``tgt_in = BOS + tgt``, ``tgt_out = tgt + EOS``, right-padded, batch-first (:func:`collate`).
+* Train, memory-mapped (:func:`map_train`): the bucket artifact's ``train.arrow`` holds the train batches with their
+  sentences' token ids, batch after batch (an uncompressed Arrow IPC file); its record batches become
+  :class:`TokenSplit` views of the mapped file (:class:`MappedSplit`), so every process of a node reads the one copy
+  the page cache holds, and a process's own memory for the train data is a few arrays per batch, not per sentence.
+  The file is hashed at the first start only (``artifacts.verify_file(remember=True)``). A bucket artifact without
+  it (made by an older mtpipe) is read as before: ``train.parquet`` of both artifacts into each process's memory.
 * :func:`load_train_data` reads and checks both artifacts for a run of ``world_size`` processes (:class:`TrainData`).
 """
 
@@ -64,9 +70,9 @@ class TokenSplit:
 
     name: str
     src: np.ndarray  # int32 [total source tokens]
-    src_off: np.ndarray  # int64 [n + 1]
+    src_off: np.ndarray  # int64 [n + 1] (int32 in a MappedSplit: views of the file's list offsets)
     tgt: np.ndarray  # int32 [total target tokens]
-    tgt_off: np.ndarray  # int64 [n + 1]
+    tgt_off: np.ndarray  # int64 [n + 1] (int32 in a MappedSplit)
     ids: np.ndarray  # int64 [n]: the rows' ``id`` column
 
     @property
@@ -116,10 +122,29 @@ def load_split(tokens: Path, split: str) -> TokenSplit:
 
 
 @dataclass
-class BatchTable:
-    """The bucket artifact's batches of one split as row positions into a :class:`TokenSplit`."""
+class MappedSplit:
+    """A split memory-mapped from ``train.arrow`` (:func:`map_train`): the sentences of record batch ``k`` are the
+    :class:`TokenSplit` ``chunks[k]`` (views of the mapped file), rows ``starts[k]:starts[k + 1]`` of the split; a
+    batch never spans two record batches. :func:`collate` takes it where it takes a TokenSplit."""
 
-    rows: np.ndarray  # int64 [sum of batch sizes]: every batch's sentence rows, batch after batch
+    name: str
+    chunks: list[TokenSplit]
+    starts: np.ndarray  # int64 [n_chunks + 1]
+
+    def locate(self, rows: np.ndarray) -> tuple[TokenSplit, np.ndarray]:
+        """The record batch holding the rows (of one batch) and their positions in it."""
+        k = int(np.searchsorted(self.starts, rows[0], side="right")) - 1
+        return self.chunks[k], rows - self.starts[k]
+
+
+@dataclass
+class BatchTable:
+    """The bucket artifact's batches of one split as row positions into a :class:`TokenSplit` (or a
+    :class:`MappedSplit`)."""
+
+    # int64 [sum of batch sizes]: every batch's sentence rows, batch after batch; None: batch i is rows
+    # off[i]:off[i + 1] (the sentences are stored in batch order: train.arrow)
+    rows: np.ndarray | None
     off: np.ndarray  # int64 [n_batches + 1]
     src_tokens: np.ndarray  # int64 [n_batches]: real source tokens incl. EOS
     tgt_tokens: np.ndarray  # int64 [n_batches]: real target tokens incl. EOS (= tokens the loss is computed on)
@@ -130,6 +155,8 @@ class BatchTable:
         return len(self.off) - 1
 
     def batch(self, i: int) -> np.ndarray:
+        if self.rows is None:
+            return np.arange(self.off[i], self.off[i + 1], dtype=np.int64)
         return self.rows[self.off[i] : self.off[i + 1]]
 
     def subset(self, keep: np.ndarray) -> BatchTable:
@@ -165,6 +192,57 @@ def load_batches(batches: Path, split: str, tokens: TokenSplit) -> BatchTable:
     )
 
 
+def map_train(batches: Path, manifest: artifacts.Manifest, name: str = "train") -> tuple[MappedSplit, BatchTable]:
+    """The train batches and their sentences memory-mapped from the bucket artifact's ``train.arrow``: the token
+    ids, offsets and ids are views of the mapped file; the per-batch token counts and widths are computed from the
+    sentence offsets, one record batch at a time (the same values :func:`load_batches` computes from the tokens
+    artifact)."""
+    ipc = artifacts.open_ipc(batches, artifacts.TRAIN_ARROW, artifacts.BATCH_TOKENS_SCHEMA, manifest)
+    path = ipc.path
+    chunks: list[TokenSplit] = []
+    starts, offs = [0], [np.zeros(1, np.int64)]
+    counts: dict[str, list[np.ndarray]] = {"src_tokens": [], "tgt_tokens": [], "src_width": [], "tgt_width": []}
+    for k in range(len(ipc)):
+        rb = ipc.batch(k)
+        if rb.num_rows == 0:
+            continue
+        cols = {c: rb.column(c) for c in ("ids", "src", "tgt")}
+        nested = [cols["ids"], cols["ids"].values, *(a for c in ("src", "tgt") for a in (cols[c], cols[c].values,
+                                                                                          cols[c].values.values))]
+        if any(a.null_count for a in nested):
+            raise MtpipeError(f"{path}: record batch {k} holds nulls")
+        outer = artifacts.to_numpy(cols["ids"].offsets)  # int32 [batches + 1]: each batch's sentences
+        n = len(cols["ids"].values)
+        if not all(np.array_equal(outer, artifacts.to_numpy(cols[c].offsets)) for c in ("src", "tgt")) or \
+                outer[0] != 0 or outer[-1] != n or len(cols["src"].values) != n or len(cols["tgt"].values) != n:
+            raise MtpipeError(f"{path}: record batch {k}: ids, src and tgt do not hold the same sentences (not written "
+                              "by `mtpipe bucket`): re-run it")
+        sizes = np.diff(outer)
+        if (sizes <= 0).any():
+            raise MtpipeError(f"{path}: batch {sum(map(len, offs)) - 1 + int(np.argmin(sizes))} is empty")
+        side = {}
+        for c in ("src", "tgt"):
+            sent = cols[c].values  # list<int32>: one row per sentence
+            values, offsets = artifacts.to_numpy(sent.values), artifacts.to_numpy(sent.offsets)
+            side[c] = (values, offsets)
+            if offsets[0] < 0 or offsets[-1] > len(values):
+                raise MtpipeError(f"{path}: record batch {k}: {c} offsets point outside its token ids")
+            lens = np.diff(offsets).astype(np.int64) + 1  # + EOS (src, tgt_out) / + BOS (tgt_in)
+            counts[f"{c}_tokens"].append(np.add.reduceat(lens, outer[:-1]))
+            counts[f"{c}_width"].append(np.maximum.reduceat(lens, outer[:-1]))
+        chunks.append(TokenSplit(name, *side["src"], *side["tgt"], ids=artifacts.to_numpy(cols["ids"].values)))
+        offs.append(outer[1:].astype(np.int64) + starts[-1])
+        starts.append(starts[-1] + n)
+    off = np.concatenate(offs)
+    want = manifest.rows.get("train.parquet")
+    if want is not None and want != len(off) - 1:
+        raise MtpipeError(f"{path}: holds {len(off) - 1} batches, train.parquet {want}: re-run `mtpipe bucket`")
+    if len(off) < 2:
+        raise MtpipeError(f"{path}: has no batches")
+    table = BatchTable(rows=None, off=off, **{c: np.concatenate(v) for c, v in counts.items()})
+    return MappedSplit(name, chunks, np.asarray(starts, np.int64)), table
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Collation
 # --------------------------------------------------------------------------------------------------------------------
@@ -190,10 +268,12 @@ def _pad(values: np.ndarray, off: np.ndarray, rows: np.ndarray, bos: bool, eos: 
     return out
 
 
-def collate(split: TokenSplit, rows: np.ndarray, start: int = BOS_ID) -> tuple[Tensor, Tensor, Tensor]:
+def collate(split: TokenSplit | MappedSplit, rows: np.ndarray, start: int = BOS_ID) -> tuple[Tensor, Tensor, Tensor]:
     """``src [B, S]`` = tokens + EOS, ``tgt_in [B, T]`` = BOS + tgt, ``tgt_out [B, T]`` = tgt + EOS; PAD on the
     right (section 3: the decoder input is the target shifted right by one position). ``start``: the model's first
     decoder input (``Transformer.start_id``; EOS with ``model.decoder_start=eos``)."""
+    if isinstance(split, MappedSplit):
+        split, rows = split.locate(rows)
     src = _pad(split.src, split.src_off, rows, bos=False, eos=True)
     tgt_in = _pad(split.tgt, split.tgt_off, rows, bos=True, eos=False, start=start)
     tgt_out = _pad(split.tgt, split.tgt_off, rows, bos=False, eos=True)
@@ -220,7 +300,7 @@ class TrainData:
 
     vocab: dict[str, Any]  # {"spm_sha256", "size"}: what a checkpoint must have been trained with to resume
     max_tokens: int  # the bucket stage's token budget per batch
-    train_tokens: TokenSplit
+    train_tokens: TokenSplit | MappedSplit
     train: BatchTable
     valid_tokens: TokenSplit | None
     valid: BatchTable | None
@@ -245,7 +325,7 @@ class TrainData:
         self.valid = v.subset(np.flatnonzero(ok))
 
 
-def _vocab_and_max_tokens(tokens: Path, batches: Path) -> tuple[dict[str, Any], int, set[str], set[str]]:
+def _vocab_and_max_tokens(tokens: Path, batches: Path) -> tuple[dict[str, Any], int, set[str], artifacts.Manifest]:
     """The manifests' facts training needs: the vocabulary, the batches' token budget, each artifact's files."""
     tm = artifacts.read_manifest(tokens, "tokens")
     spm, size = tm.extra.get("spm_sha256"), tm.extra.get("vocab_size")
@@ -259,14 +339,21 @@ def _vocab_and_max_tokens(tokens: Path, batches: Path) -> tuple[dict[str, Any], 
     if bm.upstream and artifacts.manifest_hash(tokens) not in bm.upstream.values():
         raise MtpipeError(f"{batches}: these batches were made from another bpe artifact than {tokens} "
                           "(upstream hash differs): re-run `mtpipe bucket` on it")
-    return {"spm_sha256": spm, "size": size}, max_tokens, set(tm.files), set(bm.files)
+    return {"spm_sha256": spm, "size": size}, max_tokens, set(tm.files), bm
 
 
 def load_train_data(tokens: Path, batches: Path, tokens_per_update: int, world_size: int) -> TrainData:
     """Read and check the artifacts for a run of ``world_size`` processes updating on ``tokens_per_update``."""
-    vocab, max_tokens, token_files, batch_files = _vocab_and_max_tokens(tokens, batches)
-    train_tokens = load_split(tokens, "train")
-    train = load_batches(batches, "train", train_tokens)
+    vocab, max_tokens, token_files, bm = _vocab_and_max_tokens(tokens, batches)
+    batch_files = set(bm.files)
+    train_tokens: TokenSplit | MappedSplit
+    if artifacts.TRAIN_ARROW in batch_files:
+        train_tokens, train = map_train(batches, bm)
+    else:
+        warn(f"{batches}: has no {artifacts.TRAIN_ARROW} (made by an older mtpipe): every process reads the train "
+             "split into its own memory; re-run `mtpipe bucket` to have it memory-mapped and shared")
+        train_tokens = load_split(tokens, "train")
+        train = load_batches(batches, "train", train_tokens)
     accum = accumulation(tokens_per_update, world_size, max_tokens)
     per_update = world_size * accum
     usable = (len(train) // per_update) * per_update

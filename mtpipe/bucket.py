@@ -18,13 +18,20 @@ data: the train stage shuffles the batch order per epoch and accumulates batches
 * Output: a ``batches`` artifact with ``{train,valid}.parquet`` in ``BATCHES_SCHEMA``. ``ids`` holds values of the
   tokens split's ``id`` column (the corpus line index), not row positions; every kept train id is in exactly one
   batch.
+* And ``train.arrow`` (``BATCH_TOKENS_SCHEMA``, :func:`write_batch_tokens`): the train batches again with their
+  sentences' token ids, batch after batch, as an uncompressed Arrow IPC file that training memory-maps (one copy in
+  the page cache for every process of a node, instead of the whole tokens split read into each). With bounded
+  memory: while the lengths are read, the token ids go to a scratch file in the artifact's temporary directory, from
+  which each record batch (whole batches, about :data:`ARROW_CHUNK_PAIRS` pairs) is gathered.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -32,7 +39,9 @@ import pyarrow.compute as pc
 
 from mtpipe import console
 from mtpipe.artifacts import (
+    BATCH_TOKENS_SCHEMA,
     BATCHES_SCHEMA,
+    TRAIN_ARROW,
     from_numpy,
     open_parquet,
     read_manifest,
@@ -46,9 +55,11 @@ from mtpipe.writing import ArtifactWriter, prepare_output
 SPLITS = ("train", "valid")
 
 
-def read_lengths(tokens: Path, split: str, bar: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def read_lengths(tokens: Path, split: str, bar: Any,
+                 spill: tuple[BinaryIO, BinaryIO] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(ids, src_len, tgt_len)`` of a tokens split; lengths include EOS. Streams the file in batches; lengths come
-    from the list offsets (``list_value_length``), so no token is ever touched in Python."""
+    from the list offsets (``list_value_length``), so no token is ever touched in Python. ``spill``: two binary files
+    that get the source and the target token ids, flat int32, row after row (for :func:`write_batch_tokens`)."""
     pf = open_parquet(tokens, f"{split}.parquet", "tokens")
     n = pf.metadata.num_rows
     ids = np.empty(n, np.int64)
@@ -61,6 +72,9 @@ def read_lengths(tokens: Path, split: str, bar: Any) -> tuple[np.ndarray, np.nda
         ids[i:i + k] = to_numpy(b.column(0))
         src[i:i + k] = to_numpy(pc.list_value_length(b.column(1))) + 1
         tgt[i:i + k] = to_numpy(pc.list_value_length(b.column(2))) + 1
+        if spill is not None:
+            for f, col in zip(spill, (b.column(1), b.column(2))):
+                np.ascontiguousarray(to_numpy(col.flatten()), dtype=np.int32).tofile(f)
         i += k
         bar.update(task, completed=i)
     return ids, src, tgt
@@ -134,8 +148,10 @@ def batch_table(ids: np.ndarray, src: np.ndarray, tgt: np.ndarray, bounds: np.nd
 
 
 def make_batches(cfg: BucketConfig, split: str, ids: np.ndarray, src: np.ndarray, tgt: np.ndarray,
-                 where: str) -> tuple[pa.Table, SplitBatches]:
-    """Drop (train) or isolate (valid) over-long pairs, sort, pack."""
+                 where: str) -> tuple[pa.Table, SplitBatches, np.ndarray, np.ndarray]:
+    """Drop (train) or isolate (valid) over-long pairs, sort, pack. Returns the table, its statistics, and the
+    batches as ``order`` (the input rows, batch after batch) and ``bounds`` (batch ``b`` is
+    ``order[bounds[b]:bounds[b + 1]]``)."""
     n = len(ids)
     long = (src > cfg.max_len) | (tgt > cfg.max_len)
     dropped = 0
@@ -163,7 +179,89 @@ def make_batches(cfg: BucketConfig, split: str, ids: np.ndarray, src: np.ndarray
         src_padded=int((sizes * sl).sum()), tgt_padded=int((sizes * tl).sum()),
         min_size=int(sizes.min()) if len(sizes) else 0, max_size=int(sizes.max()) if len(sizes) else 0,
     )
-    return table, stats
+    return table, stats, order, bounds
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# train.arrow: the batches with their token ids, for training to memory-map
+# --------------------------------------------------------------------------------------------------------------------
+
+ARROW_CHUNK_PAIRS = 1 << 17  # pairs per record batch of train.arrow (whole batches: at least one, more from there)
+
+
+@dataclass
+class FlatSide:
+    """One side of a tokens split as flat arrays (in memory or memory-mapped): the token ids of row ``r`` are
+    ``values[off[r]:off[r + 1]]``."""
+
+    values: np.ndarray  # int32 [tokens]
+    off: np.ndarray  # int64 [rows + 1]
+
+    @classmethod
+    def from_lengths(cls, values: np.ndarray, lengths: np.ndarray, where: str = "tokens") -> "FlatSide":
+        """The flat ``values`` of rows of ``lengths`` ids each; ``where`` names their file in an error."""
+        off = np.zeros(len(lengths) + 1, np.int64)
+        np.cumsum(lengths, out=off[1:])
+        if off[-1] != len(values):
+            raise MtpipeError(f"{where}: {len(values)} token ids where the lengths add up to {int(off[-1])}")
+        return cls(values, off)
+
+    def gather(self, rows: np.ndarray) -> pa.ListArray:
+        """The rows ``rows``, in that order, as a list<int32> array (vectorised: one fancy index of every id)."""
+        starts = self.off[rows]
+        lens = self.off[rows + 1] - starts
+        off = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(lens, out=off[1:])
+        if off[-1] >= 2**31:
+            raise MtpipeError(f"{TRAIN_ARROW}: a record batch would hold {int(off[-1]):,} token ids, more than "
+                              "list<int32> offsets address; lower bucket.max_len")
+        idx = np.repeat(starts - off[:-1], lens) + np.arange(off[-1], dtype=np.int64)
+        values = np.ascontiguousarray(self.values[idx], dtype=np.int32)
+        return pa.ListArray.from_arrays(from_numpy(off.astype(np.int32)), from_numpy(values))
+
+
+def chunk_bounds(bounds: np.ndarray, pairs: int | None = None) -> list[tuple[int, int]]:
+    """``(first, end)`` batch ranges of train.arrow's record batches: whole batches, each range the fewest batches
+    that reach ``pairs`` (default :data:`ARROW_CHUNK_PAIRS`) pairs (the last may have fewer)."""
+    pairs = pairs or ARROW_CHUNK_PAIRS
+    out, b, n = [], 0, len(bounds) - 1
+    while b < n:
+        e = int(np.searchsorted(bounds, bounds[b] + pairs, side="left"))
+        e = min(max(e, b + 1), n)
+        out.append((b, e))
+        b = e
+    return out
+
+
+def write_batch_tokens(path: Path, ids: np.ndarray, order: np.ndarray, bounds: np.ndarray, src: FlatSide,
+                       tgt: FlatSide, bar: Any = None) -> int:
+    """Write ``train.arrow`` (``BATCH_TOKENS_SCHEMA``, uncompressed Arrow IPC): batch ``b`` is the rows
+    ``order[bounds[b]:bounds[b + 1]]`` of the tokens split whose ids and sides are ``ids``, ``src`` and ``tgt``, in
+    that order (the order of its ``ids`` in train.parquet). One record batch per :func:`chunk_bounds` range, so that
+    memory stays bounded by that however large the split. Returns the number of batches."""
+    ranges = chunk_bounds(bounds)
+    task = bar.add_task(f"write {TRAIN_ARROW} (pairs)", total=int(bounds[-1])) if bar is not None else None
+    with pa.ipc.new_file(str(path), BATCH_TOKENS_SCHEMA,
+                         options=pa.ipc.IpcWriteOptions(compression=None)) as writer:
+        for b, e in ranges:
+            rows = order[bounds[b]:bounds[e]]
+            local = from_numpy((bounds[b:e + 1] - bounds[b]).astype(np.int32))  # [batches + 1]: sentences per batch
+            writer.write_batch(pa.RecordBatch.from_arrays([
+                from_numpy(np.arange(b, e, dtype=np.int64)),
+                pa.ListArray.from_arrays(local, from_numpy(np.ascontiguousarray(ids[rows], dtype=np.int64))),
+                pa.ListArray.from_arrays(local, src.gather(rows)),
+                pa.ListArray.from_arrays(local, tgt.gather(rows)),
+            ], schema=BATCH_TOKENS_SCHEMA))
+            if task is not None:
+                bar.update(task, completed=int(bounds[e]))
+    return len(bounds) - 1
+
+
+def _spilled(path: Path) -> np.ndarray:
+    """A scratch file of flat int32 token ids, memory-mapped (an empty one as an empty array: mmap refuses it)."""
+    if path.stat().st_size == 0:
+        return np.zeros(0, np.int32)
+    return np.memmap(path, dtype=np.int32, mode="r")
 
 
 def _check_cfg(cfg: BucketConfig) -> None:
@@ -191,9 +289,27 @@ def bucket_tokens(cfg: BucketConfig, tokens: Path, out: Path, *, force: bool = F
                         force=force) as w:
         with console.progress() as bar:
             for split in splits:
-                ids, src, tgt = read_lengths(tokens, split, bar)
-                table, stats[split] = make_batches(cfg, split, ids, src, tgt, f"{tokens}/{split}.parquet")
-                w.write_table(f"{split}.parquet", table)
+                if split != "train":
+                    ids, src, tgt = read_lengths(tokens, split, bar)
+                    table, stats[split], _, _ = make_batches(cfg, split, ids, src, tgt, f"{tokens}/{split}.parquet")
+                    w.write_table(f"{split}.parquet", table)
+                    continue
+                # Train: the token ids go to a scratch directory inside the temporary artifact (removed with it
+                # whatever happens) while the lengths are read; train.arrow is gathered from there.
+                assert w.tmp is not None
+                scratch = Path(tempfile.mkdtemp(prefix=".scratch-", dir=w.tmp))
+                try:
+                    with open(scratch / "src", "wb") as fs, open(scratch / "tgt", "wb") as ft:
+                        ids, src, tgt = read_lengths(tokens, split, bar, spill=(fs, ft))
+                    table, stats[split], order, bounds = make_batches(cfg, split, ids, src, tgt,
+                                                                      f"{tokens}/{split}.parquet")
+                    w.write_table(f"{split}.parquet", table)
+                    sides = [FlatSide.from_lengths(_spilled(scratch / s), lens - 1, f"{tokens}/{split}.parquet")
+                             for s, lens in (("src", src), ("tgt", tgt))]
+                    w.rows[TRAIN_ARROW] = write_batch_tokens(w.path(TRAIN_ARROW), ids, order, bounds, *sides, bar=bar)
+                    del sides
+                finally:
+                    shutil.rmtree(scratch, ignore_errors=True)
         if stats["train"].pairs == 0:
             raise MtpipeError(f"{tokens}/train.parquet: every pair is longer than bucket.max_len={cfg.max_len}")
         w.extra.update({

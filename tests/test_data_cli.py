@@ -43,7 +43,7 @@ def test_fetch_bpe_bucket_with_params_yaml(small_corpus: Path, tmp_path: Path, m
     assert tokens.params["bpe"]["vocab_size"] == 600 and batches.params["bucket"]["max_tokens"] == 1024
     assert sorted(corpus.files) == ["test.parquet", "train.parquet", "valid.parquet"]
     assert sorted(tokens.files) == ["spm.model", "spm.vocab", "test.parquet", "train.parquet", "valid.parquet"]
-    assert sorted(batches.files) == ["train.parquet", "valid.parquet"]
+    assert sorted(batches.files) == ["train.arrow", "train.parquet", "valid.parquet"]
     assert corpus.rows["valid.parquet"] == tokens.rows["valid.parquet"] == 100
     # Every train id of the tokens split is in exactly one batch (no pair is longer than max_len here).
     ids = read_table(bpe_dir, "train.parquet", "tokens", columns=["id"]).column("id")

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtpipe import artifacts, resume, writing
+from mtpipe import artifacts, bucket, resume, writing
 from mtpipe.config import ModelConfig, TrainConfig
 from mtpipe.errors import MtpipeError
 
@@ -54,9 +54,10 @@ def _pack(src: list[list[int]], tgt: list[list[int]], max_tokens: int) -> list[l
 
 
 def make_artifacts(root: Path, n_train: int = 96, n_valid: int = 16, max_tokens: int = 48, seed: int = 0,
-                   spm: str = SPM, id_base: int = 0, long_valid: int = 0) -> tuple[Path, Path]:
+                   spm: str = SPM, id_base: int = 0, long_valid: int = 0, arrow: bool = True) -> tuple[Path, Path]:
     """A bpe ("tokens") and a bucket ("batches") artifact of a synthetic corpus; ids start at ``id_base``;
-    ``long_valid`` > 0 adds a valid pair of that many tokens (the bucket stage keeps such pairs in a batch alone)."""
+    ``long_valid`` > 0 adds a valid pair of that many tokens (the bucket stage keeps such pairs in a batch alone);
+    ``arrow``: the batches carry train.arrow, as the bucket stage writes them (else: as an older mtpipe did)."""
     rng = np.random.default_rng(seed)
     tokens, batches = root / "bpe", root / "bucket"
     data = {"train": _pairs(rng, n_train), "valid": _pairs(rng, n_valid)}
@@ -81,6 +82,12 @@ def make_artifacts(root: Path, n_train: int = 96, n_valid: int = 16, max_tokens:
                 "src_len": [max(len(src[i]) for i in b) + 1 for b in bs],
                 "tgt_len": [max(len(tgt[i]) for i in b) + 1 for b in bs],
             }))
+            if split == "train" and arrow:
+                sides = [bucket.FlatSide.from_lengths(np.asarray([t for x in side for t in x], np.int32),
+                                                      np.asarray([len(x) for x in side])) for side in (src, tgt)]
+                w.rows[artifacts.TRAIN_ARROW] = bucket.write_batch_tokens(
+                    w.path(artifacts.TRAIN_ARROW), id_base + np.arange(len(src)), np.concatenate(bs),
+                    np.cumsum([0] + [len(b) for b in bs]), *sides)
     return tokens, batches
 
 
