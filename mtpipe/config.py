@@ -268,6 +268,12 @@ class TrainConfig(Section):
     device: str = _h("auto (cuda:LOCAL_RANK when a GPU is visible, else cpu), cpu or cuda.", default="auto")
     max_restarts: int = _h("torchrun --max-restarts for the stages/train.py launcher: a crashed worker group is "
                            "restarted and resumes from the last checkpoint.", default=0, ge=0)
+    dist_timeout: float = _h("Seconds the processes of a multi-process run wait for one another before they fail "
+                             "with one line naming what stopped answering: a rank or node that died, froze or lost "
+                             "the network (each process watches the others' heartbeats), torchrun's store, a "
+                             "collective that gets no answer, the nodes' rendezvous. 600 = NCCL's own default: room "
+                             "for the slowest rank's torch.compile or a big checkpoint written to slow storage.",
+                             default=600.0, gt=0)
     drophead_start: float = _h("Scheduled DropHead (Zhou et al. 2020): probability of dropping a whole attention head "
                                "at step 0; it falls linearly to 0 at train.warmup, then rises to drophead_end at the "
                                "last step. 0 = off.", default=0.0, ge=0, lt=1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,6 +27,9 @@ from mtpipe.console import warn
 from mtpipe.distributed import rank0_only
 from mtpipe.errors import MtpipeError
 from mtpipe.metrics import Window
+
+if TYPE_CHECKING:
+    from mtpipe.batches import TrainData
 
 TRAINER_STATE_VERSION = 1
 
@@ -157,10 +160,45 @@ def restore(ck: artifacts.Checkpoint, optimizer: torch.optim.Optimizer, scaler: 
     if len(rngs) == world and ts.get("accum") == accum:
         set_rng_state(rngs[rank], device)
     else:
-        warn(f"resuming {ck.path.name} with {world} process(es) x {accum} accumulation (it was written "
-             f"with {len(rngs)} x {ts.get('accum')}): training continues, but not bitwise like an uninterrupted run")
+        before, now = len(rngs) * int(ts.get("accum") or 0), world * accum
+        if before == now:
+            batch = f"the same global batch ({now} batches per update, train.tokens_per_update)"
+        elif len(rngs) != world and before % world:
+            batch = f"{now} batches per update instead of {before} (not a multiple of {world} processes)"
+        else:
+            batch = f"{now} batches per update instead of {before} (train.tokens_per_update or the batches changed)"
+        warn(f"resuming {ck.path.name} on {world} process(es) x {accum} accumulation (it was written by "
+             f"{len(rngs)} x {ts.get('accum')}): {batch}, from batch {state.position:,} of epoch {state.epoch + 1}; "
+             "each rank's dropout stream starts afresh, so the run is not bitwise the uninterrupted one")
         torch.manual_seed(seed_for_rank(seed + state.step, rank))
     return state
+
+
+def same_global_batch(ck: artifacts.Checkpoint, data: TrainData, world: int, tokens_per_update: int) -> TrainData:
+    """``data`` for a resume of ``ck`` on ``world`` processes: another world size than the checkpoint's keeps its
+    global batch, ``world * accum`` = the checkpoint's batches per update, by more (or less) accumulation
+    (8 processes x 1 -> 4 x 2), so that every update takes the same batches of the epoch's order as the
+    uninterrupted run would (rounded up to a multiple of ``world`` when it is not one: 8 -> 3 processes take 9).
+    ``train.tokens_per_update`` alone could give another count (4096 tokens of 4096-token batches: 8 batches on 8
+    processes but 4 on 4), so it is followed only when it (or the bucket's ``max_tokens``) changed since the
+    checkpoint: then the new global batch is what was asked for. :func:`restore` warns about either."""
+    import dataclasses
+    import math
+
+    from mtpipe.batches import accumulation
+
+    ts = ck.trainer_state or {}
+    ck_world, ck_accum = int(ts.get("world_size") or 0), int(ts.get("accum") or 0)
+    if ck_world in (0, world) or ck_accum < 1:
+        return data
+    if accumulation(tokens_per_update, ck_world, data.max_tokens) != ck_accum:
+        return data  # another global batch was asked for
+    accum = math.ceil(ck_world * ck_accum / world)
+    per_update = world * accum
+    usable = len(data.train) // per_update * per_update
+    if usable == 0:
+        return data
+    return dataclasses.replace(data, accum=accum, per_update=per_update, usable=usable)
 
 
 @rank0_only

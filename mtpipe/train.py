@@ -164,6 +164,18 @@ class Updater:
         except (RuntimeError, TypeError, ValueError):
             self.optimizer = torch.optim.Adam(self.params, foreach=True, **kw)
         self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+        # DDP regroups the gradients' all-reduce buckets after each process's first backward, in the order that
+        # backward made them; beyond 2 processes the sums depend on the grouping, so a resumed process would sum its
+        # first update in another grouping than the uninterrupted run. One backward of a zero loss first (no update,
+        # the RNG state put back: _prime) gives every update of every process the learnt grouping: exact resumes.
+        self.primed = self.module is self.loss_module or layerdrop  # no DDP, or DDP that never regroups
+
+    def _prime(self, batch: tuple[Tensor, Tensor, Tensor]) -> None:
+        rng = resume.rng_state(self.device)
+        self.primed = True
+        self.backward(*batch, scale=0.0, sync=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        resume.set_rng_state(rng, self.device)
 
     def backward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, scale: float, sync: bool) -> Tensor:
         """Forward and backward of one micro-batch, accumulating the gradient of ``loss_sum * scale``.
@@ -171,6 +183,8 @@ class Updater:
         ``sync=False`` skips DDP's gradient all-reduce (an earlier micro-batch of an accumulated update).
         Returns the detached ``[loss_sum, nll_sum]`` (float32, on the device; no host sync).
         """
+        if not self.primed:
+            self._prime((src, tgt_in, tgt_out))
         with distributed.no_sync(self.module, skip=not sync):
             with runtime.autocast(self.device, self.precision), attention_kernels(self.device):
                 loss, nll = self.module(src, tgt_in, tgt_out)
@@ -363,7 +377,10 @@ class Trainer:
     # -- resume --------------------------------------------------------------------------------------------------
 
     def _restore(self, ck: artifacts.Checkpoint) -> None:
-        u = self.updater
+        u, cfg = self.updater, self.cfg
+        # Another world size than the checkpoint's: the same global batch, by accumulation (resume warns).
+        self.data = d = resume.same_global_batch(ck, self.data, self.world, cfg.tokens_per_update)
+        self.total_steps = cfg.max_steps or cfg.max_epochs * d.usable // d.per_update
         st = self.state = resume.restore(ck, u.optimizer, u.scaler, accum=self.data.accum, seed=self.cfg.seed,
                                          device=self.device)
         if ck.manifest.upstream.get("batches") not in (None, artifacts.manifest_hash(self.batches)):
@@ -829,7 +846,7 @@ def train_model(model_cfg: ModelConfig, cfg: TrainConfig, tokens: Path, batches:
     check_stopping(cfg)
     writing.check_output_place(out, [tokens, batches])
     writing.check_run_dir(out, force=force)
-    ctx = distributed.init(cfg.device)
+    ctx = distributed.init(cfg.device, timeout=cfg.dist_timeout)
     if ctx.device.type == "cpu":
         runtime.tune_cpu_allocator()
     try:
