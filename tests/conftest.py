@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -111,10 +112,11 @@ def assert_steps_match_forward(model, src, tgt, reorder=None) -> None:
 
 
 def memorise(src: list[list[int]], tgt: list[list[int]], vocab: int, max_positions: int, steps: int,
-             stop_loss: float = 0.0):
-    """A tiny Transformer (dropout 0, seed 0) trained by full-batch teacher forcing on the id sequences (EOS added,
-    BOS before the target) for ``steps`` Adam updates, or until the loss is below ``stop_loss``; returned in eval
-    mode. The decode, export and CTranslate2 tests decode what it memorised."""
+             stop_loss: float = 0.0, **model: Any):
+    """A tiny Transformer (dropout 0, seed 0; ``model``: other ModelConfig keys, e.g. ``norm_position="pre"``)
+    trained by full-batch teacher forcing on the id sequences (EOS added, BOS before the target) for ``steps`` Adam
+    updates, or until the loss is below ``stop_loss``; returned in eval mode. The decode, export and CTranslate2
+    tests decode what it memorised."""
     import torch
     import torch.nn.functional as F
 
@@ -126,7 +128,7 @@ def memorise(src: list[list[int]], tgt: list[list[int]], vocab: int, max_positio
         return torch.nn.utils.rnn.pad_sequence([torch.tensor(x) for x in seqs], batch_first=True)
 
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(preset="tiny", dropout=0.0, max_positions=max_positions), vocab)
+    model = Transformer(ModelConfig(preset="tiny", dropout=0.0, max_positions=max_positions, **model), vocab)
     s = pad([x + [EOS_ID] for x in src])  # [B, S]
     t_in, t_out = pad([[BOS_ID] + y for y in tgt]), pad([y + [EOS_ID] for y in tgt])  # [B, T]
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)

@@ -525,26 +525,6 @@ def test_marian_export_of_untied_biased_eos_start_models(world, tmp_path, case):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def memorise_pre_norm(src: list[list[int]], tgt: list[list[int]], vocab: int, steps: int = 300) -> Transformer:
-    """conftest's ``memorise`` for a pre-norm model: a tiny Transformer (dropout 0, seed 0) trained by full-batch
-    teacher forcing, returned in eval mode."""
-
-    def pad(seqs: list[list[int]]) -> torch.Tensor:
-        return torch.nn.utils.rnn.pad_sequence([torch.tensor(x) for x in seqs], batch_first=True)
-
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(preset="tiny", dropout=0.0, max_positions=64, norm_position="pre"), vocab)
-    s = pad([x + [EOS_ID] for x in src])
-    t_in, t_out = pad([[BOS_ID] + y for y in tgt]), pad([y + [EOS_ID] for y in tgt])
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(steps):
-        loss = F.cross_entropy(model(s, t_in).view(-1, vocab), t_out.view(-1), ignore_index=PAD_ID)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def pegasus(world):
     """The pre-norm model trained on the same 20 pairs, exported by the CLI with ``--format huggingface`` and loaded
@@ -552,7 +532,8 @@ def pegasus(world):
     transformers = pytest.importorskip("transformers")
     sp, root = world["sp"], world["root"]
     train = corpus()[::4]
-    model = memorise_pre_norm([sp.encode(s) for s, _ in train], [sp.encode(t) for _, t in train], sp.get_piece_size())
+    model = memorise([sp.encode(s) for s, _ in train], [sp.encode(t) for _, t in train], sp.get_piece_size(), 64,
+                     steps=300, norm_position="pre")
     ckpt = save(model, root / "pre_ckpt", root / "spm.model")
     out = root / "pegasus"
     r = invoke("--checkpoint", str(ckpt), "--tokens", str(world["tokens"]), "--out", str(out), "--format",
