@@ -3,7 +3,7 @@
 
 Beam 4, alpha 0.6, max length source + 50, the first ``--sentences`` of Multi30k test_2016_flickr, 2 threads. Rows,
 each at every ``--precisions`` and ``--batches``, interleaved call by call in rotating order, ``--rounds`` rounds:
-``mtpipe`` (:class:`mtpipe.decode.MtpipeEngine` as ``mtpipe decode`` holds it: encoder once, cached keys/values,
+``mtpipe`` (:class:`mtpipe.stages.decode.MtpipeEngine` as ``mtpipe decode`` holds it: encoder once, cached keys/values,
 finished sentences leave the batch); ``naive`` (unless ``--no-naive``: the decoder re-run over the whole prefix every
 step; target: mtpipe >= 4x naive at fp32); a row per ``--plain`` trick switched off (:data:`PLAIN`: each trick's
 worth); ``--compiled`` (``decode.compile``, built in the warm-up; the twice, package and gather tricks are its own).
@@ -45,21 +45,21 @@ machine.isa_from_argv()  # before torch loads
 import torch  # noqa: E402
 
 from mtpipe import artifacts  # noqa: E402
-from mtpipe import decode as mdecode  # noqa: E402
+from mtpipe.stages import decode as mdecode  # noqa: E402
 from mtpipe.config import DecodeConfig, ModelConfig  # noqa: E402
 from mtpipe.console import console, progress, table  # noqa: E402
-from mtpipe.model import build_model  # noqa: E402
-from mtpipe.search import DecodeRules  # noqa: E402
+from mtpipe.model.transformer import build_model  # noqa: E402
+from mtpipe.engine.search import DecodeRules  # noqa: E402
 
 DATA = Path(os.environ.get("MTPIPE_MULTI30K", REPO / "data" / "multi30k"))  # {split}.{en,de}.gz
 
 # Tricks --plain switches off, one row each: (whose trick: the eager step's or the compiled one's, what replaces it)
 PLAIN = {
-    "ranking": ("eager", "one top-k over every extension instead of mtpipe.search.top_candidates' chunks"),
+    "ranking": ("eager", "one top-k over every extension instead of mtpipe.engine.search.top_candidates' chunks"),
     "projection": ("eager", "F.linear on the [V, D] matrix instead of Transformer.decoding_logits' kept copy"),
     "packing": ("eager", "decoding_logits' [D, V] copy and addmm instead of oneDNN's packed copy"),
     "layer-packing": ("eager", "the linear layers on their weights as they are instead of kept packed copies"),
-    "onednn": ("eager", "torch's own float32 products (MKL on x86) instead of oneDNN's (mtpipe.kernels.mm)"),
+    "onednn": ("eager", "torch's own float32 products (MKL on x86) instead of oneDNN's (mtpipe.model.kernels.mm)"),
     "cuda-graphs": ("engine", "the eager step on a GPU instead of decode.cuda_graphs' replayed graphs"),
     "twice": ("compiled", "a lone sentence in its own graph (serve's, stdin's) instead of as two (mtpipe decode's)"),
     "package": ("compiled", "torch.compile's step (MTPIPE_STEP_PACKAGE=0) instead of the one packaged on disk"),
@@ -71,9 +71,9 @@ PLAIN = {
 def switched_off(trick: str | None, engine: Any):
     """One of :data:`PLAIN`'s tricks switched off around a call of ``engine`` (the warm-up's too, which prepares its
     model: the compiled step is built then, with or without its package)."""
-    import mtpipe.kernels as kernels
-    import mtpipe.model as mmodel
-    import mtpipe.search as search
+    import mtpipe.model.kernels as kernels
+    import mtpipe.model.transformer as mmodel
+    import mtpipe.engine.search as search
 
     switches = {"ranking": (search, "_CHUNK", 1 << 40), "packing": (kernels, "PACK_DECODING_PROJECTION", False),
                 "layer-packing": (kernels, "PACK_DECODING_LINEARS", False), "onednn": (kernels, "ONEDNN_FP32", False),
@@ -288,7 +288,7 @@ def profile(key: tuple[str, str], decode: Any, sources: list[list[int]], max_tok
     generated kernels are no torch operations: one labelled row shows their time."""
     from torch.profiler import ProfilerActivity, profile as torch_profile, record_function
 
-    from mtpipe.model import Transformer
+    from mtpipe.model.transformer import Transformer
 
     step = Transformer.step
 

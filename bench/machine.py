@@ -64,8 +64,8 @@ def rates(native_bf16: bool) -> dict[str, float]:
 
     import torch
 
-    from mtpipe.decode import _int8_linear
-    from mtpipe.kernels import mm
+    from mtpipe.stages.decode import _int8_linear
+    from mtpipe.model.kernels import mm
 
     def best(run: Callable[[], Any], ops: float, reps: int = 5) -> float:
         run()  # allocation and kernel choice
@@ -90,7 +90,7 @@ def probe(speed: bool = False) -> dict[str, Any]:
 
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from mtpipe.runtime import cpu_supports_bf16
+    from mtpipe.engine.runtime import cpu_supports_bf16
 
     gpu = torch.cuda.is_available()
     out.update(torch=torch.__version__, torch_capability=torch.backends.cpu.get_cpu_capability(),

@@ -233,7 +233,7 @@ def load(url: str, sentences: list[str], clients: int, timeout: float, during: A
 
 class Ceiling:
     """The server's decoding alone: ``serve.workers`` copies of the server's own worker process
-    (:class:`mtpipe.workers.WorkerProcess`, the same model, settings, threads, warm-up and lane), each fed its
+    (:class:`mtpipe.engine.workers.WorkerProcess`, the same model, settings, threads, warm-up and lane), each fed its
     ``clients / workers`` sentences at a time straight down its pipe, a new one as soon as one is answered, with no
     HTTP, queue, batching window or detokenising. What the server could reach at this load if serving cost nothing:
     the bound on the server's row from its decoding step alone."""
@@ -244,9 +244,9 @@ class Ceiling:
         import httpx
 
         from mtpipe.config import DecodeConfig
-        from mtpipe.search import DecodeRules
-        from mtpipe.serve import ServedModel
-        from mtpipe.workers import WorkerProcess, worker_threads
+        from mtpipe.engine.search import DecodeRules
+        from mtpipe.serve.app import ServedModel
+        from mtpipe.engine.workers import WorkerProcess, worker_threads
 
         info = httpx.get(url + "/info", timeout=30).json()  # the settings the server really runs with
         decode, serve = DecodeConfig(**info["decode"]), info["serve"]

@@ -4,7 +4,7 @@ replaces (``train.parquet`` of both artifacts read into every process, what an o
     python bench/train_data.py [--pairs 200000] [--workers 4]     # --pairs 36000000: WMT14 en-fr's size
 
 Builds a synthetic tokens artifact of ``--pairs`` pairs (lengths about those of BPE-encoded WMT, ids from a 37k
-vocabulary) and its bucket artifact with the real stage (``mtpipe.bucket``; its wall time and peak RSS are reported),
+vocabulary) and its bucket artifact with the real stage (``mtpipe.stages.bucket``; its wall time and peak RSS are reported),
 and a copy of the bucket artifact without train.arrow (hard links) for the old loader. Then, each in fresh processes
 (a process per measurement; the artifact files evicted from the page cache with ``posix_fadvise(DONTNEED)`` before
 a "cold" one, nothing else on the machine touched):
@@ -146,7 +146,7 @@ def worker(a: argparse.Namespace) -> None:
     id; print one JSON line, then (``--hold``) wait for a line on stdin so that the parent can read its PSS."""
     import numpy as np
 
-    from mtpipe.batches import MappedSplit, collate, epoch_order, load_train_data, rank_batches
+    from mtpipe.training.batches import MappedSplit, collate, epoch_order, load_train_data, rank_batches
 
     before = smaps()
     t0 = time.perf_counter()
@@ -258,7 +258,7 @@ def main() -> None:
         t = time.perf_counter()
         make_tokens(tokens, a.pairs)
         figures["make_tokens_s"] = round(time.perf_counter() - t, 1)
-        code = ("import sys; from pathlib import Path; from mtpipe.bucket import bucket_tokens; "
+        code = ("import sys; from pathlib import Path; from mtpipe.stages.bucket import bucket_tokens; "
                 "from mtpipe.config import BucketConfig; bucket_tokens(BucketConfig(), Path(sys.argv[1]), "
                 "Path(sys.argv[2]))")
         wall, peak, _ = timed_child([sys.executable, "-c", code, str(tokens), str(batches)],

@@ -2,9 +2,9 @@
 """Training throughput: mtpipe's update against a plain ``torch.nn.Transformer`` loop, on the same batches.
 
 The paper's base dims, the ``small`` preset (the anchors') and the quickstart's model (``--configs``), 2 threads:
-mtpipe (``mtpipe.train.make_train_step``, exactly ``mtpipe train``'s update) in fp32 and bf16, and with one CPU trick
+mtpipe (``mtpipe.training.train.make_train_step``, exactly ``mtpipe train``'s update) in fp32 and bf16, and with one CPU trick
 switched off per ``--plain`` row (:data:`PLAIN`), against the reference (nn.Transformer, F.cross_entropy with label
-smoothing, torch.optim.Adam) in fp32. Real Multi30k batches (a joint 8k BPE trained here, ``mtpipe.bucket.pack`` at
+smoothing, torch.optim.Adam) in fp32. Real Multi30k batches (a joint 8k BPE trained here, ``mtpipe.stages.bucket.pack`` at
 4,096 tokens). After warm-up steps and an untimed pass over the timed batches (warm allocator and kernel caches),
 every batch is trained by every system in rotating order (:func:`machine.interleaved`): the ratio to the reference
 is taken batch by batch, median (min-max). Also tokens/s (non-pad, with EOS, as fairseq counts) and MFU against
@@ -54,12 +54,12 @@ DIMS = {
                        model=dict(norm_position="pre", dropout=0.2, attention_dropout=0.1, relu_dropout=0.1)),
 }
 TARGETS = {"fp32": 1.3, "bf16": 3.0}  # mtpipe's tokens/s over the reference's in fp32
-# CPU tricks of mtpipe.kernels and mtpipe.loss that --plain switches off, a row each: what replaces each.
+# CPU tricks of mtpipe.model.kernels and mtpipe.training.loss that --plain switches off, a row each: what replaces each.
 PLAIN = {
-    "dropout": "F.dropout (torch's bernoulli masks) instead of mtpipe.kernels.keep_mask",
+    "dropout": "F.dropout (torch's bernoulli masks) instead of mtpipe.model.kernels.keep_mask",
     "attention": "F.scaled_dot_product_attention instead of two matmuls",
-    "loss": "the whole [N, V] logits, then the textbook loss through autograd, instead of mtpipe.loss's blocks",
-    "onednn": "torch's own float32 products (MKL on x86) instead of oneDNN's (mtpipe.kernels.mm)",
+    "loss": "the whole [N, V] logits, then the textbook loss through autograd, instead of mtpipe.training.loss's blocks",
+    "onednn": "torch's own float32 products (MKL on x86) instead of oneDNN's (mtpipe.model.kernels.mm)",
 }
 
 
@@ -73,11 +73,11 @@ class Batch:
 
 
 def load_batches(args: argparse.Namespace) -> tuple[list[Batch], int]:
-    """Multi30k train through a joint SentencePiece BPE (mtpipe's special ids) and ``mtpipe.bucket.pack``."""
+    """Multi30k train through a joint SentencePiece BPE (mtpipe's special ids) and ``mtpipe.stages.bucket.pack``."""
     import numpy as np
     import sentencepiece as spm
 
-    from mtpipe.bucket import length_order, pack
+    from mtpipe.stages.bucket import length_order, pack
 
     def lines(lang: str) -> list[str]:
         with gzip.open(Path(args.data) / f"train.{lang}.gz", "rt", encoding="utf-8") as f:
@@ -177,8 +177,10 @@ def reference_step(vocab: int, dims: dict, seed: int) -> Callable[[Batch], float
 @contextlib.contextmanager
 def plain_kernels(tricks: frozenset[str]) -> Iterator[None]:
     """mtpipe's step with the named tricks (:data:`PLAIN`) switched off, for the length of one step."""
-    from mtpipe import kernels, loss, model
-    from mtpipe import train as mtrain
+    from mtpipe.model import kernels
+    from mtpipe.training import loss
+    from mtpipe.model import transformer as model
+    from mtpipe.training import train as mtrain
 
     def whole_logits(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, eps: float):
         return loss.reference_label_smoothed_nll(F.linear(h, weight, bias), target, eps)
@@ -193,9 +195,9 @@ def plain_kernels(tricks: frozenset[str]) -> Iterator[None]:
 
 def mtpipe_step(vocab: int, dims: dict, precision: str, compiled: bool, args: argparse.Namespace,
                 plain: frozenset[str] = frozenset()) -> Callable[[Batch], float]:
-    from mtpipe import train as mtrain
+    from mtpipe.training import train as mtrain
     from mtpipe.config import TrainConfig
-    from mtpipe.model import Transformer
+    from mtpipe.model.transformer import Transformer
 
     cfg = ModelConfig(preset="base", encoder_layers=dims["layers"], decoder_layers=dims["layers"],
                       d_model=dims["d_model"], heads=dims["heads"], d_ff=dims["d_ff"], **dims.get("model", {}))
@@ -241,7 +243,7 @@ def main() -> int:
         ap.error("--clock cpu needs --threads 1 (other threads' CPU time is not this thread's)")
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
-    from mtpipe.runtime import cpu_supports_bf16, tune_cpu_allocator
+    from mtpipe.engine.runtime import cpu_supports_bf16, tune_cpu_allocator
 
     tune_cpu_allocator()  # process-wide, as `mtpipe train` on CPU: the reference gets it too
     batches, vocab = load_batches(args)

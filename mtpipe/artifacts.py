@@ -75,9 +75,9 @@ FORMAT_VERSIONS: dict[str, int] = {
     "batches": 1,
     "checkpoint": 2,  # 2: may carry spm.model / spm.vocab and the decode settings (see the module docstring)
     "hypotheses": 1,
-    "export": 1,  # mtpipe export: a CTranslate2 or Hugging Face Marian model directory (mtpipe/export.py)
-    "attention": 1,  # mtpipe attention: heatmap PNGs, index.html, attention.npz / .json (mtpipe/attention.py)
-    "plots": 1,  # mtpipe plots: training-curve PNGs and index.html (mtpipe/plots.py)
+    "export": 1,  # mtpipe export: a CTranslate2 or Hugging Face Marian model directory (mtpipe/stages/export.py)
+    "attention": 1,  # mtpipe attention: heatmap PNGs, index.html, attention.npz / .json (mtpipe/stages/attention.py)
+    "plots": 1,  # mtpipe plots: training-curve PNGs and index.html (mtpipe/stages/plots.py)
 }
 
 # Earlier versions a reader still accepts: a format-1 checkpoint is a format-2 one without spm.model.
@@ -112,7 +112,7 @@ HYPOTHESES_SCHEMA = pa.schema(
 )
 # The batches artifact's train.arrow: the train batches with their sentences (in the order of the batch's ``ids``),
 # one row per batch, batches in train.parquet's order; an uncompressed Arrow IPC file whose record batches hold whole
-# batches, written by the bucket stage and memory-mapped by training (mtpipe.batches.map_train).
+# batches, written by the bucket stage and memory-mapped by training (mtpipe.training.batches.map_train).
 TRAIN_ARROW = "train.arrow"
 BATCH_TOKENS_SCHEMA = pa.schema(
     [

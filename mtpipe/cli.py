@@ -374,13 +374,13 @@ TOKENS_HELP = ("The bpe artifact whose SentencePiece model to use \\[default: th
 )
 def fetch(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Read a parallel corpus (Hugging Face or local files), clean train, write {train,valid,test}.parquet."""
-    from mtpipe.fetch import fetch_corpus
+    from mtpipe.stages.fetch import fetch_corpus
 
     fetch_corpus(cfg.fetch, out=opts.out, force=opts.force)
 
 
 def _local_source(source: str) -> Path | None:
-    from mtpipe.sources import local_source
+    from mtpipe.stages.sources import local_source
 
     return local_source(source)
 
@@ -397,7 +397,7 @@ def _local_source(source: str) -> Path | None:
 )
 def bpe(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Train a joint SentencePiece BPE model on train and encode every split to token ids."""
-    from mtpipe.bpe import tokenize_corpus
+    from mtpipe.stages.bpe import tokenize_corpus
 
     tokenize_corpus(cfg.bpe, corpus=opts.corpus, out=opts.out, spm_model=opts.spm_model, force=opts.force)
 
@@ -412,7 +412,7 @@ def bpe(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
 )
 def bucket(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Pack token-budget batches (sorted by length) for train and valid."""
-    from mtpipe.bucket import bucket_tokens
+    from mtpipe.stages.bucket import bucket_tokens
 
     bucket_tokens(cfg.bucket, tokens=opts.tokens, out=opts.out, force=opts.force)
 
@@ -430,7 +430,7 @@ def bucket(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
 def train(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Train the Transformer: in this process, or on train.nproc processes (torchrun) running this same command.
     Each checkpoint carries the SentencePiece model and the decode settings params.yaml sets."""
-    from mtpipe.launch import launch_command
+    from mtpipe.training.launch import launch_command
 
     # --params goes to the workers too: rank 0 records that file's decode settings in the checkpoints.
     cmd = launch_command(cfg.model, cfg.train, {"tokens": opts.tokens, "batches": opts.batches, "out": opts.out,
@@ -438,11 +438,11 @@ def train(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     if cmd is not None:
         # torchrun's agent runs in this process: a failed group ends in one line naming the rank, the last
         # checkpoint and the command that resumes; torchrun's report goes to the run's train.log.
-        from mtpipe.launch import run_torchrun
+        from mtpipe.training.launch import run_torchrun
 
         raise typer.Exit(run_torchrun(cmd, opts.out))
-    from mtpipe.launch import worker_errors
-    from mtpipe.train import train_model
+    from mtpipe.training.launch import worker_errors
+    from mtpipe.training.train import train_model
 
     with worker_errors():  # a worker of run_torchrun's: its error recorded for the launcher's line
         train_model(cfg.model, cfg.train, tokens=opts.tokens, batches=opts.batches, out=opts.out, force=opts.force,
@@ -463,7 +463,7 @@ def train(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
 )
 def average(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Average the parameters of the last N checkpoints (paper section 6.1)."""
-    from mtpipe.average import average_checkpoints
+    from mtpipe.stages.average import average_checkpoints
 
     average_checkpoints(cfg.average, run_dir=opts.run, checkpoints=opts.checkpoints, out=opts.out, force=opts.force)
 
@@ -493,7 +493,7 @@ def decode(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Translate with batched beam search (a bpe split, or raw text from --input FILE or '-' = stdin); --engine
     ctranslate2 decodes through CTranslate2 instead. Settings params.yaml and flags leave unset come from the
     checkpoint's record, else the defaults."""
-    from mtpipe.decode import translate_inputs
+    from mtpipe.stages.decode import translate_inputs
 
     translate_inputs(cfg.decode, checkpoint=opts.checkpoint, tokens=opts.tokens, input=opts.input, out=opts.out,
         force=opts.force, stats=opts.stats)
@@ -512,7 +512,7 @@ def decode(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
 def serve(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Serve translations over HTTP (POST /translate, GET /health, GET /info), concurrent requests decoded together
     in dynamic batches; decoding settings from the decode section. Needs `pip install 'mtpipe\\[serve]'`."""
-    from mtpipe.serve import serve_model
+    from mtpipe.serve.app import serve_model
 
     serve_model(cfg.serve, cfg.decode, checkpoint=opts.checkpoint, tokens=opts.tokens)
 
@@ -529,7 +529,7 @@ def serve(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
 )
 def score(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """BLEU, chrF2 and TER with sacreBLEU. Exit status: 0 ok, 1 bad input, 3 gate failed (metrics still written)."""
-    from mtpipe.score import score_hypotheses
+    from mtpipe.stages.score import score_hypotheses
 
     score_hypotheses(cfg.score, hyp=opts.hyp, ref=opts.ref, baseline=opts.baseline, out=opts.out, force=opts.force)
 
@@ -546,7 +546,7 @@ def score(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
 def export(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Export a checkpoint to a CTranslate2 model directory (or a Hugging Face Marian / Pegasus model) with its
     SentencePiece model beside it."""
-    from mtpipe.export import export_model
+    from mtpipe.stages.export import export_model
 
     export_model(cfg.export, checkpoint=opts.checkpoint, tokens=opts.tokens, out=opts.out, force=opts.force)
 
@@ -571,7 +571,7 @@ def export(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
 def import_(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Convert a fairseq transformer checkpoint into an mtpipe checkpoint (vocabulary remapped by piece string; the
     checkpoint carries its SentencePiece model), for decode, average and export."""
-    from mtpipe.importer import import_fairseq
+    from mtpipe.stages.importer import import_fairseq
 
     if opts.format != "fairseq":
         raise MtpipeError(f"--format {opts.format}: unknown; the one format is fairseq")
@@ -582,8 +582,8 @@ def import_(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     import_fairseq(opts.checkpoint, opts.dictionary, opts.spm_model, opts.out, opts.tokens_out, force=opts.force)
 
 
-# mtpipe.attention imports no torch nor matplotlib at the top: start-up stays instant.
-from mtpipe.attention import MAX_PIECES as ATTENTION_MAX_PIECES  # noqa: E402
+# mtpipe.stages.attention imports no torch nor matplotlib at the top: start-up stays instant.
+from mtpipe.stages.attention import MAX_PIECES as ATTENTION_MAX_PIECES  # noqa: E402
 
 
 @stage_command(
@@ -607,7 +607,7 @@ from mtpipe.attention import MAX_PIECES as ATTENTION_MAX_PIECES  # noqa: E402
 def attention(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Draw one sentence's attention (encoder self-, decoder self- and encoder-decoder attention, every head) as
     heatmaps labelled with its pieces, and an offline index.html (the paper's Figures 3-5)."""
-    from mtpipe.attention import attention_command
+    from mtpipe.stages.attention import attention_command
 
     record = _checkpoint_decode({"checkpoint": opts.checkpoint}).get("decode")
     recorded = record[0] if record else {}
@@ -629,6 +629,6 @@ def attention(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
 def plots(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Draw a training run's curves (loss, perplexity, learning rate, valid BLEU, ...) as PNGs and an index.html
     that opens offline (`dvc plots show` needs a CDN)."""
-    from mtpipe.plots import plots_command
+    from mtpipe.stages.plots import plots_command
 
     plots_command(opts.run, opts.out, force=opts.force)

@@ -134,7 +134,7 @@ class ModelConfig(Section):
     attention_dropout: Optional[float] = _h("Dropout on attention weights (paper: 0).", default=None, ge=0, lt=1)
     relu_dropout: Optional[float] = _h("Dropout after the FFN ReLU (paper: 0).", default=None, ge=0, lt=1)
     max_positions: Optional[int] = _h("Longest sequence the model accepts (positions table size).", default=None, ge=1)
-    # Variants (mtpipe.model's docstring; off by default: the paper's model).
+    # Variants (mtpipe.model.transformer's docstring; off by default: the paper's model).
     norm_position: str = _h("post: LayerNorm(x + F(x)) (the paper); pre: x + F(Norm(x)) with a final norm on each "
                             "stack (Nguyen & Salazar 2019).", default="post", choices=("post", "pre"))
     norm: str = _h("layer: LayerNorm (the paper); scale: ScaleNorm g * x / ||x||, one learned g per norm, "

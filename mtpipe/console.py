@@ -1,7 +1,7 @@
 """Terminal output: one rich console (stderr), progress bars, summary tables.
 
 Everything human-facing goes to stderr so stdout stays clean for data (``mtpipe decode --input - > out.txt``).
-In a torchrun launch only rank 0 prints (``mtpipe.distributed.is_rank0``).
+In a torchrun launch only rank 0 prints (``mtpipe.training.distributed.is_rank0``).
 
 When stderr is not a terminal (a pipe, a log file, CI) rich would wrap at 80 columns; a log is read with a pager or
 grep, where a table row or a sacreBLEU signature split over lines is worse than a long line, so the console is then
@@ -60,7 +60,7 @@ class _TimeRemaining(TimeRemainingColumn):
 
 class _Bar(BarColumn):
     """rich's bar, unless the task carries the fraction done in the field ``fraction`` (``mtpipe train``: the budget
-    spent, :meth:`mtpipe.train.Trainer.progress`): a run that ``train.max_time`` ends is done when its minutes are,
+    spent, :meth:`mtpipe.training.train.Trainer.progress`): a run that ``train.max_time`` ends is done when its minutes are,
     not at the ``n/total`` updates of its epoch or step cap that the count beside the bar shows."""
 
     def render(self, task: Any) -> Any:

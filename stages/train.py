@@ -3,7 +3,7 @@
 
 ``mtpipe train`` starts ``train.nproc`` processes itself (``auto``: one per visible CUDA GPU, else one CPU process;
 a number: that many, gloo between CPU processes, NCCL between GPUs) through torchrun, or trains in this process when
-one is enough: the same training code path either way (:mod:`mtpipe.launch`).
+one is enough: the same training code path either way (:mod:`mtpipe.training.launch`).
 
 Restarts: ``train.max_restarts`` (params.yaml, ``--max-restarts N`` or ``MTPIPE_MAX_RESTARTS``) becomes torchrun's
 ``--max-restarts``: when a worker dies, torchrun restarts the whole group, which resumes from the last checkpoint

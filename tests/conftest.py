@@ -18,7 +18,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # here, before any test imports mtpipe.console; subprocess tests that need a width pass their own.
 os.environ.pop("COLUMNS", None)
 os.environ.pop("LINES", None)
-# decode.compile's packaged steps (mtpipe.step_package) go to a directory of this test run's, not the user's cache;
+# decode.compile's packaged steps (mtpipe.engine.step_package) go to a directory of this test run's, not the user's cache;
 # subprocesses inherit it.
 if "MTPIPE_CACHE_DIR" not in os.environ:
     import atexit
@@ -122,7 +122,7 @@ def memorise(src: list[list[int]], tgt: list[list[int]], vocab: int, max_positio
 
     from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID
     from mtpipe.config import ModelConfig
-    from mtpipe.model import Transformer
+    from mtpipe.model.transformer import Transformer
 
     def pad(seqs: list[list[int]]):
         return torch.nn.utils.rnn.pad_sequence([torch.tensor(x) for x in seqs], batch_first=True)

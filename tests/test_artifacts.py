@@ -122,7 +122,7 @@ import torch
 from mtpipe import writing
 from mtpipe.artifacts import file_hash
 from mtpipe.config import ModelConfig, to_dict
-from mtpipe.model import Transformer
+from mtpipe.model.transformer import Transformer
 
 out, flip = Path(sys.argv[1]), sys.argv[2] == "1"
 order = (lambda d: dict(reversed(list(d.items())))) if flip else dict
@@ -253,9 +253,9 @@ def test_every_file_of_an_export_gets_the_usual_permissions(tmp_path: Path, fmt:
     import torch
     from conftest import train_spm
 
-    from mtpipe import export
+    from mtpipe.stages import export
     from mtpipe.config import ModelConfig, to_dict
-    from mtpipe.model import Transformer
+    from mtpipe.model.transformer import Transformer
 
     pytest.importorskip("transformers" if fmt == "marian" else "ctranslate2")
     sp = train_spm(tmp_path / "spm", [f"the {w} sees a {v} ." for w in "dog cat man child".split()

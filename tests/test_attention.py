@@ -18,14 +18,14 @@ from typer.testing import CliRunner
 
 from mtpipe import artifacts, writing
 from mtpipe.artifacts import EOS_ID
-from mtpipe.attention import (GRID_LABELS, HEAD_LABELS, KINDS, MAX_PIECES, AttentionMaps, attention_maps,
+from mtpipe.stages.attention import (GRID_LABELS, HEAD_LABELS, KINDS, MAX_PIECES, AttentionMaps, attention_maps,
                               chosen_layers, head_figure, layer_figure, record_attention, tick_labels)
 from mtpipe.cli import app
 from mtpipe.config import MAX_BEAM, ModelConfig, to_dict
-from mtpipe.decode import translate_batches
+from mtpipe.stages.decode import translate_batches
 from mtpipe.errors import MtpipeError
-from mtpipe.model import Transformer
-from mtpipe.search import DecodeRules, LengthPenalty
+from mtpipe.model.transformer import Transformer
+from mtpipe.engine.search import DecodeRules, LengthPenalty
 
 TEXT = "Kalo mi tenra su ve dor."
 

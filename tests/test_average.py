@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from mtpipe import artifacts, writing
-from mtpipe.average import average_checkpoints
+from mtpipe.stages.average import average_checkpoints
 from mtpipe.cli import app
 from mtpipe.config import AverageConfig
 from mtpipe.errors import MtpipeError

@@ -12,7 +12,9 @@ import pytest
 import sentencepiece as spm
 from typer.testing import CliRunner
 
-from mtpipe import bpe, fetch
+from mtpipe.stages import bpe
+
+from mtpipe.stages import fetch
 from mtpipe.artifacts import (
     BOS_ID,
     EOS_ID,
@@ -103,8 +105,8 @@ def test_bpe_dropout_copies_follow_train_with_distinct_ids_and_the_same_text(cor
     bpe.tokenize_corpus(BpeConfig(vocab_size=VOCAB, threads=2, dropout=0.1, dropout_copies=3, seed=2), corpus, other)
     assert tokens_of(other, "train").to_pydict()["src"][n:] != copies["src"][n:]
     # The bucket stage batches every copy's rows, each once, and training reads them by id.
-    from mtpipe import bucket
-    from mtpipe.batches import load_train_data
+    from mtpipe.stages import bucket
+    from mtpipe.training.batches import load_train_data
     from mtpipe.config import BucketConfig
 
     bucket.bucket_tokens(BucketConfig(max_tokens=512, multiple_of=1), drop, tmp_path / "batches")

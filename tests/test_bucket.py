@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 from typer.testing import CliRunner
 
-from mtpipe import bucket
+from mtpipe.stages import bucket
 from mtpipe.artifacts import manifest_hash, read_manifest, read_table
 from mtpipe.cli import app
 from mtpipe.config import BucketConfig

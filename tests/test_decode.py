@@ -18,16 +18,16 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_steps_match_forward
 
-import mtpipe.model as model_module
-from mtpipe import kernels
+import mtpipe.model.transformer as model_module
+from mtpipe.model import kernels
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mtpipe.config import DecodeConfig, ModelConfig
-from mtpipe.decode import batches_by_tokens, translate, translate_batches, validate
+from mtpipe.stages.decode import batches_by_tokens, translate, translate_batches, validate
 from mtpipe.errors import MtpipeError
-from mtpipe.kernels import Linear
-from mtpipe.model import Transformer
-from mtpipe.search import DecodeRules, LengthPenalty, beam_search
-from mtpipe.step_package import PackagedStep
+from mtpipe.model.kernels import Linear
+from mtpipe.model.transformer import Transformer
+from mtpipe.engine.search import DecodeRules, LengthPenalty, beam_search
+from mtpipe.engine.step_package import PackagedStep
 
 # --------------------------------------------------------------------------------------------------------------------
 # Helpers: a hand-made step function, a random peaked model, an independent greedy decoder
@@ -385,7 +385,7 @@ def test_incremental_decoding_matches_full_re_decoding(model):
 def test_ranking_in_blocks_of_rows_gives_the_same_search(model, monkeypatch, block_rows):
     """Beam search ranks the candidates a block of rows at a time (log-probabilities made on demand per block):
     blocks of one sentence, or of a sentence and a bit, must find what one block of all rows finds."""
-    import mtpipe.search as md
+    import mtpipe.engine.search as md
 
     cfg = DecodeConfig(beam=4, max_len_b=6, nbest=2)
     srcs = sources(9, seed=11)
@@ -401,7 +401,7 @@ def test_top_candidates_equal_a_top_k_over_every_extension():
     """The chunked ranking (chunk maxima first) returns what one top-k over all k x V extensions returns, also with
     empty beams (-inf scores), banned tokens, rows where only EOS may follow, and a vocabulary that is not a
     multiple of the chunk width."""
-    from mtpipe.search import top_candidates
+    from mtpipe.engine.search import top_candidates
 
     g = torch.Generator().manual_seed(3)
     for trial in range(60):
@@ -426,7 +426,7 @@ def test_top_candidates_equal_a_top_k_over_every_extension():
 def test_chunked_ranking_gives_the_same_search(model, monkeypatch, chunk, stop):
     """Beam search (beam 4 and greedy) with the vocabulary ranked in chunks (as it is for real vocabularies) finds
     exactly what one top-k over every extension finds."""
-    import mtpipe.search as md
+    import mtpipe.engine.search as md
 
     srcs = sources(9, seed=12)
     for beam in (1, 4):
@@ -508,7 +508,7 @@ def test_the_cache_slots_table_reads_what_a_reordered_cache_holds():
     # DecoderState keeps every position's keys where the step wrote them and reorders a table of slots instead. Against
     # a cache physically reordered at every select: beam widening, reorders, sentences leaving, more positions than
     # the first allocation (growth), sentences joining (continuous batching) and the oldest positions dropped.
-    from mtpipe.model import DecoderState
+    from mtpipe.model.transformer import DecoderState
 
     g = torch.Generator().manual_seed(5)
     layers, heads, d = 2, 2, 3
@@ -553,14 +553,14 @@ def test_the_cache_slots_table_reads_what_a_reordered_cache_holds():
 
 def test_compiled_step_decodes_what_the_eager_step_decodes(model, monkeypatch):
     # decode.compile: Transformer.step_layers compiled, from the third step on (float32 on CPU: packaged ahead of
-    # time, mtpipe.step_package; bf16: torch.compile). Sentences of mixed lengths finish at different steps, so the
+    # time, mtpipe.engine.step_package; bf16: torch.compile). Sentences of mixed lengths finish at different steps, so the
     # batch runs with several sentences and then with one alone (run as two copies of itself, in the same graph);
     # the beam search must find the same hypotheses with the same scores. float32 with the graph gathering the
     # cached keys/values itself (the tiny model's rows are short: forced), bf16 below with them gathered before it.
     import torch._dynamo.config
     import torch._inductor.config
 
-    monkeypatch.setattr("mtpipe.model._GATHER_IN_GRAPH_BYTES", 0)
+    monkeypatch.setattr("mtpipe.model.transformer._GATHER_IN_GRAPH_BYTES", 0)
     # the longest source alone: its outputs, which the length limit (source + 10) ends last, run alone at the end
     srcs = sources(6, seed=11, lo=2, hi=14) + sources(1, seed=12, lo=15, hi=16)
     cfg = DecodeConfig(beam=3, max_len_b=10, max_tokens=1000, nbest=3)
@@ -603,7 +603,7 @@ def test_compiled_step_decodes_what_the_eager_step_decodes(model, monkeypatch):
         assert [h.tokens for h in a] == [h.tokens for h in b]
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
 
-    monkeypatch.setattr("mtpipe.model._GATHER_IN_GRAPH_BYTES", 1 << 30)
+    monkeypatch.setattr("mtpipe.model.transformer._GATHER_IN_GRAPH_BYTES", 1 << 30)
     cfg16 = dataclasses.replace(cfg, precision="bf16", nbest=1)
     eager16 = translate(model, srcs, cfg16)
     out16 = translate(model, srcs, dataclasses.replace(cfg16, compile=True))
@@ -625,7 +625,7 @@ def test_compiled_step_decodes_what_the_eager_step_decodes(model, monkeypatch):
 
     # lone_graph (mtpipe serve, stdin): the lone sentence in a graph of its own, the same hypotheses
     torch.compiler.reset()  # the graphs above (of the same code) out of the way, as a new process would start
-    monkeypatch.setattr("mtpipe.model._GATHER_IN_GRAPH_BYTES", 0)  # the variant of the first package above
+    monkeypatch.setattr("mtpipe.model.transformer._GATHER_IN_GRAPH_BYTES", 0)  # the variant of the first package above
     own = copy.deepcopy(model)
     own.compile_step(lone_graph=True)
     inner_own, own_sentences = own._compiled_step, []
@@ -642,7 +642,7 @@ def test_graphed_step_decodes_what_the_eager_step_decodes(model, monkeypatch):
     powers of two, the extra ones masked or never read), run here without recording graphs, finds the eager step's
     hypotheses and scores: sentences of mixed lengths (sources past the smallest source bucket), outputs past two
     cache buckets, a batch that shrinks through the row buckets."""
-    from mtpipe import cuda_graphs
+    from mtpipe.engine import cuda_graphs
 
     srcs = sources(7, seed=12, lo=2, hi=14) + sources(2, seed=13, lo=34, hi=40)  # source buckets 32 and 64
     cfg = DecodeConfig(beam=3, max_len_b=30, max_tokens=120, nbest=3)  # the short and the long in batches apart
@@ -686,8 +686,8 @@ def test_graphed_step_decodes_what_the_eager_step_decodes(model, monkeypatch):
 def test_graphed_step_takes_sentences_joining_a_running_search(model):
     """Continuous batching with decode.cuda_graphs: rows that joined later (their own start slot, masked earlier
     slots) decode as they would alone, through the graphs' fixed-shape buffers."""
-    from mtpipe.search import DecodeRules
-    from mtpipe.streaming import StreamDecoder
+    from mtpipe.engine.search import DecodeRules
+    from mtpipe.engine.streaming import StreamDecoder
 
     rules = DecodeRules(beam=4, nbest=2, penalty=LengthPenalty("gnmt", 0.6), max_len_b=24)
     srcs = sources(8, seed=21)
@@ -718,7 +718,7 @@ def test_a_graph_that_cannot_be_made_falls_back_to_the_eager_step(model, capsys,
     """Where recording fails (here: a CPU, where torch has no CUDA streams; on a GPU a driver or an operation that
     does not allow it) or a bucket's buffers do not fit in GPU memory, decoding says so once and goes on with the
     eager step: the same translations."""
-    from mtpipe import cuda_graphs
+    from mtpipe.engine import cuda_graphs
 
     srcs = sources(4, seed=41)
     cfg = DecodeConfig(beam=2, max_len_b=8)
@@ -744,8 +744,8 @@ def test_graphed_step_serves_two_searches_taking_turns(model):
     """Two continuous-batching streams (``mtpipe serve`` keeps one per distinct beam / alpha / nbest) step in turn on
     one model with decode.cuda_graphs: the buckets they share (same shapes) hold one stream's sentences, then the
     other's, and each stream still decodes as its sentences would alone."""
-    from mtpipe.search import DecodeRules
-    from mtpipe.streaming import StreamDecoder
+    from mtpipe.engine.search import DecodeRules
+    from mtpipe.engine.streaming import StreamDecoder
 
     rules = [DecodeRules(beam=2, max_len_b=12), DecodeRules(beam=2, max_len_b=12, penalty=LengthPenalty("gnmt", 1.0))]
     srcs = [sources(3, seed=31), sources(3, seed=32)]
@@ -797,7 +797,7 @@ def test_recorded_cuda_graphs_decode_what_the_eager_step_decodes(model, precisio
 
 
 def test_cuda_graphs_apply_on_a_gpu_only_and_not_to_restricted_attention(model):
-    from mtpipe.decode import decoding_model
+    from mtpipe.stages.decode import decoding_model
 
     cpu = decoding_model(copy.deepcopy(model), "fp32", torch.device("cpu"), cuda_graphs=True)
     assert cpu._graphed is None  # decode.cuda_graphs has no effect on CPU
@@ -815,7 +815,7 @@ def test_cuda_graphs_apply_on_a_gpu_only_and_not_to_restricted_attention(model):
 def test_the_engine_makes_its_precision_copy_once(model, precision):
     """A bf16 or int8 engine copies (quantises) the weights once, not per call (stdin's lines and a server's
     requests are many calls), and decodes what the one-off path decodes."""
-    from mtpipe.decode import MtpipeEngine
+    from mtpipe.stages.decode import MtpipeEngine
 
     cfg = DecodeConfig(beam=2, max_len_b=6, precision=precision, threads=1)
     engine = MtpipeEngine.open(copy.deepcopy(model), cfg)
@@ -859,7 +859,7 @@ def test_a_packaged_step_serves_every_size_its_export_allowed(model, monkeypatch
     import os
     import random
 
-    from mtpipe import step_package
+    from mtpipe.engine import step_package
 
     cache = Path(os.environ["MTPIPE_CACHE_DIR"]) / "bounded"
     monkeypatch.setenv("MTPIPE_CACHE_DIR", str(cache))
@@ -911,14 +911,14 @@ def test_a_packaged_step_serves_every_size_its_export_allowed(model, monkeypatch
 
 
 def test_the_package_cache_removes_the_least_recently_used_beyond_its_bound(tmp_path, monkeypatch):
-    # mtpipe.step_package.prune: oldest use first, down to the bound; never the package just built, one another
+    # mtpipe.engine.step_package.prune: oldest use first, down to the bound; never the package just built, one another
     # process holds the lock of (loading or building it), or a file mtpipe did not name; a killed build's temporary
     # files go once they are a day old.
     import fcntl
     import os
     import time
 
-    from mtpipe import step_package
+    from mtpipe.engine import step_package
 
     now = time.time()
 
@@ -976,7 +976,7 @@ def test_a_package_lock_removed_while_a_process_waits_on_it_is_not_held_twice(tm
     import threading
     import time
 
-    from mtpipe import step_package
+    from mtpipe.engine import step_package
 
     path = tmp_path / f"{1:032x}.lock"
     waiting, inside, done = threading.Event(), threading.Event(), threading.Event()
@@ -1012,7 +1012,7 @@ def test_a_package_lock_removed_while_a_process_waits_on_it_is_not_held_twice(tm
 
 
 def test_a_step_that_cannot_be_packaged_runs_through_torch_compile(model, monkeypatch, capsys):
-    # decode.compile in float32 on CPU packages the step ahead of time (mtpipe.step_package); where the export fails
+    # decode.compile in float32 on CPU packages the step ahead of time (mtpipe.engine.step_package); where the export fails
     # (an operation it cannot trace, a read-only cache) one warning says so and torch.compile's step decodes instead,
     # the same hypotheses as eager decoding; nothing is left in the cache.
     import os
@@ -1037,7 +1037,7 @@ def test_a_step_that_cannot_be_packaged_runs_through_torch_compile(model, monkey
 def test_a_packaged_step_is_keyed_by_its_weights_and_environment(model, monkeypatch):
     # A package holds the weights it was built with and code for one CPU dispatch: another model's weights (one
     # value changed) or an AVX2-restricted process must not load it.
-    from mtpipe import step_package
+    from mtpipe.engine import step_package
 
     digest = step_package.weights_digest(model)
     variant = (False, False, 2, (("torch.float32", 3),))
@@ -1064,7 +1064,7 @@ def test_a_package_without_a_matching_record_is_not_verified(tmp_path):
     # without a content hash (an older mtpipe's), other bytes than it records; a truncated package among them.
     import json
 
-    from mtpipe import step_package
+    from mtpipe.engine import step_package
 
     package = tmp_path / ("0" * 32 + ".pt2")
     package.write_bytes(b"package bytes" * 1000)
@@ -1100,7 +1100,7 @@ def test_decoding_context_keeps_cudnn_attention_out_on_gpus_only():
     keys are one longer), with the others allowed; on CPU the backend switches stay as they are; both restored after.
     The switches are process-wide flags that exist without a GPU, so this runs anywhere (CUDA autocast does not:
     a CPU-only torch turns it off with a warning, so the bf16 half is checked on CPU)."""
-    from mtpipe.decode import decoding_context
+    from mtpipe.stages.decode import decoding_context
 
     cuda = torch.backends.cuda
     before = (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
@@ -1122,12 +1122,12 @@ def test_decoding_context_keeps_cudnn_attention_out_on_gpus_only():
 
 @pytest.mark.parametrize("stop", ["bound", "finished"])
 def test_sentences_joining_a_running_search_decode_as_they_would_alone(model, stop):
-    """Continuous batching (mtpipe.streaming): sentences that join a beam search already running, at different steps
+    """Continuous batching (mtpipe.engine.streaming): sentences that join a beam search already running, at different steps
     and beside sentences that leave, get each the hypotheses and scores of decoding it in a batch of its own -- their
     positions count from their own start, the cache slots from before it are masked, and the slots that no remaining
     row uses are dropped as the oldest sentences leave."""
-    from mtpipe.search import DecodeRules
-    from mtpipe.streaming import StreamDecoder
+    from mtpipe.engine.search import DecodeRules
+    from mtpipe.engine.streaming import StreamDecoder
 
     rules = DecodeRules(beam=4, nbest=2, penalty=LengthPenalty("gnmt", 0.6), max_len_b=24, stop=stop)
     srcs = sources(12, seed=11)

@@ -25,9 +25,9 @@ from mtpipe import artifacts, writing
 from mtpipe.artifacts import EOS_ID
 from mtpipe.cli import app
 from mtpipe.config import MAX_BEAM, DecodeConfig, to_dict
-from mtpipe.decode import validate
+from mtpipe.stages.decode import validate
 from mtpipe.errors import MtpipeError
-from mtpipe.kernels import Linear
+from mtpipe.model.kernels import Linear
 
 
 SUBJECTS = [("the dog", "der hund"), ("the cat", "die katze"), ("a man", "ein mann"), ("a woman", "eine frau"),
@@ -103,7 +103,7 @@ def test_int8_decodes_what_fp32_decodes_and_quantises_every_linear_layer(trained
     memorised pairs the outputs are fp32's; reachable from the CLI."""
     import torch.ao.nn.quantized.dynamic as nnqd
 
-    from mtpipe.decode import int8_copy
+    from mtpipe.stages.decode import int8_copy
 
     model = trained["model"]
     q = int8_copy(model)
@@ -266,7 +266,7 @@ def test_beam_and_nbest_over_the_limit_in_params_yaml_name_the_file_key_and_limi
 def test_decode_device_picks_where_to_decode(monkeypatch):
     """decode.device: cpu always; cuda, or an error naming the key where no GPU is visible; auto the GPU when there
     is one, except for int8, which runs on the CPU only (so a GPU machine can decode int8 without hiding its GPU)."""
-    from mtpipe.decode import decoding_device
+    from mtpipe.stages.decode import decoding_device
 
     assert decoding_device("cpu", "fp32").type == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -304,7 +304,7 @@ def test_cli_device(trained):
 def test_stream_batches_yields_each_line_when_it_arrives():
     """Stdin is read a line at a time, never waiting for more than one whole line: what else is already there joins
     the batch; the last line needs no newline."""
-    from mtpipe.decode import stream_batches
+    from mtpipe.stages.decode import stream_batches
 
     r, w = os.pipe()
     try:
@@ -415,7 +415,7 @@ def test_cli_stats_flag(trained, tmp_path):
 def test_deal_gives_every_sentence_once_in_batches_of_the_budget(processes):
     """Every index exactly once; a share fits max_tokens padded tokens (or is one over-long sentence); the shares
     of a group are the same size to within one sentence, longest groups first (what keeps every process busy)."""
-    from mtpipe.workers import deal
+    from mtpipe.engine.workers import deal
 
     rng = torch.Generator().manual_seed(processes)
     lengths = [int(n) for n in torch.randint(1, 60, (300,), generator=rng)] + [200, 150]  # two over the budget
@@ -471,7 +471,7 @@ def test_worker_processes_spread_over_the_gpus(monkeypatch):
     """With several GPUs, worker i decodes on GPU i mod count (decode.processes, serve.workers); with one GPU or none,
     or when the settings keep decoding on the CPU (device cpu, int8 under auto), no GPU is picked and CUDA is never
     asked."""
-    from mtpipe.workers import worker_gpu
+    from mtpipe.engine.workers import worker_gpu
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
@@ -487,7 +487,7 @@ def test_worker_processes_spread_over_the_gpus(monkeypatch):
 def test_processes_that_fail_give_one_line_and_no_hang(trained, tmp_path):
     """A process that cannot open the model, and one killed while decoding: one MtpipeError line naming
     decode.processes and the process, not a hang or a traceback; the pool's processes are ended."""
-    from mtpipe.workers import DecodePool
+    from mtpipe.engine.workers import DecodePool
 
     cfg = DecodeConfig(threads=1)
     with pytest.raises(MtpipeError, match=r"^decode.processes: worker process 0 could not open the model \("):
@@ -529,7 +529,7 @@ def project(trained, tmp_path_factory) -> dict:
     import sentencepiece as spm
     import yaml
 
-    from mtpipe.bpe import write_vocab
+    from mtpipe.stages.bpe import write_vocab
 
     root = tmp_path_factory.mktemp("project")
     spm_file = trained["root"] / "spm.model"
@@ -562,7 +562,7 @@ def project(trained, tmp_path_factory) -> dict:
 
 
 def test_train_and_average_write_checkpoints_that_carry_their_spm_and_decode_settings(project):
-    from mtpipe.resume import list_checkpoints
+    from mtpipe.training.resume import list_checkpoints
 
     found = [d for _, d in list_checkpoints(project["run"])]
     assert len(found) == 2

@@ -18,13 +18,10 @@ ctranslate2 = pytest.importorskip("ctranslate2")
 
 from conftest import memorise, train_spm  # noqa: E402
 
-from mtpipe import (
-    artifacts,  # noqa: E402
-    writing,
-)
+from mtpipe import artifacts, writing  # noqa: E402
 from mtpipe.cli import app  # noqa: E402
 from mtpipe.config import to_dict  # noqa: E402
-from mtpipe.export import export_ctranslate2  # noqa: E402
+from mtpipe.stages.export import export_ctranslate2  # noqa: E402
 
 SUBJECTS = [("the dog", "der hund"), ("the cat", "die katze"), ("a man", "ein mann"), ("a woman", "eine frau")]
 VERBS = [("sees", "sieht"), ("likes", "mag"), ("finds", "findet")]

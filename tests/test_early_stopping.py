@@ -29,7 +29,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def script_ppl(monkeypatch: pytest.MonkeyPatch, ppl_at: dict[int, float]) -> None:
     """Replace the validation loss by ``ppl_at[step]``: a known sequence of improvements and setbacks."""
-    from mtpipe.train import Trainer
+    from mtpipe.training.train import Trainer
 
     def valid_loss(self: Trainer) -> dict[str, float]:
         ppl = ppl_at[self.state.step]
@@ -46,7 +46,7 @@ EARLY = dict(max_steps=20, valid_every_steps=2, save_every_steps=5, keep_last=1,
 
 
 def steps_of(out: Path) -> list[int]:
-    from mtpipe.resume import list_checkpoints
+    from mtpipe.training.resume import list_checkpoints
 
     return [s for s, _ in list_checkpoints(out)]
 
@@ -56,7 +56,7 @@ def test_patience_stops_after_exactly_that_many_validations_and_keeps_the_best(
     """Validations at 6 (a tie is no improvement), 8 and 10 do not beat step 4's 9.0: patience 3 stops at 10, before
     12's improvement. Step 4's checkpoint was written when it became the best (no save was due there) and survives
     keep_last=1 while 5 and 10 come after it."""
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     script_ppl(monkeypatch, PPL)
     out = tmp_path / "out"
@@ -81,7 +81,7 @@ def test_resume_in_the_middle_of_a_patience_count_stops_at_the_same_step(
     """Stopped at step 8 with 2 validations without improvement, the run resumes from that checkpoint and stops at
     10, as the uninterrupted run does (were the count or the best lost, 10's 9.2 would be a new best and the run
     would go on to step 16 or beyond)."""
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     script_ppl(monkeypatch, PPL)
     out = tmp_path / "out"
@@ -97,7 +97,7 @@ def test_resume_in_the_middle_of_a_patience_count_stops_at_the_same_step(
 
 def test_improving_runs_are_not_stopped_and_patience_0_is_off(data: tuple[Path, Path], tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     script_ppl(monkeypatch, {s: 100.0 / s for s in range(2, 21, 2)})
     s = train_model(mcfg(), tcfg(**{**EARLY, "max_steps": 12}), *data, tmp_path / "a")
@@ -109,7 +109,7 @@ def test_improving_runs_are_not_stopped_and_patience_0_is_off(data: tuple[Path, 
 
 
 def test_best_record_and_pruning_rules() -> None:
-    from mtpipe.resume import Best, improves, prunable
+    from mtpipe.training.resume import Best, improves, prunable
 
     assert improves("valid_ppl", 4.0, 5.0) and not improves("valid_ppl", 5.0, 5.0)
     assert improves("valid_bleu", 20.0, 19.5) and not improves("valid_bleu", 19.0, 19.5)
@@ -132,7 +132,7 @@ def test_best_record_and_pruning_rules() -> None:
 ])
 def test_settings_that_cannot_work_are_one_line_errors(data: tuple[Path, Path], tmp_path: Path, kw: dict,
                                                        match: str) -> None:
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     with pytest.raises(MtpipeError, match=match) as e:
         train_model(mcfg(), tcfg(**kw), *data, tmp_path / "out")
@@ -179,7 +179,7 @@ def test_valid_bleu_is_logged_and_leaves_training_unchanged(spm_data: tuple[Path
     """valid/bleu at steps 2 and 4 is a number in [0, 100] in the dvclive curve, the summary and the checkpoints'
     manifests; the run's losses equal, bitwise, those of the same run without it (dropout 0.1: the RNG state is
     untouched, so exact resume still holds); the model is back in train mode."""
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     s = train_model(mcfg(max_positions=128), tcfg(**BLEU_RUN), *spm_data, tmp_path / "bleu")
     rows = tsv(tmp_path / "bleu", "valid/bleu")
@@ -197,8 +197,8 @@ def test_valid_bleu_is_logged_and_leaves_training_unchanged(spm_data: tuple[Path
 
 def test_valid_bleu_sample_is_fixed_and_references_are_detokenised(spm_data: tuple[Path, Path],
                                                                    tmp_path: Path) -> None:
-    from mtpipe.batches import load_split
-    from mtpipe.train import Trainer
+    from mtpipe.training.batches import load_split
+    from mtpipe.training.train import Trainer
 
     tokens, batches = spm_data
     trainer = Trainer(mcfg(max_positions=128), tcfg(**BLEU_RUN), tokens, batches, tmp_path / "out")
@@ -213,7 +213,7 @@ def test_valid_bleu_sample_is_fixed_and_references_are_detokenised(spm_data: tup
 
 
 def test_valid_bleu_needs_a_sentencepiece_model(data: tuple[Path, Path], tmp_path: Path) -> None:
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     with pytest.raises(MtpipeError, match="spm.model") as e:  # test_train's artifacts carry a fake one
         train_model(mcfg(), tcfg(valid_bleu_every_steps=2), *data, tmp_path / "out")
@@ -240,7 +240,7 @@ def _checkpoint(run: Path, step: int, metric: str, valid: dict[str, float]) -> N
 ])
 def test_average_select_best_picks_the_best_n(tmp_path: Path, metric: str, key: str, values: dict,
                                               want: list[int]) -> None:
-    from mtpipe.average import average_checkpoints, select
+    from mtpipe.stages.average import average_checkpoints, select
 
     run = tmp_path / "run"
     for step, v in values.items():
@@ -256,7 +256,7 @@ def test_average_select_best_picks_the_best_n(tmp_path: Path, metric: str, key: 
 
 
 def test_average_select_best_without_recorded_metrics_is_a_one_line_error(tmp_path: Path) -> None:
-    from mtpipe.average import select
+    from mtpipe.stages.average import select
 
     run = tmp_path / "run"
     for step in (1, 2):
@@ -273,8 +273,8 @@ def test_average_select_best_without_recorded_metrics_is_a_one_line_error(tmp_pa
 def test_average_select_best_on_a_real_run(data: tuple[Path, Path], tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The trainer records each checkpoint's validation: the best two of a scripted run are averaged."""
-    from mtpipe.average import select
-    from mtpipe.train import train_model
+    from mtpipe.stages.average import select
+    from mtpipe.training.train import train_model
 
     script_ppl(monkeypatch, PPL)
     out = tmp_path / "out"
@@ -290,7 +290,7 @@ def test_average_select_best_on_a_real_run(data: tuple[Path, Path], tmp_path: Pa
 
 def test_train_log_has_the_step_lines_and_summary_appended_across_resumes(data: tuple[Path, Path],
                                                                           tmp_path: Path) -> None:
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     out = tmp_path / "out"
     train_model(mcfg(), tcfg(max_steps=4), *data, out)
@@ -305,7 +305,7 @@ def test_train_log_has_the_step_lines_and_summary_appended_across_resumes(data: 
 
 
 def test_remaining_time_is_the_sooner_of_steps_and_max_time() -> None:
-    from mtpipe.metrics import remaining_seconds
+    from mtpipe.training.metrics import remaining_seconds
 
     # 100 of 1,000 updates in 60 s: 540 s left by steps; max_time 5 min with 60 s trained: 240 s left.
     assert remaining_seconds(100, 1000, 100, 60.0, 60.0, 5.0) == pytest.approx(240.0)
@@ -323,7 +323,7 @@ def test_progress_bar_fills_with_the_budget_not_the_epoch_cap(data: tuple[Path, 
     from rich.progress import BarColumn
 
     from mtpipe.console import progress
-    from mtpipe.train import Trainer, train_model
+    from mtpipe.training.train import Trainer, train_model
 
     seen: list[dict] = []
     original = Trainer._bar_fields
@@ -349,7 +349,7 @@ def test_progress_bar_fills_with_the_budget_not_the_epoch_cap(data: tuple[Path, 
 
 
 def test_stop_note_says_how_much_of_the_plan_was_done() -> None:
-    from mtpipe.metrics import stop_note
+    from mtpipe.training.metrics import stop_note
 
     s = {"stopped_by": "max_time", "steps": 1377, "planned_updates": 2660, "max_time": 36.0}
     assert stop_note(s) == "stopped by train.max_time=36 min after 1,377 of 2,660 planned updates (52 %)"
@@ -359,7 +359,7 @@ def test_stop_note_says_how_much_of_the_plan_was_done() -> None:
 
 
 def test_time_guard_stop_is_reported_in_the_summary_and_the_log(data: tuple[Path, Path], tmp_path: Path) -> None:
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     out = tmp_path / "out"
     s = train_model(mcfg(), tcfg(max_steps=100_000, max_time=0.005, save_every_steps=0, valid_every_steps=0), *data,
@@ -384,7 +384,7 @@ def test_valid_bleu_and_patience_at_world_size_2(spm_data: tuple[Path, Path], tm
     with twice the accumulation (the same updates), and both ranks stop together (the launch exits cleanly)."""
     from test_train import TINY, _command, _run, write_params
 
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     train = {**tcfg(**BLEU_RUN, stop_metric="valid_bleu", patience=1).__dict__, "max_steps": 6,
              "tokens_per_update": 512}  # 2 batches per update: 1 x 2 and 2 x 1 make the same updates

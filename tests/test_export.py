@@ -26,18 +26,15 @@ ctranslate2 = pytest.importorskip("ctranslate2")
 
 from conftest import memorise, train_spm  # noqa: E402
 
-from mtpipe import (
-    artifacts,  # noqa: E402
-    writing,
-)
+from mtpipe import artifacts, writing  # noqa: E402
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 from mtpipe.cli import app  # noqa: E402
 from mtpipe.config import DecodeConfig, ModelConfig, to_dict  # noqa: E402
-from mtpipe.decode import translate  # noqa: E402
-from mtpipe.engine_ct2 import ct2_translate, load_ct2  # noqa: E402
+from mtpipe.stages.decode import translate  # noqa: E402
+from mtpipe.engine.ct2 import ct2_translate, load_ct2  # noqa: E402
 from mtpipe.errors import MtpipeError  # noqa: E402
-from mtpipe.export import export_ctranslate2  # noqa: E402
-from mtpipe.model import Transformer  # noqa: E402
+from mtpipe.stages.export import export_ctranslate2  # noqa: E402
+from mtpipe.model.transformer import Transformer  # noqa: E402
 
 ALPHA = 0.6
 
@@ -326,7 +323,7 @@ def untied_model(world, seed: int, **variant) -> Transformer:
 
 @pytest.mark.parametrize("case", list(UNTIED))
 def test_untied_embeddings_output_bias_eos_start_and_per_stack_positions_export_exactly(world, tmp_path, case):
-    from mtpipe.export import _load_source, build_ct2_spec
+    from mtpipe.stages.export import _load_source, build_ct2_spec
 
     sp, variant = world["sp"], UNTIED[case]
     model = untied_model(world, 7, **variant)
@@ -482,7 +479,7 @@ def test_marian_export_computes_mtpipe_logits_and_greedy_output(world, tmp_path)
 
 def test_marian_refuses_shapes_it_cannot_hold(world, tmp_path):
     pytest.importorskip("transformers")
-    from mtpipe.export import export_marian
+    from mtpipe.stages.export import export_marian
 
     model = Transformer(ModelConfig(preset="tiny", d_k=16, d_v=16), world["sp"].get_piece_size())
     ckpt = save(model, tmp_path / "ckpt", world["root"] / "spm.model")
@@ -502,7 +499,7 @@ def test_marian_export_of_untied_biased_eos_start_models(world, tmp_path, case):
     """Marian holds untied source/target/output matrices, ``final_logits_bias`` and the decoder start token (not
     learned positions: the sinusoids here)."""
     transformers = pytest.importorskip("transformers")
-    from mtpipe.export import export_marian
+    from mtpipe.stages.export import export_marian
 
     sp = world["sp"]
     model = untied_model(world, 8, **{**UNTIED[case], "positions": "sinusoidal"})
@@ -639,7 +636,7 @@ def test_pegasus_export_of_untied_biased_eos_start_learned_position_models(world
     three), ``final_logits_bias``, the decoder start token and learned position tables (saved and loaded as
     saved)."""
     transformers = pytest.importorskip("transformers")
-    from mtpipe.export import export_pegasus
+    from mtpipe.stages.export import export_pegasus
 
     sp = world["sp"]
     model = untied_model(world, 9, norm_position="pre", **PEGASUS_VARIANTS[case])
@@ -666,7 +663,7 @@ def test_pegasus_export_of_untied_biased_eos_start_learned_position_models(world
 
 def test_hugging_face_refusals_name_what_does_not_map_and_the_format_that_works(world, tmp_path):
     pytest.importorskip("transformers")
-    from mtpipe.export import export_huggingface, export_marian, export_pegasus
+    from mtpipe.stages.export import export_huggingface, export_marian, export_pegasus
 
     root, vocab = world["root"], world["sp"].get_piece_size()
     pre = save(Transformer(ModelConfig(preset="tiny", norm_position="pre"), vocab), tmp_path / "pre",

@@ -432,8 +432,8 @@ def test_the_global_batch_rule_on_another_world_size() -> None:
     """8 x 1 -> 4 x 2 (and 8 x 1 -> 3 x 3: the nearest multiple above); a changed tokens_per_update is followed."""
     from types import SimpleNamespace
 
-    from mtpipe.batches import TrainData
-    from mtpipe.resume import same_global_batch
+    from mtpipe.training.batches import TrainData
+    from mtpipe.training.resume import same_global_batch
 
     def data(world: int, accum: int, n: int = 100) -> TrainData:
         return TrainData(vocab={}, max_tokens=4096, train_tokens=None, train=[0] * n, valid_tokens=None,  # type: ignore
@@ -450,8 +450,8 @@ def test_the_global_batch_rule_on_another_world_size() -> None:
 def test_dist_timeout_reaches_torchrun_and_the_workers() -> None:
     """train.dist_timeout: a flag of the workers, and the rendezvous' join and store timeouts of several nodes."""
     from mtpipe.config import ModelConfig, TrainConfig
-    from mtpipe.distributed import group_timeout, heartbeat_interval
-    from mtpipe.launch import launch_command
+    from mtpipe.training.distributed import group_timeout, heartbeat_interval
+    from mtpipe.training.launch import launch_command
 
     paths = {"tokens": Path("t"), "batches": Path("b"), "out": Path("x")}
     env = {"MTPIPE_NNODES": "2", "MTPIPE_RDZV_ENDPOINT": "node0:29400"}
@@ -466,7 +466,7 @@ def test_dist_timeout_reaches_torchrun_and_the_workers() -> None:
 
 def test_the_watch_names_silent_ranks_by_node() -> None:
     """What the heartbeat watch says, from the counts it read (no store needed)."""
-    from mtpipe.distributed import _LEFT, Watch
+    from mtpipe.training.distributed import _LEFT, Watch
 
     w = Watch(0, 4, 30.0, ("node0", 29500), "p/")
     w.who = {0: ("0", "a"), 1: ("0", "a"), 2: ("1", "b"), 3: ("1", "b")}

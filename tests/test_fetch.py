@@ -17,7 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from mtpipe import fetch, sources
+from mtpipe.stages import fetch
+
+from mtpipe.stages import sources
 from mtpipe.artifacts import read_manifest, read_table
 from mtpipe.cli import app
 from mtpipe.config import FetchConfig

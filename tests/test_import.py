@@ -22,8 +22,8 @@ from typer.testing import CliRunner
 from mtpipe import artifacts
 from mtpipe.cli import app
 from mtpipe.config import DecodeConfig
-from mtpipe.decode import translate
-from mtpipe.loading import load_model_and_vocab
+from mtpipe.stages.decode import translate
+from mtpipe.engine.loading import load_model_and_vocab
 
 BOS, PAD, EOS, UNK = 0, 1, 2, 3  # fairseq.data.Dictionary
 D, FF, HEADS, LAYERS, MAXPOS = 16, 32, 2, 2, 64
@@ -330,7 +330,7 @@ def test_imported_checkpoint_averages_and_exports(imported, tmp_path):
     for (k, x), (_, y) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
         torch.testing.assert_close(x, y, msg=k)  # the mean of two equal checkpoints is the checkpoint
     pytest.importorskip("ctranslate2")
-    from mtpipe.engine_ct2 import load_ct2
+    from mtpipe.engine.ct2 import load_ct2
 
     r = CliRunner().invoke(app, ["export", "--checkpoint", str(root / "ck"), "--tokens", str(root / "bpe"),
                                  "--out", str(tmp_path / "ct2")])

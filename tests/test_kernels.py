@@ -1,4 +1,4 @@
-"""The float32 products of :mod:`mtpipe.kernels` through oneDNN compute what torch's own products compute: values and
+"""The float32 products of :mod:`mtpipe.model.kernels` through oneDNN compute what torch's own products compute: values and
 gradients equal ``F.linear`` / ``torch.mm`` up to float rounding in every operand layout, and the route is taken where
 it should be (and only there: not in compiled code)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtpipe import kernels
+from mtpipe.model import kernels
 
 pytestmark = pytest.mark.skipif(not kernels._ONEDNN_AVAILABLE, reason="this torch build has no oneDNN")
 
@@ -94,7 +94,7 @@ def test_training_products_keep_torchs_route_where_the_route_is_closed_to_traini
         dnn_calls: list, monkeypatch: pytest.MonkeyPatch) -> None:
     # With AVX2 only (ONEDNN_FP32_TRAINING False) training's products, the layers' and the loss's, are torch's own;
     # products without gradients (decoding, validation) still take the route. Same values either way.
-    from mtpipe.loss import projected_label_smoothed_nll
+    from mtpipe.training.loss import projected_label_smoothed_nll
 
     monkeypatch.setattr(kernels, "ONEDNN_FP32_TRAINING", False)
     g = torch.Generator().manual_seed(2)

@@ -12,7 +12,7 @@ from safetensors.torch import load, save
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID
 from mtpipe.config import ModelConfig
 from mtpipe.errors import MtpipeError
-from mtpipe.model import Transformer, build_model, sinusoids
+from mtpipe.model.transformer import Transformer, build_model, sinusoids
 
 V = 50
 CFG = ModelConfig(preset="tiny", encoder_layers=2, decoder_layers=2, d_model=32, d_ff=64, heads=4, max_positions=64)
@@ -144,7 +144,7 @@ def test_decoding_projection_survives_a_deep_copy_and_each_copy_projects_its_own
     changed, projects with its own weights while the original keeps its own."""
     import copy
 
-    from mtpipe import kernels
+    from mtpipe.model import kernels
 
     monkeypatch.setattr(kernels, "PACK_DECODING_PROJECTION", packing)
     torch.manual_seed(3)

@@ -1,4 +1,4 @@
-"""`mtpipe plots`: a run's dvclive curves, as :mod:`mtpipe.metrics` writes them, become PNG charts and a page that
+"""`mtpipe plots`: a run's dvclive curves, as :mod:`mtpipe.training.metrics` writes them, become PNG charts and a page that
 opens offline (no http, no script, only the PNGs beside it); a run without metrics fails in one line with nothing
 written; the default output inside the run leaves it a run that training resumes from."""
 
@@ -13,14 +13,14 @@ from typer.testing import CliRunner
 
 from mtpipe import artifacts, writing
 from mtpipe.cli import app
-from mtpipe.metrics import Metrics, Window
-from mtpipe.plots import charts_for, read_run, read_tsv
+from mtpipe.training.metrics import Metrics, Window
+from mtpipe.stages.plots import charts_for, read_run, read_tsv
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def fake_run(run: Path, steps: int = 6, bleu: bool = True) -> Path:
-    """A run directory whose ``live/`` is written by the trainer's own writer (:class:`mtpipe.metrics.Metrics`):
+    """A run directory whose ``live/`` is written by the trainer's own writer (:class:`mtpipe.training.metrics.Metrics`):
     train points every update, valid loss/ppl (and BLEU) every other one."""
     metrics = Metrics()
     metrics.open(run, None)

@@ -19,7 +19,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def test_linear_schedule_is_the_lower_of_the_warmup_line_and_the_decay_line() -> None:
-    from mtpipe.train import learning_rate, linear_learning_rate
+    from mtpipe.training.train import learning_rate, linear_learning_rate
 
     d, w = 512, 4000
     peak = learning_rate(w, d, w)
@@ -42,7 +42,7 @@ def test_linear_schedule_is_the_lower_of_the_warmup_line_and_the_decay_line() ->
 
 def test_linear_schedule_by_steps_logs_its_rate_and_checkpoints_by_progress(data: tuple[Path, Path],
                                                                             tmp_path: Path) -> None:
-    from mtpipe.train import linear_learning_rate, list_checkpoints, train_model
+    from mtpipe.training.train import linear_learning_rate, list_checkpoints, train_model
 
     out = tmp_path / "out"
     cfg = tcfg(max_steps=12, warmup=4, schedule="linear", save_every_steps=0, save_every_progress=0.25)
@@ -59,7 +59,7 @@ def test_linear_schedule_by_steps_logs_its_rate_and_checkpoints_by_progress(data
 def test_linear_schedule_resumes_exactly(data: tuple[Path, Path], tmp_path: Path) -> None:
     """A run resumed from its step-6 checkpoint ends with the same weights, bit for bit, as one that never
     stopped: the schedule's state (steps and training seconds) travels in the checkpoint."""
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     cfg = tcfg(max_steps=12, warmup=4, schedule="linear", save_every_steps=0, save_every_progress=0.25)
     whole, cut = tmp_path / "whole", tmp_path / "cut"
@@ -78,7 +78,7 @@ def test_linear_schedule_by_time_decays_to_near_zero_at_the_time_budget(data: tu
                                                                         tmp_path: Path) -> None:
     """With only ``max_time`` as the budget, the rate follows the clock: it peaks, falls steadily, and the last
     updates run at a small fraction of the peak when the guard stops training."""
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     out = tmp_path / "out"
     cfg = tcfg(max_steps=0, max_time=0.05, warmup=2, schedule="linear", save_every_steps=0, valid_every_steps=0)

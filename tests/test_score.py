@@ -19,7 +19,7 @@ from mtpipe import writing
 from mtpipe.cli import app
 from mtpipe.config import ScoreConfig
 from mtpipe.errors import MtpipeError
-from mtpipe.score import GATE_EXIT_CODE, GateFailed, compound_split, paper_bleu, score_hypotheses
+from mtpipe.stages.score import GATE_EXIT_CODE, GateFailed, compound_split, paper_bleu, score_hypotheses
 
 SACREBLEU = shutil.which("sacrebleu", path=str(Path(sys.executable).parent)) or shutil.which("sacrebleu")
 

@@ -248,8 +248,8 @@ def test_a_request_joins_the_running_batch_and_a_short_one_is_answered_first(mod
     import asyncio
 
     from mtpipe.config import DecodeConfig
-    from mtpipe.search import DecodeRules, LengthPenalty
-    from mtpipe.serve import Batcher, Job, open_model
+    from mtpipe.engine.search import DecodeRules, LengthPenalty
+    from mtpipe.serve.app import Batcher, Job, open_model
 
     served = open_model(DecodeConfig(threads=1), model["checkpoint"], model["tokens"], batching="continuous")
     lane = served.lane()
@@ -536,8 +536,8 @@ def test_a_batch_waits_from_the_end_of_the_last_one():
     this, the load splits into alternating half-size batches)."""
     import asyncio
 
-    from mtpipe.search import Hypothesis
-    from mtpipe.serve import BatchLane, Batcher, Job
+    from mtpipe.engine.search import Hypothesis
+    from mtpipe.serve.app import BatchLane, Batcher, Job
 
     loop = asyncio.new_event_loop()
     first_started, release, sizes = threading.Event(), threading.Event(), []
@@ -577,8 +577,8 @@ def test_idle_workers_share_a_burst_of_requests():
     between them, rather than the first awake taking it all while the others wait for the next burst."""
     import asyncio
 
-    from mtpipe.search import Hypothesis
-    from mtpipe.serve import BatchLane, Batcher, Job
+    from mtpipe.engine.search import Hypothesis
+    from mtpipe.serve.app import BatchLane, Batcher, Job
 
     loop = asyncio.new_event_loop()
     sizes: dict[int, list[int]] = {0: [], 1: []}
@@ -611,8 +611,8 @@ def test_a_worker_enters_its_lanes_decoding_context_once_around_all_its_polls():
     import asyncio
     import contextlib
 
-    from mtpipe.search import Hypothesis
-    from mtpipe.serve import BatchLane, Batcher, Job
+    from mtpipe.engine.search import Hypothesis
+    from mtpipe.serve.app import BatchLane, Batcher, Job
 
     events: list[str] = []
     inside = [False]
@@ -656,8 +656,8 @@ def test_the_warm_up_decodes_at_every_beam_a_request_may_bring(model):
     import dataclasses
 
     from mtpipe.config import DecodeConfig, ServeConfig
-    from mtpipe.decode import validate
-    from mtpipe.serve import open_model, warm_beams
+    from mtpipe.stages.decode import validate
+    from mtpipe.serve.app import open_model, warm_beams
 
     cfg = DecodeConfig(threads=1, beam=4, nbest=2)
     beams = warm_beams(ServeConfig(max_beam=12), cfg)
@@ -701,7 +701,7 @@ def test_a_server_with_worker_processes_holds_the_vocabulary_not_the_weights(mod
     """With serve.workers > 1 the server process rebuilds the model from worker 0's description: the same
     SentencePiece model and /info facts, and no lane (no weights) of its own."""
     from mtpipe.config import DecodeConfig
-    from mtpipe.serve import ServedModel, open_model
+    from mtpipe.serve.app import ServedModel, open_model
 
     served = open_model(DecodeConfig(threads=1), model["checkpoint"], model["tokens"])
     remote = ServedModel.described(served.description())
@@ -958,8 +958,8 @@ def test_a_large_request_takes_turns_with_a_short_one_chunk_by_chunk():
     before the large one, whose answer keeps its sentences' order."""
     import asyncio
 
-    from mtpipe.search import Hypothesis
-    from mtpipe.serve import BatchLane, Batcher, Job
+    from mtpipe.engine.search import Hypothesis
+    from mtpipe.serve.app import BatchLane, Batcher, Job
 
     loop = asyncio.new_event_loop()
     first, release, batches = threading.Event(), threading.Event(), []
@@ -1004,8 +1004,8 @@ def test_abandon_answers_every_request_left_and_stops_the_workers():
     once, and the worker stops after the batch in hand."""
     import asyncio
 
-    from mtpipe.search import Hypothesis
-    from mtpipe.serve import BatchLane, Batcher, Job, ServerStopping
+    from mtpipe.engine.search import Hypothesis
+    from mtpipe.serve.app import BatchLane, Batcher, Job, ServerStopping
 
     loop = asyncio.new_event_loop()
     started, release = threading.Event(), threading.Event()
@@ -1040,7 +1040,7 @@ def test_bound_settings_are_checked_with_one_line(model):
     """The bounds are serve settings, checked like the others; serve.max_connections must fit the open-file limit."""
     from mtpipe.config import ServeConfig
     from mtpipe.errors import MtpipeError
-    from mtpipe.serve import check_open_files
+    from mtpipe.serve.app import check_open_files
 
     base = ["serve", "--params", str(model["params"]), "--port", "0", "--checkpoint", str(model["checkpoint"]),
             "--tokens", str(model["tokens"])]

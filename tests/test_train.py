@@ -22,7 +22,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtpipe import artifacts, bucket, resume, writing
+from mtpipe import artifacts, writing
+
+from mtpipe.stages import bucket
+
+from mtpipe.training import resume
 from mtpipe.config import ModelConfig, TrainConfig
 from mtpipe.errors import MtpipeError
 
@@ -130,7 +134,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def test_learning_rate_schedule_is_section_5_3() -> None:
-    from mtpipe.train import learning_rate
+    from mtpipe.training.train import learning_rate
 
     d, w = 512, 4000
     assert learning_rate(1, d, w) == pytest.approx(d**-0.5 * 1 * w**-1.5, rel=1e-12)
@@ -144,7 +148,7 @@ def test_learning_rate_schedule_is_section_5_3() -> None:
 
 def _smoothed(logits: torch.Tensor, target: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The training loss of ``logits`` themselves: the projection by an identity matrix (V = D)."""
-    from mtpipe.loss import projected_label_smoothed_nll
+    from mtpipe.training.loss import projected_label_smoothed_nll
 
     return projected_label_smoothed_nll(logits, torch.eye(logits.size(-1), dtype=logits.dtype), None, target, eps)
 
@@ -183,9 +187,9 @@ def test_blockwise_loss_equals_autograd_of_the_formula(eps: float, bias: bool, p
     formula on the whole logits differentiated by autograd: loss, NLL, and the gradients of the states, the
     projection matrix and its bias, with several blocks and a short last one (bf16: under CPU autocast, as training
     runs it, against autograd of the same products under autocast; "fp32 onednn": every product of the blocks through
-    mtpipe.kernels' oneDNN route, whatever their size). Without gradients it gives the same values."""
-    import mtpipe.kernels as mk
-    import mtpipe.loss as ml
+    mtpipe.model.kernels' oneDNN route, whatever their size). Without gradients it gives the same values."""
+    import mtpipe.model.kernels as mk
+    import mtpipe.training.loss as ml
 
     products = []
     if precision == "fp32 onednn":
@@ -230,7 +234,7 @@ def test_blockwise_loss_equals_autograd_of_the_formula(eps: float, bias: bool, p
 
 def test_blockwise_loss_reports_the_nll_without_a_gradient() -> None:
     """Only the smoothed loss is trained on: the NLL it also returns carries no gradient."""
-    from mtpipe.loss import projected_label_smoothed_nll
+    from mtpipe.training.loss import projected_label_smoothed_nll
 
     h = torch.randn(4, 3, requires_grad=True)
     loss, nll = projected_label_smoothed_nll(h, torch.randn(5, 3), None, torch.tensor([0, 1, 2, 3]), 0.1)
@@ -238,7 +242,7 @@ def test_blockwise_loss_reports_the_nll_without_a_gradient() -> None:
 
 
 def test_accumulation_keeps_the_global_batch() -> None:
-    from mtpipe.batches import accumulation
+    from mtpipe.training.batches import accumulation
 
     assert accumulation(25000, 1, 4096) == 7
     assert accumulation(25000, 8, 4096) == 1
@@ -250,7 +254,7 @@ def test_accumulation_keeps_the_global_batch() -> None:
 
 
 def test_ranks_take_disjoint_batches_and_epochs_reshuffle() -> None:
-    from mtpipe.batches import epoch_order, rank_batches
+    from mtpipe.training.batches import epoch_order, rank_batches
 
     n, world, accum = 23, 2, 3
     order = epoch_order(n, seed=5, epoch=0)
@@ -271,7 +275,7 @@ def test_ranks_take_disjoint_batches_and_epochs_reshuffle() -> None:
 
 
 def test_collate_layout() -> None:
-    from mtpipe.batches import TokenSplit, collate
+    from mtpipe.training.batches import TokenSplit, collate
 
     split = TokenSplit("t", src=np.array([5, 6, 7], np.int32), src_off=np.array([0, 2, 3]),
                        tgt=np.array([8, 9, 10, 11], np.int32), tgt_off=np.array([0, 1, 4]), ids=np.array([0, 1]))
@@ -285,7 +289,7 @@ def test_collate_layout() -> None:
 
 def test_batches_map_ids_and_count_tokens(tmp_path: Path) -> None:
     """Batch ids are values of the tokens' id column (not row numbers); token counts match the bucket's."""
-    from mtpipe.batches import load_batches, load_split
+    from mtpipe.training.batches import load_batches, load_split
 
     tokens, batches = make_artifacts(tmp_path, n_train=40, id_base=1000)
     split = load_split(tokens, "train")
@@ -302,7 +306,7 @@ def test_batches_map_ids_and_count_tokens(tmp_path: Path) -> None:
 
 
 def test_tiny_model_overfits_a_few_pairs(tmp_path: Path) -> None:
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     tokens, batches = make_artifacts(tmp_path, n_train=8, n_valid=8, max_tokens=96)
     cfg = tcfg(max_steps=150, warmup=30, lr_scale=1.0, label_smoothing=0.0, tokens_per_update=1, save_every_steps=0,
@@ -315,7 +319,7 @@ def test_tiny_model_overfits_a_few_pairs(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def ws1_run(data: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """12 updates of 2 accumulated batches, checkpoints every 4 (2 kept), validation every 6."""
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     out = tmp_path_factory.mktemp("ws1") / "out"
     train_model(mcfg(), tcfg(keep_last=2), *data, out)
@@ -323,8 +327,8 @@ def ws1_run(data: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -
 
 
 def test_outputs_checkpoints_and_metrics(ws1_run: Path) -> None:
-    from mtpipe.model import build_model
-    from mtpipe.train import learning_rate
+    from mtpipe.model.transformer import build_model
+    from mtpipe.training.train import learning_rate
 
     out = ws1_run
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000008", "step_00000012"]  # keep_last
@@ -349,7 +353,7 @@ def test_outputs_checkpoints_and_metrics(ws1_run: Path) -> None:
 
 
 def test_finished_run_restarted_does_nothing_more(ws1_run: Path, data: tuple[Path, Path]) -> None:
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     before = tsv(ws1_run, "train/loss")
     s = train_model(mcfg(), tcfg(keep_last=2), *data, ws1_run)
@@ -363,7 +367,7 @@ def test_resume_repairs_metric_files_a_kill_cut_short(ws1_run: Path, data: tuple
     both in place): the resume drops the half row and rows after the checkpoint, and rebuilds the summary."""
     import shutil
 
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     out = tmp_path / "out"
     shutil.copytree(ws1_run, out)
@@ -384,7 +388,7 @@ def test_checkpoint_of_another_vocabulary_or_model_is_refused(ws1_run: Path, dat
                                                               tmp_path: Path) -> None:
     import shutil
 
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     out = tmp_path / "out"
     shutil.copytree(ws1_run, out)
@@ -402,7 +406,7 @@ def test_a_model_refused_on_resume_is_named_by_the_keys_the_user_changed(ws1_run
     comes from (the preset). From the command line too, where the flag is what the user changed."""
     import shutil
 
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     out = tmp_path / "out"
     shutil.copytree(ws1_run, out)
@@ -437,7 +441,7 @@ def test_a_model_refused_on_resume_is_named_by_the_keys_the_user_changed(ws1_run
 
 def test_nonfinite_loss_skips_the_update_then_stops(data: tuple[Path, Path], tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    import mtpipe.train as mt
+    import mtpipe.training.train as mt
 
     real = mt.projected_label_smoothed_nll
     calls = {"n": 0, "bad": set()}
@@ -462,7 +466,7 @@ def test_nonfinite_loss_skips_the_update_then_stops(data: tuple[Path, Path], tmp
 
 def test_out_of_memory_names_the_batch_and_the_fix(data: tuple[Path, Path], tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    import mtpipe.train as mt
+    import mtpipe.training.train as mt
 
     def oom(self, *args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -480,7 +484,7 @@ def test_out_of_memory_names_the_batch_and_the_fix(data: tuple[Path, Path], tmp_
     (dict(tokens_per_update=96 * 100), "fewer than one update"),
 ])
 def test_bad_settings_are_clear_errors(data: tuple[Path, Path], tmp_path: Path, kw: dict, match: str) -> None:
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     with pytest.raises(MtpipeError, match=match):
         train_model(mcfg(), tcfg(**kw), *data, tmp_path / "out")
@@ -489,7 +493,7 @@ def test_bad_settings_are_clear_errors(data: tuple[Path, Path], tmp_path: Path, 
 
 def test_sequences_longer_than_the_model_allows(tmp_path: Path) -> None:
     """Too-long train batches are a clear error up front; a too-long valid pair is left out of validation."""
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     tokens, batches = make_artifacts(tmp_path, long_valid=30, max_tokens=64)
     with pytest.raises(MtpipeError, match="max_positions=8; lower bucket.max_len"):
@@ -499,7 +503,7 @@ def test_sequences_longer_than_the_model_allows(tmp_path: Path) -> None:
 
 
 def test_batches_of_another_bpe_artifact_are_refused(data: tuple[Path, Path], tmp_path: Path) -> None:
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     other_tokens, _ = make_artifacts(tmp_path, seed=3)
     with pytest.raises(MtpipeError, match="another bpe artifact"):
@@ -508,7 +512,7 @@ def test_batches_of_another_bpe_artifact_are_refused(data: tuple[Path, Path], tm
 
 def test_bf16_autocast_and_epoch_stop(data: tuple[Path, Path], tmp_path: Path) -> None:
     """bf16 autocast trains (weights stay float32); max_epochs stops at an epoch boundary."""
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     s = train_model(mcfg(), tcfg(precision="bf16", max_steps=0, max_epochs=2, valid_every_steps=0), *data,
                     tmp_path / "o")
@@ -520,12 +524,12 @@ def test_bf16_autocast_and_epoch_stop(data: tuple[Path, Path], tmp_path: Path) -
 
 def test_training_forward_passes_choose_their_attention_kernels(data: tuple[Path, Path], tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every training and validation forward runs under :func:`mtpipe.kernels.attention_kernels` for the run's
+    """Every training and validation forward runs under :func:`mtpipe.model.kernels.attention_kernels` for the run's
     device (on a GPU: no cuDNN attention, which sets itself up anew for each of the buckets' shapes; what the
     context switches is checked in test_decode), and the loss itself is computed inside it."""
     import contextlib
 
-    from mtpipe import train
+    from mtpipe.training import train
 
     entered: list[str] = []
     inside = [False]
@@ -557,7 +561,7 @@ def test_no_dvc_side_effects_inside_a_git_checkout(data: tuple[Path, Path], tmp_
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """dvclive alone would `dvc init` (and `git add`) a git checkout that has no DVC repository: training must
     leave the repository untouched and create no experiment."""
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     repo = tmp_path / "repo"
     repo.mkdir()
@@ -571,7 +575,7 @@ def test_no_dvc_side_effects_inside_a_git_checkout(data: tuple[Path, Path], tmp_
 
 def test_time_limits_stop_and_checkpoint(data: tuple[Path, Path], tmp_path: Path) -> None:
     """max_time (minutes of training) stops the run; save_every_minutes writes checkpoints on rank 0's clock."""
-    from mtpipe.train import list_checkpoints, train_model
+    from mtpipe.training.train import list_checkpoints, train_model
 
     s = train_model(mcfg(), tcfg(max_steps=0, max_time=0.02, save_every_steps=0, save_every_minutes=0.0002,
                          valid_every_steps=0), *data, tmp_path / "out")
@@ -585,7 +589,7 @@ def test_the_training_time_resumes_from_the_run_clock_not_the_checkpoint(data: t
     """Wall time stays out of the checkpoints (their bytes depend on the weights and state alone) and in the run's
     clock.json, one entry per kept checkpoint; a resumed run's train.max_time counts the time before it from there,
     and a checkpoint moved away from its clock resumes with the time counted from 0 and a warning."""
-    from mtpipe.train import list_checkpoints, train_model
+    from mtpipe.training.train import list_checkpoints, train_model
 
     out = tmp_path / "out"
     s = train_model(mcfg(), tcfg(max_steps=4, save_every_steps=1, keep_last=2, valid_every_steps=0), *data, out)
@@ -607,7 +611,7 @@ def test_the_training_time_resumes_from_the_run_clock_not_the_checkpoint(data: t
 def test_max_time_is_the_plan_under_the_linear_schedule(data: tuple[Path, Path], tmp_path: Path) -> None:
     """With train.schedule=linear, max_time is the budget the rate decays over: a run it ends did what was planned
     (no loud guard note), while under the paper's schedule it is a guard that cut max_epochs' plan short."""
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     for schedule, cut_short in (("linear", False), ("inverse_sqrt", True)):
         s = train_model(mcfg(), tcfg(max_steps=0, max_epochs=10_000, max_time=0.01, schedule=schedule,
@@ -617,7 +621,7 @@ def test_max_time_is_the_plan_under_the_linear_schedule(data: tuple[Path, Path],
 
 
 def test_precision_auto() -> None:
-    from mtpipe.runtime import cpu_supports_bf16, resolve_precision
+    from mtpipe.engine.runtime import cpu_supports_bf16, resolve_precision
 
     assert resolve_precision("auto", torch.device("cpu")) == ("bf16" if cpu_supports_bf16() else "fp32")
     assert resolve_precision("fp32", torch.device("cpu")) == "fp32"
@@ -625,13 +629,13 @@ def test_precision_auto() -> None:
 
 def test_precision_auto_honours_an_isa_restriction(monkeypatch: pytest.MonkeyPatch) -> None:
     """The AVX2 emulation of a CPU without native bf16 (and a user's own restriction) trains in fp32."""
-    from mtpipe.runtime import cpu_supports_bf16, resolve_precision
+    from mtpipe.engine.runtime import cpu_supports_bf16, resolve_precision
 
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert not cpu_supports_bf16() and resolve_precision("auto", torch.device("cpu")) == "fp32"
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     # ATEN_CPU_CAPABILITY is read when torch starts: a fresh interpreter.
-    code = ("import torch; from mtpipe.runtime import cpu_supports_bf16 as f; "
+    code = ("import torch; from mtpipe.engine.runtime import cpu_supports_bf16 as f; "
             "print(torch.backends.cpu.get_cpu_capability(), f())")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"},
                          capture_output=True, text=True, check=True).stdout.split()
@@ -641,7 +645,7 @@ def test_precision_auto_honours_an_isa_restriction(monkeypatch: pytest.MonkeyPat
 def test_an_isa_restriction_gets_its_own_compile_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """torch.compile's code cached without ATEN_CPU_CAPABILITY decoded garbage when reused under it: a restricted
     process compiles into a cache of its own, unless the user chose the cache directory."""
-    from mtpipe.runtime import separate_compile_cache
+    from mtpipe.engine.runtime import separate_compile_cache
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
@@ -660,7 +664,7 @@ def test_an_isa_restriction_gets_its_own_compile_cache(monkeypatch: pytest.Monke
 
 def test_launcher_builds_the_torchrun_command() -> None:
     from mtpipe.config import ModelConfig, TrainConfig
-    from mtpipe.launch import launch_command, resolve_nproc, torchrun_command
+    from mtpipe.training.launch import launch_command, resolve_nproc, torchrun_command
 
     if not torch.cuda.is_available():
         assert resolve_nproc("auto") == 1
@@ -680,7 +684,7 @@ def test_launcher_builds_the_torchrun_command() -> None:
     assert "--no-compile" in worker and "--nproc" not in worker and "--max-restarts" not in worker
     # train.threads 0: the machine's cores are shared among the workers (torchrun alone would give each one thread);
     # an explicit train.threads or OMP_NUM_THREADS is left as it is.
-    from mtpipe.launch import available_cpus
+    from mtpipe.training.launch import available_cpus
 
     assert worker[worker.index("--threads") + 1] == str(max(1, available_cpus() // 2))
     explicit = launch_command(model, TrainConfig(nproc="2", threads=3), paths, env={})
@@ -877,7 +881,7 @@ def ws2_ref(data: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -
 def test_world_size_2_equals_world_size_1_with_twice_the_accumulation(data: tuple[Path, Path],
                                                                       tmp_path: Path) -> None:
     """2 processes x 1 batch and 1 process x 2 batches make the same updates: same parameters after N updates."""
-    from mtpipe.train import train_model
+    from mtpipe.training.train import train_model
 
     train = {**RESUME_TRAIN, "max_steps": 8, "save_every_steps": 0, "valid_every_steps": 0}
     params = write_params(tmp_path / "params.yaml", {**TINY, "dropout": 0.0}, {**train, "nproc": 2})
@@ -894,7 +898,7 @@ def test_world_size_2_equals_world_size_1_with_twice_the_accumulation(data: tupl
     for (_, a), (_, b) in zip(losses1, losses2):
         assert float(a) == pytest.approx(float(b), rel=1e-5)
     # Not trivially equal: 8 updates moved the weights well away from the shared initialisation.
-    from mtpipe.model import Transformer
+    from mtpipe.model.transformer import Transformer
 
     torch.manual_seed(TrainConfig(**train).seed)  # the trainer seeds the initialisation with train.seed
     init = Transformer(mcfg(dropout=0.0), VOCAB).state_dict()
@@ -1009,7 +1013,7 @@ def _recorded(kind: str, message: str, at: float, code: int = 1) -> dict:
 
 
 def test_the_root_failure_is_the_killed_process_else_the_first_recorded_error(tmp_path: Path) -> None:
-    from mtpipe.launch import failure_summary, root_failure
+    from mtpipe.training.launch import failure_summary, root_failure
 
     lost_peer = _recorded("exception", "RuntimeError: Connection reset by peer", 100.9)
     killed = {0: _Failure(1, 100, lost_peer), 1: _Failure(-9, 101), 2: _Failure(-15, 100)}
@@ -1030,7 +1034,7 @@ def test_the_root_failure_is_the_killed_process_else_the_first_recorded_error(tm
 def test_a_workers_error_is_recorded_where_torchrun_reads_it(tmp_path: Path) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from mtpipe.launch import REPORTS_ENV, _mine, worker_errors
+    from mtpipe.training.launch import REPORTS_ENV, _mine, worker_errors
 
     path = tmp_path / "attempt_0" / "1" / "error.json"
     env = {"TORCHELASTIC_ERROR_FILE": str(path), REPORTS_ENV: "1"}
@@ -1051,7 +1055,7 @@ def test_a_workers_error_is_recorded_where_torchrun_reads_it(tmp_path: Path) -> 
 
 
 def test_the_resume_command_is_the_launch_command() -> None:
-    from mtpipe.launch import rerun_command
+    from mtpipe.training.launch import rerun_command
 
     main = str(REPO / "mtpipe" / "__main__.py")
     assert rerun_command([main, "train", "--out", "my run"]).endswith(" -m mtpipe train --out 'my run'")

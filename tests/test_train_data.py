@@ -13,8 +13,10 @@ import pyarrow as pa
 import pytest
 import torch
 
-from mtpipe import artifacts, bucket, writing
-from mtpipe.batches import MappedSplit, collate, load_batches, load_split, load_train_data
+from mtpipe import artifacts, writing
+
+from mtpipe.stages import bucket
+from mtpipe.training.batches import MappedSplit, collate, load_batches, load_split, load_train_data
 from mtpipe.config import BucketConfig
 from mtpipe.errors import MtpipeError
 
@@ -218,7 +220,7 @@ def test_a_compressed_train_arrow_is_a_one_line_error(tmp_path: Path, cache: Pat
 def test_training_is_bitwise_the_same_from_train_arrow_and_from_parquet(tmp_path: Path, cache: Path) -> None:
     from test_train import make_artifacts, mcfg, tcfg, weights
 
-    from mtpipe import train
+    from mtpipe.training import train
 
     runs = {}
     for arrow in (True, False):

@@ -1,7 +1,7 @@
 """The Transformer variants: pre-norm, ScaleNorm, FixNorm, learned positions, restricted self-attention, LayerDrop
 with pruning and scheduled DropHead. Each: shapes, gradients reaching its new parameters, deterministic eval,
 incremental decoding equal to the full forward pass, and its defining property; then a tiny model trained with the
-variants through ``mtpipe.train.run`` resumes bitwise and decodes (pruned or not) through the CLI with no extra flag."""
+variants through ``mtpipe.training.train.run`` resumes bitwise and decodes (pruned or not) through the CLI with no extra flag."""
 
 from __future__ import annotations
 
@@ -28,11 +28,11 @@ from mtpipe.config import (
     to_dict,
     with_model_defaults,
 )
-from mtpipe.decode import translate
+from mtpipe.stages.decode import translate
 from mtpipe.errors import MtpipeError
-from mtpipe.model import ScaleNorm, Transformer, build_model, drop_heads
-from mtpipe.pruning import PrunePlan, every_other, prune, prune_plan, prune_state_dict
-from mtpipe.train import drophead_rate
+from mtpipe.model.transformer import ScaleNorm, Transformer, build_model, drop_heads
+from mtpipe.engine.pruning import PrunePlan, every_other, prune, prune_plan, prune_state_dict
+from mtpipe.training.train import drophead_rate
 
 V = 50
 BASE = dict(preset="tiny", encoder_layers=2, decoder_layers=2, d_model=32, d_ff=64, heads=4, max_positions=64)
@@ -236,8 +236,8 @@ def test_untied_embeddings_each_matrix_plays_only_its_role() -> None:
 
 
 def test_decoder_start_eos_is_the_first_decoder_input_in_training_and_decoding() -> None:
-    from mtpipe.batches import collate
-    from mtpipe.search import LengthPenalty, beam_search
+    from mtpipe.training.batches import collate
+    from mtpipe.engine.search import LengthPenalty, beam_search
 
     m = make(decoder_start="eos").eval()
     assert m.start_id == EOS_ID and make().start_id == BOS_ID
@@ -439,7 +439,8 @@ def run(tmp_path_factory) -> dict:
     """A bpe artifact with a real SentencePiece model, its bucket artifact, and a short training run of a model with
     every variant (pre-norm + ScaleNorm + FixNorm + learned positions + LayerDrop + restricted self-attention r = 2,
     fairseq's initialisation, DropHead in training)."""
-    from mtpipe import bucket, train
+    from mtpipe.stages import bucket
+    from mtpipe.training import train
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -472,7 +473,7 @@ def cli(root: Path, *args: str):
 
 
 def test_variant_training_resumes_bitwise_and_logs_the_drophead_schedule(run) -> None:
-    from mtpipe import train
+    from mtpipe.training import train
 
     out = run["out"]
     assert run["summary"]["steps"] == 8
@@ -593,7 +594,7 @@ def test_prune_errors_are_one_line_and_write_nothing(run) -> None:
 
 
 def test_drophead_needs_a_known_last_step_and_compile_refuses_layerdrop(run, tmp_path) -> None:
-    from mtpipe import train
+    from mtpipe.training import train
 
     with pytest.raises(MtpipeError, match="drophead"):
         train.train_model(ModelConfig(**TRAINED), tcfg(max_steps=0, max_time=1.0), run["tokens"], run["batches"],
@@ -608,8 +609,8 @@ def test_export_maps_pre_norm_and_learned_positions_and_refuses_scalenorm(run, t
     pytest.importorskip("ctranslate2")
     import sentencepiece as spm
 
-    from mtpipe.engine_ct2 import load_ct2
-    from mtpipe.export import export_ctranslate2, export_marian
+    from mtpipe.engine.ct2 import load_ct2
+    from mtpipe.stages.export import export_ctranslate2, export_marian
 
     sp = spm.SentencePieceProcessor(model_file=str(run["tokens"] / "spm.model"))
     vocab = {"spm_sha256": artifacts.file_hash(run["tokens"] / "spm.model"), "size": 90}

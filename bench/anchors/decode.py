@@ -139,10 +139,10 @@ def worker_mtpipe_decode(argv: list[str]) -> None:
 
     from mtpipe import artifacts
     from mtpipe.config import DecodeConfig
-    from mtpipe.decode import MtpipeEngine
-    from mtpipe.model import build_model
-    from mtpipe.search import DecodeRules
-    from mtpipe.workers import DecodePool
+    from mtpipe.stages.decode import MtpipeEngine
+    from mtpipe.model.transformer import build_model
+    from mtpipe.engine.search import DecodeRules
+    from mtpipe.engine.workers import DecodePool
 
     torch.set_num_threads(a.threads)
     ck = artifacts.load_checkpoint(a.checkpoint)

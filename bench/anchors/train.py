@@ -90,11 +90,13 @@ def worker_mtpipe_train(argv: list[str]) -> None:
     a = ap.parse_args(argv)
     import torch
 
-    from mtpipe import artifacts, runtime
-    from mtpipe import batches as mbatches
-    from mtpipe import train as mtrain
+    from mtpipe import artifacts
+
+    from mtpipe.engine import runtime
+    from mtpipe.training import batches as mbatches
+    from mtpipe.training import train as mtrain
     from mtpipe.config import ModelConfig, TrainConfig
-    from mtpipe.model import Transformer
+    from mtpipe.model.transformer import Transformer
 
     torch.set_num_threads(a.threads)
     runtime.tune_cpu_allocator()  # as `mtpipe train` on CPU

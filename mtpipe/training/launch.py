@@ -16,7 +16,7 @@ errors in torchrun's error files rather than print them (:func:`worker_errors`),
 among them (:func:`root_failure`).
 
 Several nodes: a rank or node that dies or freezes is named by the others' heartbeat watch within
-``train.dist_timeout`` (:class:`mtpipe.distributed.Watch`; the line: ``rank 3 on node 1 (host) stopped answering for
+``train.dist_timeout`` (:class:`mtpipe.training.distributed.Watch`; the line: ``rank 3 on node 1 (host) stopped answering for
 600 s``); the rendezvous waits as long for the nodes to join (``--rdzv-conf``); an agent left blocked on the store
 of a node that froze does not hold the launcher (:class:`_Supervisor`); and only rank 0's node writes its report into
 the run directory.
@@ -183,12 +183,12 @@ def worker_errors(env: Mapping[str, str] | None = None) -> Iterator[None]:
 
 def _describe(e: BaseException) -> tuple[str, str, int]:
     """``(kind, one-line message, exit status)`` of a worker's error: "mtpipe" (bad input: the message as one
-    process prints it), "peer" (a rank or node that stopped answering, named by :func:`mtpipe.distributed.lost_peers`),
+    process prints it), "peer" (a rank or node that stopped answering, named by :func:`mtpipe.training.distributed.lost_peers`),
     "os" (a full disk ...), "interrupted", or "exception" (a bug)."""
     if isinstance(e, MtpipeError):
         return "mtpipe", str(e), getattr(e, "exit_code", 1)
     if not isinstance(e, KeyboardInterrupt):
-        from mtpipe.distributed import lost_peers
+        from mtpipe.training.distributed import lost_peers
 
         lost = lost_peers(e)  # a collective that failed for a peer that is gone or silent: that peer, named
         if lost is not None:
@@ -223,7 +223,7 @@ def _record_error(path: Path, kind: str, message: str, code: int) -> None:
 
 def fail_now(kind: str, message: str, code: int, env: Mapping[str, str] | None = None, quiet: bool = False) -> None:
     """End this process at once with ``message``, from any thread (the heartbeat watch's verdict,
-    :class:`mtpipe.distributed.Watch`, while the main thread may be blocked in a collective; the launcher's
+    :class:`mtpipe.training.distributed.Watch`, while the main thread may be blocked in a collective; the launcher's
     supervisor, while torchrun's agent is): recorded for the launcher like :func:`worker_errors` does, or printed as
     ``error: ...`` (``quiet``: not) outside mtpipe's launcher."""
     env = os.environ if env is None else env

@@ -1,11 +1,11 @@
 """Decoding through CTranslate2 (``decode.engine=ctranslate2``): a ``mtpipe export`` model, or a checkpoint exported
-on the fly, under mtpipe's :class:`~mtpipe.search.DecodeRules`.
+on the fly, under mtpipe's :class:`~mtpipe.engine.search.DecodeRules`.
 
 :func:`ct2_translate` decodes through ``ctranslate2.Translator`` with mtpipe's decode settings; its docstring states
-exactly where CTranslate2's search and length penalty differ from :func:`mtpipe.search.beam_search` (only at beam > 1:
-its stopping rule). :class:`Ct2Engine` is the :class:`~mtpipe.search.Engine` that ``mtpipe decode`` runs: the same
+exactly where CTranslate2's search and length penalty differ from :func:`mtpipe.engine.search.beam_search` (only at beam > 1:
+its stopping rule). :class:`Ct2Engine` is the :class:`~mtpipe.engine.search.Engine` that ``mtpipe decode`` runs: the same
 inputs and outputs as mtpipe's engine, scores by mtpipe's formula. The export itself (the model conversion) is
-:mod:`mtpipe.export`.
+:mod:`mtpipe.stages.export`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from mtpipe import artifacts
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mtpipe.config import DecodeConfig
 from mtpipe.errors import MtpipeError
-from mtpipe.loading import artifact_spm, load_vocab, vocab_source
-from mtpipe.search import DecodeRules, Hypothesis, LengthPenalty, max_source_len
+from mtpipe.engine.loading import artifact_spm, load_vocab, vocab_source
+from mtpipe.engine.search import DecodeRules, Hypothesis, LengthPenalty, max_source_len
 
 ENGINE_INPUTS = "a CTranslate2 export (`mtpipe export`) or an mtpipe checkpoint"
 
@@ -54,7 +54,7 @@ class Ct2Model:
 
 def load_ct2(model_dir: Path, *, device: str = "cpu", compute_type: str = "default", threads: int = 0) -> Ct2Model:
     """Open an exported model directory (``threads``: CTranslate2 intra-op threads, 0 = its default)."""
-    from mtpipe.export import require_ctranslate2
+    from mtpipe.stages.export import require_ctranslate2
 
     ct2 = require_ctranslate2()
     model_dir = Path(model_dir)
@@ -89,7 +89,7 @@ def ct2_translate(model: Ct2Model | Path, sources: Sequence[Sequence[str | int]]
 
     Returns each source's ``nbest`` hypotheses, best first, in input order, scored with mtpipe's formula
     ``log P(Y + EOS | X) / lp(|Y| + 1)``, ``gnmt`` lp(n) = ((5 + n) / 6)^alpha or ``fairseq`` lp(n) = n^alpha
-    (:class:`~mtpipe.search.LengthPenalty`; the paper's section 6.1 decodes with beam 4, alpha 0.6, max length
+    (:class:`~mtpipe.engine.search.LengthPenalty`; the paper's section 6.1 decodes with beam 4, alpha 0.6, max length
     input + 50).
 
     How mtpipe's decode settings are honoured, and what differs (CTranslate2 4.x, ``src/decoding.cc``):
@@ -238,7 +238,7 @@ def decode_source(path: Path) -> artifacts.Manifest:
 def source_vocab(path: Path, manifest: artifacts.Manifest, tokens: Path | None) -> tuple[Any, int, Path | None]:
     """``(SentencePiece model, checkpoint step, the bpe artifact used or None)`` of a :func:`decode_source`: the
     SentencePiece model of ``tokens``, else the export's or the checkpoint's own copy
-    (:func:`mtpipe.loading.vocab_source`), checked against the vocabulary the checkpoint was trained with."""
+    (:func:`mtpipe.engine.loading.vocab_source`), checked against the vocabulary the checkpoint was trained with."""
     step = int(manifest.extra["checkpoint_step" if manifest.kind == "export" else "step"])
     own = artifact_spm(path, manifest)[0] if manifest.kind == "export" else artifacts.checkpoint_spm(path, manifest)
     spm_path, spm_sha, tokens = vocab_source(path, own, tokens)
@@ -256,7 +256,7 @@ def open_for_decode(path: Path, manifest: artifacts.Manifest, tokens: Path | Non
     import dataclasses
     import tempfile
 
-    from mtpipe.export import export_ctranslate2, require_ctranslate2
+    from mtpipe.stages.export import export_ctranslate2, require_ctranslate2
 
     gpus = require_ctranslate2().get_cuda_device_count()
     if device == "cuda" and gpus == 0:
@@ -274,7 +274,7 @@ def open_for_decode(path: Path, manifest: artifacts.Manifest, tokens: Path | Non
 
 @dataclass
 class Ct2Engine:
-    """CTranslate2 as an :class:`~mtpipe.search.Engine`. Whatever ``rules.stop`` says, CTranslate2 stops a sentence
+    """CTranslate2 as an :class:`~mtpipe.engine.search.Engine`. Whatever ``rules.stop`` says, CTranslate2 stops a sentence
     once ``round(beam x patience)`` hypotheses have finished (``finished``); :meth:`note` says so."""
 
     model: Ct2Model

@@ -1,11 +1,11 @@
 """``mtpipe train``: the Transformer trained as in the paper's section 5, on 1 process or N under torchrun.
 
-* Data (5.1, :mod:`mtpipe.batches`): the bucket artifact's token-budget batches of the bpe artifact's sentences; an
+* Data (5.1, :mod:`mtpipe.training.batches`): the bucket artifact's token-budget batches of the bpe artifact's sentences; an
   update takes the next ``world_size * accum`` batches of the epoch's order, rank r every world_size-th of them.
 * Batch size (5.1, "approximately 25000 source tokens and 25000 target tokens"): ``train.tokens_per_update`` sets
   gradient accumulation ``accum = ceil(tokens_per_update / (world_size * bucket.max_tokens))``, so 1 GPU and 8 GPUs
   train the same global batch. DDP all-reduces gradients once per update (``no_sync`` on earlier micro-batches).
-* Loss (5.4): label-smoothed cross-entropy (:mod:`mtpipe.loss`) summed over the real target tokens of the whole
+* Loss (5.4): label-smoothed cross-entropy (:mod:`mtpipe.training.loss`) summed over the real target tokens of the whole
   update (all micro-batches, all ranks) and divided by their count: the gradient equals the one-process gradient.
   Logits are computed only for non-pad positions (``model.features`` -> boolean select -> the shared embedding
   projection), a block of rows at a time inside the loss, which also makes their gradient there.
@@ -14,19 +14,19 @@
   fp16 autocast + grad scaler (GPU), fp32 (TF32 matmuls on GPU); optional ``torch.compile``.
 * Regularisers beyond the paper (off by default): LayerDrop (``model.layerdrop``, drawn inside the model; DDP then
   expects unused parameters) and Scheduled DropHead (``train.drophead_start/_end``): the rate of
-  :func:`drophead_rate` for each update is set on the model (:meth:`mtpipe.model.Transformer.set_drophead`).
+  :func:`drophead_rate` for each update is set on the model (:meth:`mtpipe.model.transformer.Transformer.set_drophead`).
 * Checkpoints: ``OUT/checkpoints/step_{step:08d}`` (:func:`mtpipe.writing.write_checkpoint`, rank 0, atomic), the
-  last ``train.keep_last`` kept. ``trainer.pt`` holds everything for an exact resume (:mod:`mtpipe.resume`). The
+  last ``train.keep_last`` kept. ``trainer.pt`` holds everything for an exact resume (:mod:`mtpipe.training.resume`). The
   same command on the same ``OUT`` continues from the latest checkpoint, and the loss curve from there equals the
   uninterrupted run's (bitwise on CPU).
-* Metrics (:mod:`mtpipe.metrics`): dvclive under ``OUT/live`` (``plots/metrics/{train,valid}/*.tsv`` with ``step``
+* Metrics (:mod:`mtpipe.training.metrics`): dvclive under ``OUT/live`` (``plots/metrics/{train,valid}/*.tsv`` with ``step``
   as x, for ``dvc plots``), ``OUT/train.json`` (final summary), ``OUT/train.log`` (the same lines as plain text,
   appended across resumes), a rich progress bar (its time left and fill honour ``train.max_time``) and summary table.
 * Validation (section 6.2's dev set): loss/perplexity every ``train.valid_every_steps``; BLEU of greedy translations
   of a fixed valid sample every ``train.valid_bleu_every_steps`` (:meth:`Trainer.valid_bleu`). Each validation of
   ``train.stop_metric`` that improves on the best writes that step's checkpoint, which ``keep_last`` never removes
   (``OUT/best.json``); ``train.patience`` such validations in a row without improvement stop training
-  (:class:`mtpipe.resume.Best`, part of the trainer state, so a resume continues the count).
+  (:class:`mtpipe.training.resume.Best`, part of the trainer state, so a resume continues the count).
 """
 
 from __future__ import annotations
@@ -42,9 +42,17 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from mtpipe import artifacts, distributed, metrics, resume, runtime, writing
+from mtpipe import artifacts, writing
+
+from mtpipe.training import distributed
+
+from mtpipe.training import metrics
+
+from mtpipe.training import resume
+
+from mtpipe.engine import runtime
 from mtpipe.artifacts import PAD_ID
-from mtpipe.batches import (
+from mtpipe.training.batches import (
     collate,
     epoch_order,
     load_train_data,
@@ -54,17 +62,17 @@ from mtpipe.batches import (
 from mtpipe.config import ModelConfig, TrainConfig, to_dict
 from mtpipe.console import console, info, progress, warn
 from mtpipe.errors import MtpipeError
-from mtpipe.kernels import attention_kernels, drop_decoding_copies
-from mtpipe.loss import projected_label_smoothed_nll
-from mtpipe.metrics import Metrics, TextLog, Throughput, Window
-from mtpipe.resume import (
+from mtpipe.model.kernels import attention_kernels, drop_decoding_copies
+from mtpipe.training.loss import projected_label_smoothed_nll
+from mtpipe.training.metrics import Metrics, TextLog, Throughput, Window
+from mtpipe.training.resume import (
     TrainState,
     changed_trajectory_keys,
     check_resumable,
     list_checkpoints,
 )
 
-# The public API (check_resumable, changed_trajectory_keys, list_checkpoints live in mtpipe.resume).
+# The public API (check_resumable, changed_trajectory_keys, list_checkpoints live in mtpipe.training.resume).
 __all__ = ["LossModule", "TrainState", "Trainer", "UpdateResult", "Updater", "changed_trajectory_keys",
            "check_resumable", "drophead_rate", "learning_rate", "list_checkpoints", "make_train_step", "train_model"]
 
@@ -127,7 +135,7 @@ class LossModule(nn.Module):
         h = (self._features or self.model.features)(src, tgt_in)  # [B, T, D]
         real = tgt_out != PAD_ID  # [B, T]
         # The output projection (3.4) on real positions only, [N, D] -> [N, V], a block of rows at a time inside
-        # the loss (mtpipe.loss): the whole [N, V] logits are never made.
+        # the loss (mtpipe.training.loss): the whole [N, V] logits are never made.
         return projected_label_smoothed_nll(h[real], self.model.output_embedding(), self.model.out_bias,
                                             tgt_out[real], self.eps)
 
@@ -360,7 +368,7 @@ class Trainer:
     def _build_model(self, model_cfg: ModelConfig) -> nn.Module:
         """Identical initialisation on every rank (one seed), then one dropout stream per rank."""
         torch.manual_seed(self.cfg.seed)
-        from mtpipe.model import Transformer
+        from mtpipe.model.transformer import Transformer
 
         model = Transformer(model_cfg, self.data.vocab["size"])
         train, max_positions = self.data.train, model.cfg.max_positions
@@ -397,7 +405,7 @@ class Trainer:
         """(spm.model, spm.vocab) of the bpe artifact, which every checkpoint carries so that it decodes without
         the artifact; (None, None) when its spm.model is not the model its manifest's spm_sha256 names (the bpe
         stage never writes such an artifact)."""
-        from mtpipe.loading import SPM_MODEL
+        from mtpipe.engine.loading import SPM_MODEL
 
         m = artifacts.read_manifest(self.tokens, "tokens")
         spm = artifacts.verify_file(self.tokens, SPM_MODEL, m)
@@ -466,9 +474,9 @@ class Trainer:
         if vt is None:
             raise MtpipeError(f"{self.batches}: train.valid_bleu_every_steps={cfg.valid_bleu_every_steps} needs a "
                               "valid split and these batches have none that the model can take; set it to 0")
-        from mtpipe.bpe import load_spm
-        from mtpipe.loading import SPM_MODEL
-        from mtpipe.search import max_source_len
+        from mtpipe.stages.bpe import load_spm
+        from mtpipe.engine.loading import SPM_MODEL
+        from mtpipe.engine.search import max_source_len
 
         sp = load_spm(artifacts.verify_file(self.tokens, SPM_MODEL, artifacts.read_manifest(self.tokens, "tokens")))
         limit = max_source_len(self.model.cfg.max_positions)
@@ -485,14 +493,14 @@ class Trainer:
 
     def valid_bleu(self, bar: Any = None) -> float:
         """sacreBLEU (13a, mixed case) of the model's translations of the valid sample against its references, by
-        :func:`mtpipe.decode.translate_batches` (greedy search at ``train.valid_bleu_beam`` 1; the paper's rules of
+        :func:`mtpipe.stages.decode.translate_batches` (greedy search at ``train.valid_bleu_beam`` 1; the paper's rules of
         section 6.1 otherwise: length penalty alpha 0.6, at most input + 50 tokens). Ranks translate every
         world-size-th sentence and rank 0 scores them all (one number, handed to every rank, so early stopping
         decides alike everywhere). The bare model (not DDP's wrapper) decodes in eval mode and goes back to train
         mode; the RNG state is put back, so a run that validates stays the run it would have been (exact resume).
         ``bar``: a live progress bar to show the decoding on (else one of its own)."""
-        from mtpipe.decode import translate_batches
-        from mtpipe.search import DecodeRules
+        from mtpipe.stages.decode import translate_batches
+        from mtpipe.engine.search import DecodeRules
 
         v, cfg = self.bleu, self.cfg
         assert v is not None
@@ -633,7 +641,7 @@ class Trainer:
         return reason
 
     def _bar_fields(self, start_step: int) -> dict[str, float | None]:
-        """The progress bar's time left and fill. Time left (:func:`mtpipe.metrics.remaining_seconds`): the sooner
+        """The progress bar's time left and fill. Time left (:func:`mtpipe.training.metrics.remaining_seconds`): the sooner
         of the step plan's end, at this invocation's pace so far, and train.max_time's (rich alone would ignore the
         time limit). Fill: the budget spent (:meth:`progress`), so that a run train.max_time ends fills its bar as its
         minutes pass rather than stopping at a fraction of its epoch cap's updates."""
@@ -702,7 +710,7 @@ class Trainer:
     def _maybe_validate(self, bar: Any = None) -> None:
         """The scheduled validations: loss/perplexity every ``train.valid_every_steps``, BLEU every
         ``train.valid_bleu_every_steps``. Each one of ``train.stop_metric`` is booked for early stopping
-        (:class:`mtpipe.resume.Best`): an improvement makes this step's checkpoint the best one (written now if
+        (:class:`mtpipe.training.resume.Best`): an improvement makes this step's checkpoint the best one (written now if
         none is due); ``train.patience`` counts the others."""
         cfg, st = self.cfg, self.state
         vals: dict[str, float] = {}

@@ -29,7 +29,7 @@ class ModelAndVocab:
 
     checkpoint: Path
     ck: artifacts.Checkpoint
-    model: Any  # mtpipe.model.Transformer
+    model: Any  # mtpipe.model.transformer.Transformer
     sp: Any  # sentencepiece.SentencePieceProcessor
     spm_path: Path
     tokens: Path | None = None  # the bpe artifact the SentencePiece model came from; None: the checkpoint's own
@@ -59,7 +59,7 @@ def load_vocab(checkpoint: Path, vocab: dict[str, Any], spm_path: Path, spm_sha:
 
 def build_checkpoint_model(ck: artifacts.Checkpoint) -> Any:
     """The checkpoint's Transformer with its weights, in eval mode."""
-    from mtpipe.model import build_model
+    from mtpipe.model.transformer import build_model
 
     try:
         model = build_model(ck.model_config, int(ck.vocab["size"]))

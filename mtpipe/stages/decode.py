@@ -2,8 +2,8 @@
 output length input + 50, early termination).
 
 The rules -- the length penalty and its score, the maximum output length, when a sentence stops -- are
-:class:`mtpipe.search.DecodeRules`, and the beam search is :func:`mtpipe.search.beam_search` (its docstring states the
-search). This module is mtpipe's own :class:`~mtpipe.search.Engine` (:class:`MtpipeEngine`, :func:`translate`) and
+:class:`mtpipe.engine.search.DecodeRules`, and the beam search is :func:`mtpipe.engine.search.beam_search` (its docstring states the
+search). This module is mtpipe's own :class:`~mtpipe.engine.search.Engine` (:class:`MtpipeEngine`, :func:`translate`) and
 the stage (:func:`run`: resolve the inputs -> translate -> write).
 
 Speed: sentences are sorted by length and packed into batches of at most ``max_tokens`` padded source tokens; the
@@ -11,9 +11,9 @@ encoder runs once per batch and its keys/values are projected once (:meth:`Trans
 sentence, its beams attending to them together; each step computes the new position only (self-attention cache
 written in place, :meth:`Transformer.step`); sentences that are done leave the batch at once (``state.select``);
 ``torch.inference_mode`` and optional bf16 autocast (CPU and GPU); ``decode.compile``: the decoder's step compiled
-(:meth:`~mtpipe.model.Transformer.compile_step`; float32 on CPU packaged on disk, :mod:`mtpipe.step_package`).
+(:meth:`~mtpipe.model.transformer.Transformer.compile_step`; float32 on CPU packaged on disk, :mod:`mtpipe.engine.step_package`).
 ``decode.processes`` N > 1: a file or a split is shared out among N decoding processes, each with its own copy of
-the model and 1/N of the CPU threads, each decoding its own batches (:class:`mtpipe.workers.DecodePool`), as
+the model and 1/N of the CPU threads, each decoding its own batches (:class:`mtpipe.engine.workers.DecodePool`), as
 CTranslate2's ``inter_threads`` does.
 
 Text from stdin (``--input -``) is translated as it arrives (:func:`stream_batches`): a line, with whatever else is
@@ -24,11 +24,11 @@ Blank input lines are not decoded: they give blank output lines (so paragraph br
 the model's ``max_positions`` are truncated (with a warning naming how many and the first id):
 one output line per input line matters more for scoring than failing the whole run.
 
-``decode.prune`` runs a LayerDrop-trained model with fewer layers (:func:`mtpipe.pruning.prune_plan`: ``every_other``,
+``decode.prune`` runs a LayerDrop-trained model with fewer layers (:func:`mtpipe.engine.pruning.prune_plan`: ``every_other``,
 ``every_other:RATE`` or ``enc:0,2,4;dec:0,2,4``), pruned on the fly; ``mtpipe average --prune`` writes such a model
 as a checkpoint instead, which decodes with no flag.
 
-``decode.engine=ctranslate2`` decodes through CTranslate2 (:class:`mtpipe.engine_ct2.Ct2Engine`) with the same
+``decode.engine=ctranslate2`` decodes through CTranslate2 (:class:`mtpipe.engine.ct2.Ct2Engine`) with the same
 inputs, outputs and settings: ``--checkpoint`` is a ``mtpipe export`` directory or a checkpoint (exported to a
 temporary directory first). Greedy output is mtpipe's; at beam > 1 CTranslate2 stops a sentence once
 ``beam x patience`` hypotheses have finished (fairseq's rule, ``decode.stop=finished``) whatever ``decode.stop``
@@ -56,7 +56,7 @@ from mtpipe import artifacts, writing
 from mtpipe.artifacts import EOS_ID, PAD_ID
 from mtpipe.config import DecodeConfig, to_dict
 from mtpipe.errors import MtpipeError
-from mtpipe.search import (
+from mtpipe.engine.search import (
     DecodeRules,
     Engine,
     Hypothesis,
@@ -127,8 +127,8 @@ def batches_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[list[int]
 def decoding_context(device: torch.device, precision: str) -> Iterator[None]:
     """What decoding steps run under: bf16 autocast for precision bf16 (matmuls in bf16, softmax/log-softmax in
     fp32; nothing for fp32), and on a GPU the attention kernels that suit a step's ever-changing shapes
-    (:func:`mtpipe.kernels.attention_kernels`)."""
-    from mtpipe.kernels import attention_kernels
+    (:func:`mtpipe.model.kernels.attention_kernels`)."""
+    from mtpipe.model.kernels import attention_kernels
 
     autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if precision == "bf16"
                 else contextlib.nullcontext())
@@ -200,7 +200,7 @@ def decoding_model(model: Any, precision: str, device: torch.device, compile: bo
     """``model`` as it decodes at ``precision``, in eval mode: its bf16 copy (:func:`bf16_copy`; not for the uncached
     step, which runs the float32 model under autocast), its int8 copy (:func:`int8_copy`, CPU only), or itself; with
     ``compile`` (``decode.compile``, the cached fp32 or bf16 step) its step set to run compiled (a lone sentence in a
-    graph of its own with ``lone_graph``, None: as the model was set, :meth:`~mtpipe.model.Transformer.compile_step`),
+    graph of its own with ``lone_graph``, None: as the model was set, :meth:`~mtpipe.model.transformer.Transformer.compile_step`),
     else with ``cuda_graphs`` on a GPU (``decode.cuda_graphs``) replayed from CUDA graphs."""
     model.eval()
     if precision == "int8" and device.type != "cpu":
@@ -221,7 +221,7 @@ def decoding_model(model: Any, precision: str, device: torch.device, compile: bo
 def translate(model: Any, sources: Sequence[Sequence[int]], cfg: DecodeConfig, device: torch.device | str = "cpu",
               cache: bool = True, on_done: Callable[[int], None] | None = None) -> list[list[Hypothesis]]:
     """Translate token-id sources (without EOS; at most ``max_positions - 1`` tokens) with beam search under the
-    rules of ``cfg`` (:class:`~mtpipe.search.DecodeRules`; the paper's section 6.1: beam 4, alpha 0.6, max length
+    rules of ``cfg`` (:class:`~mtpipe.engine.search.DecodeRules`; the paper's section 6.1: beam 4, alpha 0.6, max length
     input + 50), in batches of ``cfg.max_tokens`` at ``cfg.precision``.
 
     Returns the ``cfg.nbest`` best hypotheses of every source, in input order. An empty source (a blank input line)
@@ -237,9 +237,9 @@ def translate_batches(model: Any, sources: Sequence[Sequence[int]], rules: Decod
                       precision: str = "fp32", device: torch.device | str = "cpu", cache: bool = True,
                       on_done: Callable[[int], None] | None = None, compile: bool = False,
                       cuda_graphs: bool = False) -> list[list[Hypothesis]]:
-    """:func:`translate` with the rules given as :class:`~mtpipe.search.DecodeRules`; ``compile``: ``decode.compile``
-    (:meth:`~mtpipe.model.Transformer.compile_step`), ``cuda_graphs``: ``decode.cuda_graphs``
-    (:meth:`~mtpipe.model.Transformer.graph_step`)."""
+    """:func:`translate` with the rules given as :class:`~mtpipe.engine.search.DecodeRules`; ``compile``: ``decode.compile``
+    (:meth:`~mtpipe.model.transformer.Transformer.compile_step`), ``cuda_graphs``: ``decode.cuda_graphs``
+    (:meth:`~mtpipe.model.transformer.Transformer.graph_step`)."""
     device = torch.device(device)
     max_positions = model.cfg.max_positions
     lengths = [len(s) + 1 for s in sources]  # + EOS
@@ -275,14 +275,14 @@ def translate_batches(model: Any, sources: Sequence[Sequence[int]], rules: Decod
 
 @dataclass
 class MtpipeEngine:
-    """mtpipe's beam search on a checkpoint's model, as an :class:`~mtpipe.search.Engine`."""
+    """mtpipe's beam search on a checkpoint's model, as an :class:`~mtpipe.engine.search.Engine`."""
 
-    model: Any  # mtpipe.model.Transformer, on ``device``
+    model: Any  # mtpipe.model.transformer.Transformer, on ``device``
     device: torch.device
     precision: str
     max_tokens: int
     threads: int = 0  # torch's CPU threads while translating (0: leave them)
-    plan: Any = None  # the mtpipe.pruning.PrunePlan applied (decode.prune), or None
+    plan: Any = None  # the mtpipe.engine.pruning.PrunePlan applied (decode.prune), or None
     compile: bool = False  # decode.compile
     cuda_graphs: bool = False  # decode.cuda_graphs
     # decode.compile: a lone sentence in a graph of its own (Transformer.compile_step), for processes that translate
@@ -294,9 +294,9 @@ class MtpipeEngine:
     def open(cls, model: Any, cfg: DecodeConfig, lone_graph: bool = False) -> "MtpipeEngine":
         """``model`` pruned by ``decode.prune`` and moved to the GPU when there is one; ``lone_graph``: see the
         field."""
-        from mtpipe import runtime
+        from mtpipe.engine import runtime
         from mtpipe.console import info
-        from mtpipe.pruning import prune, prune_plan
+        from mtpipe.engine.pruning import prune, prune_plan
 
         plan = prune_plan(model.cfg, cfg.prune, where="decode.prune")
         if plan is not None:
@@ -499,10 +499,10 @@ class Model:
 
 def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, processes: int = 1) -> Model:
     """The model and its SentencePiece model: that of ``tokens``, else the checkpoint's (or export's) own
-    (:func:`mtpipe.loading.vocab_source`), checked against the vocabulary it was trained with. ``processes`` > 1:
-    the engine it opens is a :class:`~mtpipe.workers.DecodePool` of that many processes (``decode.processes``)."""
+    (:func:`mtpipe.engine.loading.vocab_source`), checked against the vocabulary it was trained with. ``processes`` > 1:
+    the engine it opens is a :class:`~mtpipe.engine.workers.DecodePool` of that many processes (``decode.processes``)."""
     if cfg.engine == "ctranslate2":
-        from mtpipe import engine_ct2
+        from mtpipe.engine import ct2 as engine_ct2
 
         manifest = engine_ct2.decode_source(checkpoint)  # a CTranslate2 export or a checkpoint, else one error line
         sp, step, used = engine_ct2.source_vocab(checkpoint, manifest, tokens)
@@ -523,8 +523,8 @@ def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, process
     if processes > 1:
         def open_pool() -> tuple[Engine, dict[str, list[int]] | None]:
             from mtpipe.console import info
-            from mtpipe.pruning import prune_plan
-            from mtpipe.workers import DecodePool
+            from mtpipe.engine.pruning import prune_plan
+            from mtpipe.engine.workers import DecodePool
 
             # the processes prune their copies by the same plan
             pruned = (_kept_layers(prune_plan(loaded.model.cfg, cfg.prune, where="decode.prune"))
@@ -538,7 +538,7 @@ def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, process
 
 
 def _kept_layers(plan: Any) -> dict[str, list[int]] | None:
-    """decode.prune's plan (:class:`mtpipe.pruning.PrunePlan`, or None) as the hypotheses manifest records it."""
+    """decode.prune's plan (:class:`mtpipe.engine.pruning.PrunePlan`, or None) as the hypotheses manifest records it."""
     return None if plan is None else {"encoder_kept": list(plan.encoder), "decoder_kept": list(plan.decoder)}
 
 
@@ -574,8 +574,8 @@ def resolve_inputs(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None,
 
 
 def _load_checkpoint(checkpoint: Path, tokens: Path | None) -> Any:
-    """:func:`mtpipe.loading.load_model_and_vocab`, refusing an export first (it is CTranslate2's, not mtpipe's)."""
-    from mtpipe.loading import load_model_and_vocab
+    """:func:`mtpipe.engine.loading.load_model_and_vocab`, refusing an export first (it is CTranslate2's, not mtpipe's)."""
+    from mtpipe.engine.loading import load_model_and_vocab
 
     if (Path(checkpoint) / artifacts.MANIFEST).is_file() and artifacts.read_manifest(checkpoint).kind == "export":
         raise MtpipeError(f"{checkpoint}: is an `mtpipe export` model; decode it with --engine ctranslate2 "
@@ -716,7 +716,7 @@ def translate_stream(cfg: DecodeConfig, rules: DecodeRules, checkpoint: Path, to
 
 @contextlib.contextmanager
 def _closing(engine: Engine) -> Iterator[None]:
-    """Close an engine that holds processes (:class:`~mtpipe.workers.DecodePool`) when its work ends: at once when
+    """Close an engine that holds processes (:class:`~mtpipe.engine.workers.DecodePool`) when its work ends: at once when
     it ended in an error or an interrupt (a process may be mid-batch), else after the processes finish."""
     close = getattr(engine, "close", None)
     try:

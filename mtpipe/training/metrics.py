@@ -19,7 +19,7 @@ from typing import Any
 
 from mtpipe import writing
 from mtpipe.console import fmt, info, table
-from mtpipe.distributed import rank0_only
+from mtpipe.training.distributed import rank0_only
 
 # --------------------------------------------------------------------------------------------------------------------
 # The window: sums over the updates since the last logged point

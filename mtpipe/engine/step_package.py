@@ -1,6 +1,6 @@
 """``decode.compile`` on CPU in float32: the decoder's step compiled ahead of time and kept on disk.
 
-:meth:`mtpipe.model.Transformer.compile_step` freezes the weights into the compiled step (inductor's ``freezing``:
+:meth:`mtpipe.model.transformer.Transformer.compile_step` freezes the weights into the compiled step (inductor's ``freezing``:
 constants packed once for oneDNN). ``torch.compile`` builds such a graph again in every process (~25 s on a 2-vCPU
 CPU: tracing, lowering, the C++ wrapper), and its on-disk caches skip frozen graphs. Here the same step is exported
 (``torch.export``, every per-call dimension dynamic) and compiled by AOTInductor into a package, one file per model,
@@ -47,9 +47,6 @@ from torch import Tensor
 
 from mtpipe.console import info, warn
 from mtpipe.errors import MtpipeError
-
-# The sources whose code the packaged step runs: a package built by other code is not reused.
-_SOURCES = ("model.py", "kernels.py", "step_package.py")
 
 
 def cache_dir() -> Path:
@@ -173,11 +170,12 @@ def weights_digest(module: torch.nn.Module) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _source_digest() -> str:
-    """The step's source, read once per process (at its first package): close to the code it imported, and one read."""
-    here = Path(__file__).parent
+    """Every source file of the model and engine packages (relative path and bytes), read once per process: code
+    moved or edited anywhere the step could reach never loads a package built from other code."""
+    root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for name in _SOURCES:
-        h.update((here / name).read_bytes())
+    for path in sorted(p for pkg in ("model", "engine") for p in (root / pkg).rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
 
 
@@ -208,7 +206,7 @@ def _variant(flat: list[Tensor], has_mask: bool, has_index: bool, rows: int, sen
 
 
 class _Step(torch.nn.Module):
-    """:meth:`~mtpipe.model.Transformer.step_layers` with its optional inputs fixed by the variant, for export."""
+    """:meth:`~mtpipe.model.transformer.Transformer.step_layers` with its optional inputs fixed by the variant, for export."""
 
     def __init__(self, model: torch.nn.Module, has_mask: bool, has_index: bool) -> None:
         super().__init__()
@@ -222,10 +220,10 @@ class _Step(torch.nn.Module):
 
 
 class PackagedStep:
-    """A callable with :meth:`~mtpipe.model.Transformer.step_layers`' signature that runs each input variant's
+    """A callable with :meth:`~mtpipe.model.transformer.Transformer.step_layers`' signature that runs each input variant's
     package (built on first use, or loaded from :func:`cache_dir`) and ``fallback`` where no package applies.
     ``dynamic_dims(x, k_prev, v_prev, index, prev_mask, cross, src_mask)`` lists the ``(tensor, dim, size)`` that
-    vary from call to call, ``size`` naming which (:func:`mtpipe.model.step_dynamic_dims`)."""
+    vary from call to call, ``size`` naming which (:func:`mtpipe.model.transformer.step_dynamic_dims`)."""
 
     def __init__(self, model: torch.nn.Module, fallback: Callable[..., Any],
                  dynamic_dims: Callable[..., list[tuple[Tensor, int, str]]]) -> None:

@@ -1,15 +1,15 @@
 """Continuous batching: mtpipe's engine decoding a stream of sentences, new ones joining between decoder steps.
 
-A batch decoded to its end (:func:`mtpipe.decode.translate_batches`) is right for a file: sorted by length, its
+A batch decoded to its end (:func:`mtpipe.stages.decode.translate_batches`) is right for a file: sorted by length, its
 sentences finish together. A server's sentences arrive one by one with any length; decoded batch by batch, a short
 sentence waits for the longest of its batch, and the batch shrinks to a few rows (slow steps) before the next one
 can start. Here (iteration-level batching, Yu et al. 2022, "Orca: A Distributed Serving System for
 Transformer-Based Generative Models") a sentence joins the running beam search at the next step and leaves it the
-step it is done (:class:`mtpipe.search.BeamSearch`), so the batch stays as full as the load allows and each sentence
+step it is done (:class:`mtpipe.engine.search.BeamSearch`), so the batch stays as full as the load allows and each sentence
 is answered as soon as its own search ends.
 
 A sentence's translation does not depend on its batch: beam search is per sentence, the encoder runs on the joining
-sentences alone, and a row that joined later sees only its own positions (:meth:`mtpipe.model.DecoderState.admit`).
+sentences alone, and a row that joined later sees only its own positions (:meth:`mtpipe.model.transformer.DecoderState.admit`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 
 from mtpipe.artifacts import EOS_ID, PAD_ID
-from mtpipe.search import BeamSearch, DecodeRules, Hypothesis
+from mtpipe.engine.search import BeamSearch, DecodeRules, Hypothesis
 
 
 # Most decoder steps a waiting sentence waits for company before it joins the running batch alone.
@@ -48,8 +48,8 @@ class ServedRules(DecodeRules):
 
 
 class StreamDecoder:
-    """One stream of sentences decoded under one set of :class:`~mtpipe.search.DecodeRules` by ``model`` (an
-    :class:`mtpipe.model.Transformer`, already in its decoding precision; the caller enters the precision context
+    """One stream of sentences decoded under one set of :class:`~mtpipe.engine.search.DecodeRules` by ``model`` (an
+    :class:`mtpipe.model.transformer.Transformer`, already in its decoding precision; the caller enters the precision context
     and ``torch.inference_mode``).
 
     :meth:`add` queues a sentence under a key; :meth:`step` lets queued sentences in while the batch holds fewer than

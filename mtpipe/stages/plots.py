@@ -1,7 +1,7 @@
 """``mtpipe plots``: a training run's curves as PNGs and a self-contained HTML page, offline.
 
 ``dvc plots show`` renders the same curves (dvc.yaml declares them), but its page loads the vega libraries from a CDN:
-with no network it is blank. This reads the dvclive files :mod:`mtpipe.metrics` writes -- ``RUN/live/plots/metrics/
+with no network it is blank. This reads the dvclive files :mod:`mtpipe.training.metrics` writes -- ``RUN/live/plots/metrics/
 {train,valid}/<name>.tsv`` (columns ``step`` and the value; ``step`` is the update count) -- and draws them with
 matplotlib: train and valid loss on one chart, perplexity, learning rate (the schedule of section 5.3), valid BLEU
 when it was logged, and every other series found, each chart titled with what it shows. The page is ``<img>`` tags

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mtpipe import kernels
-from mtpipe.kernels import _ROW_BLOCK
+from mtpipe.model import kernels
+from mtpipe.model.kernels import _ROW_BLOCK
 
 
 def reference_label_smoothed_nll(logits: Tensor, target: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -49,8 +49,8 @@ def reference_label_smoothed_nll(logits: Tensor, target: Tensor, eps: float) -> 
 # vocabulary); what the blocks save is memory, there and on a GPU (the paper's 25k-token batches over 37k pieces
 # would take 3.7 GB per float32 copy of the whole logits).
 _BLOCK_BYTES = {"cpu": 32 << 20, "other": 1 << 30}
-# CPU rows per block are a multiple of mtpipe.kernels' row block, and the last block is padded up to one: under CPU
-# bf16 autocast the products run in oneDNN, which compiles a kernel per shape (mtpipe.kernels.linear), so the shapes
+# CPU rows per block are a multiple of mtpipe.model.kernels' row block, and the last block is padded up to one: under CPU
+# bf16 autocast the products run in oneDNN, which compiles a kernel per shape (mtpipe.model.kernels.linear), so the shapes
 # must repeat.
 _ROW_MULTIPLE = _ROW_BLOCK
 
@@ -93,14 +93,14 @@ def _blocks(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, eps:
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
     nll = torch.zeros((), dtype=torch.float32, device=h.device)
     grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if want_grad else None
-    # dW accumulates transposed, [D, V], in float32 products on CPU: oneDNN (mtpipe.kernels.mm) makes X^T G in that
+    # dW accumulates transposed, [D, V], in float32 products on CPU: oneDNN (mtpipe.model.kernels.mm) makes X^T G in that
     # layout at full speed and G^T X (a tall product of a transposed view) at half speed
     wide = cdtype == torch.float32 and h.device.type == "cpu"
     grad_w = (torch.zeros(weight.shape[::-1] if wide else weight.shape, dtype=torch.float32, device=h.device)
               if want_grad else None)
     grad_b = torch.zeros(vocab, dtype=torch.float32, device=h.device) if want_grad and bias is not None else None
     h_sum = torch.zeros(h.size(1), dtype=torch.float32, device=h.device) if want_grad else None  # colsum(h), [D]
-    # float32 training products through oneDNN only where mtpipe.kernels allows it for training (AVX-512)
+    # float32 training products through oneDNN only where mtpipe.model.kernels allows it for training (AVX-512)
     mm = kernels.mm if not want_grad or kernels.ONEDNN_FP32_TRAINING else torch.mm
     rows = _block_rows(h.device, vocab)
     pad_to = _ROW_MULTIPLE if h.device.type == "cpu" and cdtype != torch.float32 else 1

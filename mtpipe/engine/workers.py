@@ -8,7 +8,7 @@ Why processes and not threads: the small matrix products of a decoding step (one
 128-1,024) use several cores poorly when split, while separate batches use them fully, and torch's CPU thread pool
 serves the process's main thread best (a decode driven from another thread ran 3x slower on a 2-core CPU). Each
 process is spawned (a fresh interpreter: no fork of a process that already runs torch's threads), opens the model as
-``mtpipe decode`` opens it (:func:`mtpipe.serve.open_model`), decodes a few sentences to warm up, and then decodes
+``mtpipe decode`` opens it (:func:`mtpipe.serve.app.open_model`), decodes a few sentences to warm up, and then decodes
 what comes down its pipe with ``decode.threads`` threads, or this process's CPUs split evenly.
 """
 
@@ -44,8 +44,8 @@ def _worker_main(conn: Any, index: int, cfg: DecodeConfig, checkpoint: str, toke
     # must go on decoding what the server still hands it, and ends when the server closes its pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from mtpipe.decode import validate
-    from mtpipe.serve import open_model
+    from mtpipe.stages.decode import validate
+    from mtpipe.serve.app import open_model
 
     try:
         gpu = worker_gpu(index, cfg)
@@ -87,7 +87,7 @@ def _worker_main(conn: Any, index: int, cfg: DecodeConfig, checkpoint: str, toke
 
 class WorkerProcess:
     """One decoding process (spawned: a fresh interpreter, its model in its own main thread, ``cfg.threads`` CPU
-    threads), as a :class:`~mtpipe.serve.Lane`: requests go down its pipe as they are taken and come back as they
+    threads), as a :class:`~mtpipe.serve.app.Lane`: requests go down its pipe as they are taken and come back as they
     finish. Driven by one thread. A worker that dies (e.g. killed for memory) fails the requests it held; with
     ``restart`` (a server's) the next request starts a new one. ``role`` names the setting in error messages."""
 
@@ -239,7 +239,7 @@ def deal(lengths: Sequence[int], max_tokens: int, processes: int) -> list[list[i
 
 
 class DecodePool:
-    """``decode.processes`` > 1: an :class:`~mtpipe.search.Engine` whose translations are made by N
+    """``decode.processes`` > 1: an :class:`~mtpipe.engine.search.Engine` whose translations are made by N
     :class:`WorkerProcess` es, each with its own copy of the model (the engine ``decode.engine`` names: mtpipe's or
     CTranslate2's) and ``threads`` CPU threads. The sources are dealt out in shares of about one batch each
     (:func:`deal`); one thread per process hands it the next share as soon as it returns one, so a slower process
@@ -276,7 +276,7 @@ class DecodePool:
 
     def translate(self, sources: Sequence[Sequence[int]], rules: Any,
                   on_done: Callable[[int], None] | None = None) -> list[list[Any]]:
-        from mtpipe.search import Hypothesis
+        from mtpipe.engine.search import Hypothesis
 
         results: list[list[Any]] = [[Hypothesis([], 0.0, 0.0)] if not s else [] for s in sources]
         todo = [i for i, s in enumerate(sources) if s]

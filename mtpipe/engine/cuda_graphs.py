@@ -80,7 +80,7 @@ class _Bucket:
 
 
 class GraphedStep:
-    """:meth:`mtpipe.model.Transformer.step`'s layers, projection and log-softmax replayed from CUDA graphs, one per
+    """:meth:`mtpipe.model.transformer.Transformer.step`'s layers, projection and log-softmax replayed from CUDA graphs, one per
     bucket of shapes (module docstring). ``model`` is the decoding model itself (its bf16 copy for bf16)."""
 
     def __init__(self, model: Any, capture: bool = True, max_rows: int | None = None):
@@ -100,7 +100,7 @@ class GraphedStep:
         return [t.data_ptr() for t in itertools.chain(self.model.parameters(), self.model.buffers())]
 
     def check(self) -> None:
-        """At each batch's start (:meth:`mtpipe.model.Transformer.start`): when the weights moved since the graphs
+        """At each batch's start (:meth:`mtpipe.model.transformer.Transformer.start`): when the weights moved since the graphs
         were recorded (``model.to(...)``, new tensors loaded), forget the graphs and their buffers; the next steps
         record new ones."""
         weights = self._weights()
@@ -124,7 +124,7 @@ class GraphedStep:
 
     def __call__(self, x: Tensor, state: Any) -> tuple[Tensor, Tensor, Tensor] | None:
         """The step for the new position's input ``x`` ``[R, 1, D]`` and ``state``
-        (:class:`mtpipe.model.DecoderState`): log-probabilities ``[R, V]`` (float32) and the new position's keys /
+        (:class:`mtpipe.model.transformer.DecoderState`): log-probabilities ``[R, V]`` (float32) and the new position's keys /
         values ``[layers, R, h, d]``, views of buffers that the next call overwrites; or None where a bucket's buffers
         or graph could not be made (GPU memory, a driver or an operation that does not allow recording): then a
         warning, and the eager step from now on."""

@@ -7,7 +7,7 @@ same functions either way and never branches on the world size itself.
 * NCCL between GPUs (one process per GPU, ``cuda:LOCAL_RANK``), gloo between CPU processes.
 * Side effects (checkpoint writes, dvclive, summary files) happen on rank 0 only, behind :func:`rank0_only`.
   (Terminal output is already rank-0 only: :mod:`mtpipe.console` stays silent when ``RANK`` is not 0.)
-* Starting the N processes is :mod:`mtpipe.launch`'s job; CPU and precision settings are :mod:`mtpipe.runtime`'s.
+* Starting the N processes is :mod:`mtpipe.training.launch`'s job; CPU and precision settings are :mod:`mtpipe.engine.runtime`'s.
 * Waiting for one another is bounded by ``train.dist_timeout`` (:func:`init`'s ``timeout``): every process watches
   the others' heartbeats in torchrun's store (:class:`Watch`), so a rank or node that dies, freezes or drops off the
   network ends the others within that time with one line naming it, instead of a hang (a gloo collective waits for
@@ -285,7 +285,7 @@ class Watch:
     a rank whose count has not moved for ``train.dist_timeout`` (its process is gone or frozen, its node died or
     dropped off the network), or a store that has not answered for that long (node 0 is gone),
     ends this process with one line naming it (:meth:`verdict`, recorded for the launcher,
-    :func:`mtpipe.launch.fail_now`). The threads do not wait on the training: a rank busy for minutes (a checkpoint
+    :func:`mtpipe.training.launch.fail_now`). The threads do not wait on the training: a rank busy for minutes (a checkpoint
     write, torch.compile) still beats; a rank that is alive but stuck is the collectives' timeout's to catch
     (:func:`group_timeout`). A rank that leaves (:func:`cleanup`) says so, and nobody waits for it any more.
 
@@ -438,7 +438,7 @@ def _died(ranks: list[int]) -> str:
 def _exit_lost(message: str) -> None:
     """The watch's verdict: record it for the launcher (or print it) and end this process now: the main thread may
     be blocked in a collective that would wait longer, or that has no timeout (NCCL's wait on the GPU)."""
-    from mtpipe.launch import fail_now
+    from mtpipe.training.launch import fail_now
 
     fail_now("peer", message, 1)
 

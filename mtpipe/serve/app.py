@@ -9,8 +9,8 @@ Endpoints (FastAPI on uvicorn, ``pip install 'mtpipe[serve]'``):
   requests and sentences decoded together with it (itself included), and how long it waited and took.
 * ``GET /health``: ``{"status": "ok", ...}``; ``GET /info``: the model, the engine, the settings, the counters.
 
-The search is :func:`mtpipe.search.beam_search` under the ``decode`` section's rules (paper section 6.1), through the
-same engines as ``mtpipe decode`` (:class:`mtpipe.decode.MtpipeEngine`, or :class:`mtpipe.engine_ct2.Ct2Engine` with
+The search is :func:`mtpipe.engine.search.beam_search` under the ``decode`` section's rules (paper section 6.1), through the
+same engines as ``mtpipe decode`` (:class:`mtpipe.stages.decode.MtpipeEngine`, or :class:`mtpipe.engine.ct2.Ct2Engine` with
 ``decode.engine=ctranslate2``). Text is cleaned as ``mtpipe decode --input`` cleans a line (NFC, stripped) and
 detokenised the same way, so a sentence translates exactly as ``mtpipe decode`` translates it: beam search is per
 sentence, and the padding of a mixed batch is masked (the tests compare with ``mtpipe decode``).
@@ -19,7 +19,7 @@ Dynamic batching (:class:`Batcher`): the event loop only parses, encodes and que
 requests from the queue into its :class:`Lane`, which runs the model, in the process's main thread while uvicorn's
 event loop runs in a second one: torch's CPU thread pool (OpenMP) parallelises the small operations of a decoding step
 well only from the main thread (from any other thread a 2-thread decode of 8 sentences ran 3x slower on a 2-core CPU).
-With ``serve.workers`` N > 1, N worker processes (:class:`mtpipe.workers.WorkerProcess`) each run a copy of the
+With ``serve.workers`` N > 1, N worker processes (:class:`mtpipe.engine.workers.WorkerProcess`) each run a copy of the
 model in their own main thread with 1/N of the CPU threads, and each decodes its own requests: a server's batches are
 small, and the small matrix products of a few sentences use several cores poorly, where separate batches use them
 fully.
@@ -31,7 +31,7 @@ source tokens, and takes every waiting request that fits the budget, oldest firs
 * ``batch`` (:class:`BatchLane`): the requests are decoded to the end as one batch, a group per distinct settings (one
   call of the engine, itself split into ``decode.max_tokens`` batches sorted by length), the group of least work
   first, each answered when it ends; the worker takes no more until it is done.
-* ``continuous`` (:class:`StreamLane`, mtpipe's engine; :mod:`mtpipe.streaming`): a busy worker goes on taking
+* ``continuous`` (:class:`StreamLane`, mtpipe's engine; :mod:`mtpipe.engine.streaming`): a busy worker goes on taking
   waiting requests (while it holds fewer tokens than the budget, and no more than the least busy other worker), whose
   sentences join its running beam search at the next decoder step; a request is answered the step its last sentence
   ends. Requests with other settings decode in a stream of their own, the streams taking turns step by step in
@@ -54,7 +54,7 @@ Every phase of a request is bounded, so that no client can hold the server:
   requests);
 * decoding it: ``serve.max_request_work`` (source tokens with EOS x beam, summed over the sentences; more: 413
   naming the key) besides ``serve.max_sentences`` / ``max_chars`` / ``max_beam``, and ``serve.max_output_tokens``
-  per sentence (:class:`mtpipe.streaming.ServedRules`);
+  per sentence (:class:`mtpipe.engine.streaming.ServedRules`);
 * waiting: at most ``serve.max_queue`` requests wait (being gathered counts as waiting); one more gets 503 with
   Retry-After.
 
@@ -90,7 +90,7 @@ from typing import Any, Callable, Sequence
 
 from mtpipe.config import DecodeConfig, ServeConfig, to_dict
 from mtpipe.errors import MtpipeError
-from mtpipe.workers import WorkerProcess, first_line, worker_threads
+from mtpipe.engine.workers import WorkerProcess, first_line, worker_threads
 
 REQUEST_FIELDS = ("text", "beam", "alpha", "nbest")
 RETRY_AFTER_S = 1  # a full queue drains within a batch or two: ask clients to come back after a second
@@ -267,7 +267,7 @@ class ServedModel:
         continuous batch, by the masks of rows that joined later: measured, a first request at beam 1 or 16 after a
         warm-up at beam 4 waited 1-11 s for its graphs, and the first continuous batch with a joining request 3-13 s.
         No request should."""
-        from mtpipe.decode import WARM_UP_TEXTS
+        from mtpipe.stages.decode import WARM_UP_TEXTS
 
         lane = self.lane()
         texts = [self.sp.encode(t, out_type=int)[: self.max_positions - 1] for t in WARM_UP_TEXTS]
@@ -304,7 +304,7 @@ def warm_beams(cfg: ServeConfig, defaults: DecodeConfig) -> tuple[int, ...]:
 def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, batching: str = "batch") -> ServedModel:
     """The checkpoint (or, with ``decode.engine=ctranslate2``, also a CTranslate2 export) and its vocabulary (that of
     ``tokens``, None: the model's own), checked and opened as ``mtpipe decode`` opens them
-    (:func:`mtpipe.decode.open_model`); its lanes decode by ``serve.batching`` (CTranslate2: batch by batch)."""
+    (:func:`mtpipe.stages.decode.open_model`); its lanes decode by ``serve.batching`` (CTranslate2: batch by batch)."""
     from mtpipe import artifacts
 
     checkpoint = Path(checkpoint)
@@ -312,7 +312,7 @@ def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, batchin
     info: dict[str, Any] = {"checkpoint": str(checkpoint), "model": artifacts.manifest_hash(checkpoint)
                             if (checkpoint / artifacts.MANIFEST).is_file() else None}
     if cfg.engine == "ctranslate2":
-        from mtpipe import engine_ct2
+        from mtpipe.engine import ct2 as engine_ct2
 
         manifest = engine_ct2.decode_source(checkpoint)
         sp, step, tokens = engine_ct2.source_vocab(checkpoint, manifest, tokens)
@@ -322,8 +322,8 @@ def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, batchin
         model_config = manifest.extra.get("model_config")
         precision = f"CTranslate2 compute type {cfg.ct2_compute_type}"
     else:
-        from mtpipe.decode import MtpipeEngine
-        from mtpipe.loading import load_model_and_vocab
+        from mtpipe.stages.decode import MtpipeEngine
+        from mtpipe.engine.loading import load_model_and_vocab
 
         if (checkpoint / artifacts.MANIFEST).is_file() and artifacts.read_manifest(checkpoint).kind == "export":
             raise MtpipeError(f"{checkpoint}: is an `mtpipe export` model; serve it with --engine ctranslate2 (or "
@@ -340,7 +340,7 @@ def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, batchin
             lane = lambda: BatchLane(engine.translate)  # noqa: E731 - mtpipe decode's batches, on the prepared model
         model_config = to_dict(engine.model.cfg)  # after decode.prune, the model that runs
         precision = cfg.precision
-    from mtpipe.decode import validate
+    from mtpipe.stages.decode import validate
 
     rules = validate(cfg)  # decode's rules: how the engine searches under them (a DecodePool logs these words)
     info.update({"step": step, "engine": cfg.engine, "device": engine.describe(), "precision": precision,
@@ -394,12 +394,12 @@ class Lane(typing.Protocol):
 
     def decoding(self) -> contextlib.AbstractContextManager:
         """What the thread that drives the lane enters once around its polls (``decode.compile``'s settings:
-        :meth:`mtpipe.model.Transformer.compile_settings`), rather than every poll entering it again."""
+        :meth:`mtpipe.model.transformer.Transformer.compile_settings`), rather than every poll entering it again."""
         ...
 
 
 class StreamLane:
-    """mtpipe's engine with continuous batching (:class:`mtpipe.streaming.StreamDecoder`): a request's sentences
+    """mtpipe's engine with continuous batching (:class:`mtpipe.engine.streaming.StreamDecoder`): a request's sentences
     join the running search at the next decoder step and it is answered the step its last one ends. One stream per
     distinct rules (requests asking for another beam, alpha or nbest are decoded side by side), one decoder step per
     :meth:`poll`, the streams sharing the decoding time in proportion to the requests in them: one request alone at
@@ -417,7 +417,7 @@ class StreamLane:
         self.clock: dict[Any, float] = {}  # rules -> that stream's decoding seconds, each / its requests then
 
     def add(self, key: int, sources: list[list[int]], rules: Any) -> None:
-        from mtpipe.streaming import StreamDecoder
+        from mtpipe.engine.streaming import StreamDecoder
 
         stream = self.streams.get(rules)
         if stream is None:
@@ -446,7 +446,7 @@ class StreamLane:
     def poll(self) -> list[tuple[int, Any]]:
         import torch
 
-        from mtpipe.decode import decoding_context
+        from mtpipe.stages.decode import decoding_context
 
         finished: list[tuple[int, Any]] = []
         for rules, stream in list(self.streams.items()):
@@ -548,7 +548,7 @@ class Job:
     take it a chunk (:class:`Piece`) at a time; it is answered when its last chunk is decoded."""
 
     sources: list[list[int]]
-    rules: Any  # mtpipe.search.DecodeRules: requests with equal rules are decoded together
+    rules: Any  # mtpipe.engine.search.DecodeRules: requests with equal rules are decoded together
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     queued_at: float
@@ -1076,15 +1076,15 @@ def build_app(model: ServedModel, batcher: Batcher, cfg: ServeConfig, defaults: 
     from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException
 
-    from mtpipe.search import DecodeRules, LengthPenalty
-    from mtpipe.streaming import ServedRules
+    from mtpipe.engine.search import DecodeRules, LengthPenalty
+    from mtpipe.engine.streaming import ServedRules
 
     if guard is None:
         guard = ConnectionGuard(cfg.read_timeout_s, cfg.max_connections)
     counters = guard.counters
     counters["rejected_work"] = 0
     limit = max_body_bytes(cfg)
-    limit_src = model.max_positions - 1  # one position is the EOS (mtpipe.search.max_source_len)
+    limit_src = model.max_positions - 1  # one position is the EOS (mtpipe.engine.search.max_source_len)
     decode_rules = DecodeRules.from_config(defaults)
     base_rules = ServedRules(**{f.name: getattr(decode_rules, f.name) for f in dataclasses.fields(decode_rules)},
                              max_output=cfg.max_output_tokens)
@@ -1258,7 +1258,7 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
     """Serve ``checkpoint`` until SIGTERM or Ctrl-C; the requests in flight are answered first, then exit 0."""
     _, uvicorn = require_serve()
     from mtpipe.console import info, table
-    from mtpipe.decode import validate
+    from mtpipe.stages.decode import validate
 
     check_defaults(cfg, defaults)
     check_open_files(cfg)

@@ -1,4 +1,4 @@
-"""Speed choices behind :mod:`mtpipe.model` (CPU tricks, and one GPU kernel choice for decoding): how its operations
+"""Speed choices behind :mod:`mtpipe.model.transformer` (CPU tricks, and one GPU kernel choice for decoding): how its operations
 are computed, never what they compute.
 
 Each CPU function here is a drop-in for a plain torch formulation (named in its docstring) that was measurably slow on
@@ -435,7 +435,7 @@ def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -
     ``q`` ``[B, h, Lq, d_k]``, ``k`` ``[B, h, Lk, d_k]``; ``mask`` broadcasts to ``[B, h, Lq, Lk]`` (True = may attend);
     ``causal``: query i sees keys j <= i (section 3.2.3). The scale and the bias are applied in one ``add`` pass over
     the scores. Every row keeps at least one key (a source has its EOS, a causal or windowed row its own position),
-    so no row is all -inf. Also what ``mtpipe attention`` plots (:meth:`mtpipe.model.Transformer.recording`).
+    so no row is all -inf. Also what ``mtpipe attention`` plots (:meth:`mtpipe.model.transformer.Transformer.recording`).
     """
     scores = torch.matmul(q, k.transpose(-1, -2))  # [B, h, Lq, d_k] x [B, h, d_k, Lk] -> [B, h, Lq, Lk]
     lq, lk = scores.shape[-2:]

@@ -1,6 +1,6 @@
 """``mtpipe fetch``: a parallel corpus -> a ``corpus`` artifact ({train,valid,test}.parquet: id, src, tgt).
 
-Where a corpus can come from (``fetch.source``) is :mod:`mtpipe.sources`.
+Where a corpus can come from (``fetch.source``) is :mod:`mtpipe.stages.sources`.
 
 Cleaning
 --------
@@ -35,7 +35,7 @@ from mtpipe import console
 from mtpipe.artifacts import CORPUS_SCHEMA, from_numpy, to_numpy
 from mtpipe.config import FetchConfig, to_dict
 from mtpipe.errors import MtpipeError
-from mtpipe.sources import Batch, SplitReader, local_source, open_source, resolve_splits
+from mtpipe.stages.sources import Batch, SplitReader, local_source, open_source, resolve_splits
 from mtpipe.writing import ArtifactWriter, prepare_output
 
 FILTERS = ("invalid_utf8", "malformed", "empty", "too_short", "too_long", "ratio", "duplicate")

@@ -16,10 +16,10 @@ Padding is on the right and uses :data:`mtpipe.artifacts.PAD_ID`.
 Decoding: :meth:`Transformer.encode` runs the encoder once, :meth:`Transformer.start` projects each decoder layer's
 cross-attention keys/values once per sentence, and :meth:`Transformer.step` runs the decoder layers
 (:meth:`Transformer.step_layers`: the same :meth:`DecoderLayer.forward` as training; ``decode.compile`` runs it through
-``torch.compile``, ``decode.cuda_graphs`` replays it on a GPU from CUDA graphs, :mod:`mtpipe.cuda_graphs`) on the
+``torch.compile``, ``decode.cuda_graphs`` replays it on a GPU from CUDA graphs, :mod:`mtpipe.engine.cuda_graphs`) on the
 newest position only, its self-attention keys/values cached (:class:`DecoderState`,
 whose ``select`` reorders or shrinks the batch in beam search, and whose ``admit`` lets new sentences join a running
-batch: continuous batching, :mod:`mtpipe.streaming`).
+batch: continuous batching, :mod:`mtpipe.engine.streaming`).
 
 Variants (``model`` params, saved in the checkpoint's model config, so decoding rebuilds them; each off by default,
 and the default model runs exactly the code above -- every choice is made when the model is built):
@@ -33,17 +33,17 @@ and the default model runs exactly the code above -- every choice is made when t
   ``learned-per-stack`` -- one such table for each stack (fairseq's learned positions).
 * ``share_embeddings=decoder|none`` -- untie the source embedding (decoder: target embedding = projection), or all
   three matrices; ``output_bias`` -- a bias on the pre-softmax projection; ``decoder_start=eos`` -- the decoder starts
-  from ``</s>`` instead of ``<s>``. Together they represent fairseq models exactly (:mod:`mtpipe.importer`).
+  from ``</s>`` instead of ``<s>``. Together they represent fairseq models exactly (:mod:`mtpipe.stages.importer`).
 * ``layerdrop=p`` -- LayerDrop (Fan et al. 2019): in training each layer of both stacks is skipped with probability
-  p; at inference :func:`mtpipe.pruning.prune` removes layers, no fine-tuning.
+  p; at inference :func:`mtpipe.engine.pruning.prune` removes layers, no fine-tuning.
 * DropHead (Zhou et al. 2020) -- whole attention heads dropped in training with a probability the trainer sets each
-  update (:meth:`Transformer.set_drophead`; its V-shaped schedule is :func:`mtpipe.train.drophead_rate`).
+  update (:meth:`Transformer.set_drophead`; its V-shaped schedule is :func:`mtpipe.training.train.drophead_rate`).
 * ``attention_window=r`` -- restricted self-attention (section 4): in the encoder each position attends to the
   positions within r of it, in the decoder to itself and the r before it; encoder-decoder attention stays full.
-  Long inputs take a banded computation (:func:`mtpipe.kernels.banded_attention`), O(n r d) instead of O(n^2 d);
+  Long inputs take a banded computation (:func:`mtpipe.model.kernels.banded_attention`), O(n r d) instead of O(n^2 d);
   incremental decoding attends to the last r + 1 cached positions only.
 
-CPU speed tricks (dropout masks, linear shapes, bf16 activations, matmul attention): :mod:`mtpipe.kernels`.
+CPU speed tricks (dropout masks, linear shapes, bf16 activations, matmul attention): :mod:`mtpipe.model.kernels`.
 """
 
 from __future__ import annotations
@@ -63,10 +63,10 @@ from torch import Tensor, nn
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID
 from mtpipe.config import ModelConfig
 from mtpipe.errors import MtpipeError
-from mtpipe.kernels import DecodingProjection, Linear, attention_weights, autocast_activations, banded_attention
-from mtpipe.kernels import banded_min_length, cached_attention, dropout, explicit_attention, linear
-from mtpipe.kernels import prefer_explicit_attention, residual, window_mask
-from mtpipe.runtime import separate_compile_cache
+from mtpipe.model.kernels import DecodingProjection, Linear, attention_weights, autocast_activations, banded_attention
+from mtpipe.model.kernels import banded_min_length, cached_attention, dropout, explicit_attention, linear
+from mtpipe.model.kernels import prefer_explicit_attention, residual, window_mask
+from mtpipe.engine.runtime import separate_compile_cache
 
 # --------------------------------------------------------------------------------------------------------------------
 # 3.4 Embeddings and 3.5 positional encoding
@@ -124,7 +124,7 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor |
 
     ``q`` ``[B, h, Lq, d_k]``, ``k`` ``[B, h, Lk, d_k]``, ``v`` ``[B, h, Lk, d_v]`` -> ``[B, h, Lq, d_v]``; ``mask``
     broadcasts to ``[B, h, Lq, Lk]`` (True = may attend); ``causal``: query i sees keys j <= i (section 3.2.3).
-    torch's fused kernel, or the same formula as two matmuls where that is faster (:mod:`mtpipe.kernels`).
+    torch's fused kernel, or the same formula as two matmuls where that is faster (:mod:`mtpipe.model.kernels`).
     """
     if prefer_explicit_attention(q):
         return explicit_attention(q, k, v, mask, causal, p)
@@ -207,7 +207,7 @@ class MultiHeadAttention(nn.Module):
                banded: bool = False) -> Tensor:
         """The h heads' scaled dot-product attention, DropHead in training, and the output projection W^O:
         ``[B, h, Lq, d]`` queries -> ``[B, Lq, D]``. ``banded``: restricted self-attention computed band by band
-        (:func:`mtpipe.kernels.banded_attention`), ``mask`` then being the keys' padding mask."""
+        (:func:`mtpipe.model.kernels.banded_attention`), ``mask`` then being the keys' padding mask."""
         p = self.dropout if self.training else 0.0
         if self.record is not None:
             if banded:  # the full matrix, so that it can be kept
@@ -235,7 +235,7 @@ class MultiHeadAttention(nn.Module):
         itself and the r positions before it.
 
         Restricted self-attention (section 4) over a whole sequence: a band mask ``|i - j| <= r`` (causal:
-        ``0 <= i - j <= r``) joins the padding mask, or, from :func:`mtpipe.kernels.banded_min_length` on, only the
+        ``0 <= i - j <= r``) joins the padding mask, or, from :func:`mtpipe.model.kernels.banded_min_length` on, only the
         band is computed.
         """
         q, k, v = self.project_qkv(x)  # each [B, h, L, d]
@@ -530,7 +530,7 @@ class Transformer(nn.Module):
 
     def decoding_logits(self, h: Tensor) -> Tensor:
         """:meth:`logits` of a decoding step's rows ``[R, D] -> [R, V]``: on CPU in float32 through
-        :class:`mtpipe.kernels.DecodingProjection`, which keeps a copy of the matrix (FixNorm's unit rows with it) in
+        :class:`mtpipe.model.kernels.DecodingProjection`, which keeps a copy of the matrix (FixNorm's unit rows with it) in
         the layout fastest for a few rows, made again when the weights change. bf16 and GPUs keep :meth:`logits`."""
         w = self._projection_weight()
         if h.device.type != "cpu" or h.dtype != torch.float32 or w.dtype != torch.float32 or w.is_inference():
@@ -542,8 +542,8 @@ class Transformer(nn.Module):
     def _layers(self, stack: nn.ModuleList) -> Iterable[nn.Module]:
         """The layers a forward pass runs. LayerDrop (Fan et al. 2019): in training each is skipped with probability
         ``layerdrop``, drawn per forward pass from torch's default CPU generator (the one dropout and the saved
-        RNG states of :mod:`mtpipe.train` use, so a resumed run draws the same skips). Processes draw
-        independently; DDP is told to expect unused parameters (:class:`mtpipe.train.Updater`)."""
+        RNG states of :mod:`mtpipe.training.train` use, so a resumed run draws the same skips). Processes draw
+        independently; DDP is told to expect unused parameters (:class:`mtpipe.training.train.Updater`)."""
         if not self.training or self.layerdrop == 0.0:
             return stack
         keep = (torch.rand(len(stack)) >= self.layerdrop).tolist()
@@ -595,7 +595,7 @@ class Transformer(nn.Module):
         paper's Figures 3-5): ``{"encoder": ..., "decoder": ..., "cross": ...}``, each one list per layer of the
         ``[B, h, Lq, Lk]`` float32 weights of every call, in call order (one per :meth:`step` when decoding).
 
-        The weights are those of the forward pass itself (:func:`mtpipe.kernels.attention_weights`, the formula the
+        The weights are those of the forward pass itself (:func:`mtpipe.model.kernels.attention_weights`, the formula the
         CPU paths compute anyway), not of a second implementation."""
         groups = {"encoder": [layer.self_attn for layer in self.encoder],
                   "decoder": [layer.self_attn for layer in self.decoder],
@@ -707,7 +707,7 @@ class Transformer(nn.Module):
         flat cache ``k_prev``/``v_prev`` ``[N, h * d]`` that hold each layer's w positions of each row, gathered
         here, inside the step, so that under ``torch.compile`` the gather is part of attention's one pass over the
         cache rather than a copy of it; without, ``k_prev``/``v_prev`` ``[w, layers, R, h, d]`` in the rows' order
-        (the CUDA graphs' buffers, :mod:`mtpipe.cuda_graphs`). ``prev_mask`` ``[R, 1, 1, w]`` or None masks them.
+        (the CUDA graphs' buffers, :mod:`mtpipe.engine.cuda_graphs`). ``prev_mask`` ``[R, 1, 1, w]`` or None masks them.
 
         A pure function of its inputs (nothing written in place): ``decode.compile`` runs it through
         ``torch.compile`` (:meth:`compile_step`)."""
@@ -752,7 +752,7 @@ class Transformer(nn.Module):
         warm-up). Building a graph takes tens of seconds on a small CPU (25-40 s on a 2-vCPU Zen 3: tracing, code
         generation, the C++ compiler), once per process: torch caches the generated kernels on disk, but not the
         frozen graph itself (its packed oneDNN weights do not pickle, so inductor's graph cache skips it). Hence,
-        in float32 on CPU, the step is packaged ahead of time instead and kept on disk (:mod:`mtpipe.step_package`:
+        in float32 on CPU, the step is packaged ahead of time instead and kept on disk (:mod:`mtpipe.engine.step_package`:
         built by the first process, loaded in seconds by the next), torch.compile's graph serving only the shapes
         a package refuses. On CPU the graph's wrapper is generated C++ (inductor's ``cpp_wrapper``) instead of
         Python: the wrapper's per-kernel cost is what is left of a small batch's step (1.03-1.04x at ~8 sentences a
@@ -764,10 +764,10 @@ class Transformer(nn.Module):
 
     def _build_compiled_step(self) -> None:
         """:meth:`compile_step`'s ``torch.compile``; on CPU with the weights frozen into the graph, and in float32
-        packaged ahead of time (:class:`~mtpipe.step_package.PackagedStep`) unless ``MTPIPE_STEP_PACKAGE=0``.
+        packaged ahead of time (:class:`~mtpipe.engine.step_package.PackagedStep`) unless ``MTPIPE_STEP_PACKAGE=0``.
 
         Why frozen (inductor's ``freezing``): the weights become constants of the graph, which inductor packs once
-        into oneDNN's blocked layout for the products (as the eager step's :class:`~mtpipe.kernels.PackedWeight`
+        into oneDNN's blocked layout for the products (as the eager step's :class:`~mtpipe.model.kernels.PackedWeight`
         does); unfrozen, the graph multiplies by the plain weights. The compiled step ran 1.06-1.11x the eager one
         frozen, for a server's ~8 sentences and for 8,000-token batches, at d 128 and d 256 (unfrozen 0.84-1.22x;
         frozen without the packing the same as unfrozen; BENCHMARKS.md, "The compiled step with frozen weights").
@@ -775,7 +775,7 @@ class Transformer(nn.Module):
         A frozen graph would go on computing with the weights it was built with after they change in place
         (``load_state_dict``, an optimizer step): torch guards on the weights' identity, not on their values.
         :meth:`start` compares the weights' versions with :attr:`_frozen_key` and builds again
-        (:meth:`_refreeze`). float32 weights only: each of the bf16 copies that :func:`mtpipe.decode.translate`
+        (:meth:`_refreeze`). float32 weights only: each of the bf16 copies that :func:`mtpipe.stages.decode.translate`
         makes per call would build a graph of its own (unfrozen, the compiled bf16 step already runs 1.4x the eager
         one). Not on GPU, where it is untested (CUDA graphs are the GPU's way, ``decode.cuda_graphs``)."""
         weight = next(self.parameters())
@@ -783,10 +783,10 @@ class Transformer(nn.Module):
         separate_compile_cache()
         compiled = torch.compile(self.step_layers, dynamic=True, options={"cpp_wrapper": True} if on_cpu else None)
         frozen = on_cpu and weight.dtype == torch.float32
-        from mtpipe.step_package import PackagedStep, packaging_enabled
+        from mtpipe.engine.step_package import PackagedStep, packaging_enabled
 
         if frozen and packaging_enabled():
-            # Compiled ahead of time and kept on disk (mtpipe.step_package): built once, loaded by later processes;
+            # Compiled ahead of time and kept on disk (mtpipe.engine.step_package): built once, loaded by later processes;
             # torch.compile's step only where the package does not apply
             compiled = PackagedStep(self, compiled, step_dynamic_dims)
         self._compiled_step = compiled
@@ -796,7 +796,7 @@ class Transformer(nn.Module):
     @contextlib.contextmanager
     def compile_settings(self) -> Iterator[None]:
         """``decode.compile``'s torch settings (:func:`_settings`) for the graphs traced inside the block, in this
-        thread: entered once around a whole decode (:func:`mtpipe.decode.translate_batches`' batches, a server's
+        thread: entered once around a whole decode (:func:`mtpipe.stages.decode.translate_batches`' batches, a server's
         decoding loop) rather than by every compiled step, where entering them cost ~90 us a step (torch's config
         patches are slow to enter and leave), more than a server's step of a few sentences (1-3 ms) can spare.
         Nothing without ``decode.compile``."""
@@ -828,11 +828,11 @@ class Transformer(nn.Module):
 
     def graph_step(self, capture: bool = True) -> None:
         """``decode.cuda_graphs``: run :meth:`step`'s layers, projection and log-softmax as CUDA graphs over fixed
-        shapes (:mod:`mtpipe.cuda_graphs`: on a GPU a few sentences' step is bound by launching its ~200 kernels).
+        shapes (:mod:`mtpipe.engine.cuda_graphs`: on a GPU a few sentences' step is bound by launching its ~200 kernels).
         Not with restricted self-attention (its window is the last r cached positions, which the graphs' padded
         cache would move) nor with ``decode.compile`` (the compiled step runs instead). ``capture=False``: the same
         padded computation without recording graphs (the tests, on CPU)."""
-        from mtpipe.cuda_graphs import GraphedStep
+        from mtpipe.engine.cuda_graphs import GraphedStep
 
         if self.cfg.attention_window or self._compiled():
             return
@@ -1026,7 +1026,7 @@ class DecoderState:
     def gathered(self, first: int = 0, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """The cached keys and values of positions ``first`` .. ``length - 1`` in the rows' order,
         ``[length - first, layers, R, h, d]``: a copy, into ``out`` when given (contiguous tensors of that shape).
-        The CUDA graphs' buffers take them in this form (:mod:`mtpipe.cuda_graphs`), and :meth:`_compacted`."""
+        The CUDA graphs' buffers take them in this form (:mod:`mtpipe.engine.cuda_graphs`), and :meth:`_compacted`."""
         index = self._flat_rows(first).transpose(0, 1)  # [layers, t', R] -> [t', layers, R]
         shape = index.shape
         index = index.reshape(-1)  # -> [t' * layers * R]
@@ -1073,7 +1073,7 @@ class DecoderState:
         if old is not None and t > 0:
             self.cache, self.slots = self._compacted(0, old.keys.size(0) * (2 if old.keys.size(0) <= t else 1))
             return
-        # In the keys' own dtype (bf16 when decoding in bf16): with attention as two matmuls (mtpipe.kernels) a bf16
+        # In the keys' own dtype (bf16 when decoding in bf16): with attention as two matmuls (mtpipe.model.kernels) a bf16
         # cache is faster than a float32 one, which would cast every new key/value and every query.
         self.cache = SelfAttentionCache.allocate(k, (16, layers, rows, heads), k.size(-1), v.size(-1))
         self.slots = torch.zeros(rows, 16, dtype=torch.long, device=k.device)

@@ -10,7 +10,7 @@ from tensor2tensor, whose length penalty is GNMT's (Wu et al. 2016, section 7)::
 and a finished hypothesis is ranked by ``log P(Y | X) / lp(Y)`` (:meth:`LengthPenalty.score`). ``|Y|`` counts the
 generated tokens including the final EOS (as tensor2tensor and fairseq both count). :class:`DecodeRules` holds
 these rules once -- the penalty and its score, the maximum output length, the stopping rule -- for
-:mod:`mtpipe.decode` (mtpipe's engine) and :mod:`mtpipe.engine_ct2` (CTranslate2) alike.
+:mod:`mtpipe.stages.decode` (mtpipe's engine) and :mod:`mtpipe.engine.ct2` (CTranslate2) alike.
 
 The search (:func:`beam_search`), per sentence:
 
@@ -38,7 +38,7 @@ The search (:func:`beam_search`), per sentence:
 * **beam 1 is greedy search**: the single best extension is taken each step, and when it is EOS the beam is empty.
 
 The search works on any ``step(tokens [N], state) -> (log_probs [N, V], state)`` whose state has
-``select(index, beams)`` (:class:`mtpipe.model.DecoderState`, :class:`mtpipe.decode.PrefixState`, or a hand-made
+``select(index, beams)`` (:class:`mtpipe.model.transformer.DecoderState`, :class:`mtpipe.stages.decode.PrefixState`, or a hand-made
 one in the tests).
 """
 
@@ -163,8 +163,8 @@ class DecodeRules:
 
 
 class Engine(Protocol):
-    """A decoder of token-id sources under :class:`DecodeRules` (:class:`mtpipe.decode.MtpipeEngine`,
-    :class:`mtpipe.engine_ct2.Ct2Engine`)."""
+    """A decoder of token-id sources under :class:`DecodeRules` (:class:`mtpipe.stages.decode.MtpipeEngine`,
+    :class:`mtpipe.engine.ct2.Ct2Engine`)."""
 
     max_positions: int  # the model's positions: sources are cut to max_positions - 1 tokens, outputs capped
 
@@ -249,15 +249,15 @@ class BeamSearch:
     """The beam search of the module docstring, one :meth:`advance` (decoder step) at a time, over the sentences
     :meth:`admit` has let in; each sentence leaves as soon as it is done.
 
-    :func:`beam_search` admits one batch and advances until it is empty. ``mtpipe serve`` (:mod:`mtpipe.streaming`)
+    :func:`beam_search` admits one batch and advances until it is empty. ``mtpipe serve`` (:mod:`mtpipe.engine.streaming`)
     admits new requests' sentences between steps while others are still decoding: iteration-level batching (Yu et
     al. 2022, "Orca"), so that a short sentence is answered when it ends rather than when the longest sentence of its
     batch ends, and the batch stays full. A sentence's result does not depend on what else is in the batch: the rows
     never interact, each sentence counts its own steps (its positions, its length limit, its length penalty), and a
-    sentence that joins later attends only to its own cache slots (:meth:`mtpipe.model.DecoderState.admit`).
+    sentence that joins later attends only to its own cache slots (:meth:`mtpipe.model.transformer.DecoderState.admit`).
 
     ``step(tokens [N], state) -> (log_probs, state)`` as in :func:`beam_search`; the state also needs
-    ``admit(fresh)`` when sentences join a non-empty search (:class:`mtpipe.model.DecoderState`).
+    ``admit(fresh)`` when sentences join a non-empty search (:class:`mtpipe.model.transformer.DecoderState`).
     (The step body is one method on purpose: it reads as the algorithm it is.)
     """
 

@@ -1,7 +1,7 @@
 """``mtpipe import --format fairseq``: a fairseq 0.12 ``transformer`` checkpoint as an mtpipe checkpoint plus the bpe
 artifact that goes with it, so that ``mtpipe decode``, ``average`` and ``export`` run fairseq-trained weights.
 
-What maps, and how (fairseq names on the left; the mtpipe model is :mod:`mtpipe.model`):
+What maps, and how (fairseq names on the left; the mtpipe model is :mod:`mtpipe.model.transformer`):
 
 * Layers: ``self_attn.{q,k,v}_proj`` -> ``self_attn.qkv`` (one matrix, q|k|v); ``encoder_attn.q_proj`` ->
   ``cross_attn.q``, ``encoder_attn.{k,v}_proj`` -> ``cross_attn.kv``; ``*.out_proj`` -> ``*.out``; ``fc1``/``fc2``
@@ -460,8 +460,8 @@ def import_fairseq(checkpoint: Path, dictionary: Path, spm_model: Path, out: Pat
     SentencePiece model that made its data) into the mtpipe checkpoint ``out`` (which carries the SentencePiece
     model, remapped to mtpipe's ids) and, when ``tokens_out`` is given, also a bpe artifact there. Returns a
     summary."""
-    from mtpipe.bpe import SPECIALS, write_vocab
-    from mtpipe.model import build_model
+    from mtpipe.stages.bpe import SPECIALS, write_vocab
+    from mtpipe.model.transformer import build_model
 
     checkpoint, dictionary, spm_model = Path(checkpoint), Path(dictionary), Path(spm_model)
     out = Path(out)

@@ -6,7 +6,7 @@ post-norm Transformer of the paper (section 3) with ReLU feed-forward layers, sc
 position table. :func:`export_ctranslate2` fills that spec through CTranslate2's own Python API
 (``ctranslate2.specs``), the way its fairseq/OpenNMT converters do, from the checkpoint's *parameter names*: every
 ``state_dict`` entry must be consumed by exactly one spec variable, so a renamed, added or reshaped parameter in
-:mod:`mtpipe.model` fails the export with its name instead of producing a silently wrong model.
+:mod:`mtpipe.model.transformer` fails the export with its name instead of producing a silently wrong model.
 
 The mapping (paper section -> CTranslate2 variable):
 
@@ -42,9 +42,9 @@ hashes of the checkpoint and tokens manifests (the checkpoint's alone when its o
 ``--tokens``) and whose ``extra["decode"]`` keeps the decode settings the checkpoint records; it is written to a
 temporary directory and renamed into place.
 
-Decoding an export (``mtpipe decode --engine ctranslate2``, :func:`mtpipe.engine_ct2.ct2_translate`) is
-:mod:`mtpipe.engine_ct2`; the checkpoint and its SentencePiece model are loaded and cross-checked by
-:func:`mtpipe.loading.load_model_and_vocab`, as ``mtpipe decode`` loads them.
+Decoding an export (``mtpipe decode --engine ctranslate2``, :func:`mtpipe.engine.ct2.ct2_translate`) is
+:mod:`mtpipe.engine.ct2`; the checkpoint and its SentencePiece model are loaded and cross-checked by
+:func:`mtpipe.engine.loading.load_model_and_vocab`, as ``mtpipe decode`` loads them.
 
 Hugging Face (:func:`export_huggingface`; ``export.format`` ``marian``, ``pegasus``, or ``huggingface``: Marian for a
 post-norm model, Pegasus for a pre-norm one). Both are BART-style encoder-decoders whose layers take mtpipe's
@@ -90,7 +90,7 @@ from mtpipe import artifacts, writing
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mtpipe.config import ExportConfig
 from mtpipe.errors import MtpipeError
-from mtpipe.loading import load_model_and_vocab
+from mtpipe.engine.loading import load_model_and_vocab
 
 SPECIAL_PIECES = {PAD_ID: "<pad>", UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>"}
 INSTALL_CT2 = "pip install 'mtpipe[ctranslate2]'"
@@ -118,13 +118,13 @@ class _Source:
     checkpoint: Path
     tokens: Path | None  # the bpe artifact whose SentencePiece model was used; None: the checkpoint's own
     ck: Any  # artifacts.Checkpoint
-    model: Any  # mtpipe.model.Transformer (eval mode)
+    model: Any  # mtpipe.model.transformer.Transformer (eval mode)
     spm_path: Path
     pieces: list[str]
 
 
 def _load_source(checkpoint: Path, tokens: Path | None) -> _Source:
-    """The checkpoint and the tokens artifact, cross-checked (:func:`mtpipe.loading.load_model_and_vocab`), and the
+    """The checkpoint and the tokens artifact, cross-checked (:func:`mtpipe.engine.loading.load_model_and_vocab`), and the
     vocabulary's pieces, which become the export's token list: mtpipe's special ids must hold their pieces and every
     piece must have one id. Every failure is one MtpipeError line."""
     loaded = load_model_and_vocab(checkpoint, tokens)
@@ -153,19 +153,19 @@ class _Weights:
 
     def take(self, name: str, shape: tuple[int, ...]) -> Any:
         if name not in self.left:
-            raise MtpipeError(f"{self.where}: the model has no parameter '{name}' that the export maps (mtpipe.model "
-                              "changed; update mtpipe/export.py)")
+            raise MtpipeError(f"{self.where}: the model has no parameter '{name}' that the export maps (mtpipe.model.transformer "
+                              "changed; update mtpipe/stages/export.py)")
         t = self.left.pop(name)
         if tuple(t.shape) != shape:
             raise MtpipeError(f"{self.where}: parameter '{name}' has shape {tuple(t.shape)}, the export expects "
-                              f"{shape} (mtpipe.model changed; update mtpipe/export.py)")
+                              f"{shape} (mtpipe.model.transformer changed; update mtpipe/stages/export.py)")
         return t.numpy()
 
     def done(self) -> None:
         if self.left:
             names = ", ".join(sorted(self.left)[:5])
             raise MtpipeError(f"{self.where}: {len(self.left)} parameter(s) the export does not map ({names}); "
-                              "mtpipe.model changed: update mtpipe/export.py")
+                              "mtpipe.model.transformer changed: update mtpipe/stages/export.py")
 
 
 def _layer_norm_eps(model: Any, where: Path) -> float:
@@ -194,8 +194,8 @@ def _positions(model: Any, where: Path, name: str = "positions") -> Any:
     table; ``tgt_positions``: the decoder's own), read from the model itself."""
     tensors = {**dict(model.named_buffers()), **dict(model.named_parameters())}
     if name not in tensors:
-        raise MtpipeError(f"{where}: the model has no '{name}' table (mtpipe.model changed; update "
-                          "mtpipe/export.py)")
+        raise MtpipeError(f"{where}: the model has no '{name}' table (mtpipe.model.transformer changed; update "
+                          "mtpipe/stages/export.py)")
     table = tensors[name].detach().float().cpu().contiguous()
     cfg = model.cfg
     if tuple(table.shape) != (cfg.max_positions, cfg.d_model):

@@ -21,15 +21,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from mtpipe import artifacts, distributed, writing
+from mtpipe import artifacts, writing
+
+from mtpipe.training import distributed
 from mtpipe.config import MODEL_PRESETS, TrainConfig, to_dict, with_model_defaults
 from mtpipe.console import warn
-from mtpipe.distributed import rank0_only
+from mtpipe.training.distributed import rank0_only
 from mtpipe.errors import MtpipeError
-from mtpipe.metrics import Window
+from mtpipe.training.metrics import Window
 
 if TYPE_CHECKING:
-    from mtpipe.batches import TrainData
+    from mtpipe.training.batches import TrainData
 
 TRAINER_STATE_VERSION = 1
 
@@ -185,7 +187,7 @@ def same_global_batch(ck: artifacts.Checkpoint, data: TrainData, world: int, tok
     import dataclasses
     import math
 
-    from mtpipe.batches import accumulation
+    from mtpipe.training.batches import accumulation
 
     ts = ck.trainer_state or {}
     ck_world, ck_accum = int(ts.get("world_size") or 0), int(ts.get("accum") or 0)

@@ -20,7 +20,7 @@ from mtpipe.config import ModelConfig
 from mtpipe.errors import MtpipeError
 
 if TYPE_CHECKING:
-    from mtpipe.model import Transformer
+    from mtpipe.model.transformer import Transformer
 
 
 @dataclass(frozen=True)

@@ -112,8 +112,8 @@ def attention_maps(model: Any, sp: Any, text: str, beam: int = 1, alpha: float =
     """Encode ``text`` as ``decode --input`` does, translate it (greedy, or beam search with ``beam``), and record
     the attention of decoding that translation (:func:`record_attention`)."""
     from mtpipe.artifacts import EOS_ID
-    from mtpipe.decode import translate_batches
-    from mtpipe.search import DecodeRules, LengthPenalty, max_source_len
+    from mtpipe.stages.decode import translate_batches
+    from mtpipe.engine.search import DecodeRules, LengthPenalty, max_source_len
 
     text = unicodedata.normalize("NFC", text).strip()  # as decode's read_lines cleans a line
     if not text:
@@ -277,7 +277,7 @@ def layer_file(kind: str, layer: int) -> str:
 def index_html(maps: AttentionMaps, layer: dict[str, int], checkpoint: str) -> str:
     """The page: the sentence and its translation, the chosen layer's heads one by one, then every layer's grid.
     Only ``<img>`` tags of the PNGs beside it: it opens offline, from any folder it is copied to with them."""
-    from mtpipe.plots import html_page
+    from mtpipe.stages.plots import html_page
 
     esc = html.escape
     parts = [f"<p><b>source</b>: {esc(maps.text)}<br><b>translation</b>: {esc(maps.translation)}<br>"
@@ -354,11 +354,11 @@ def attention_command(checkpoint: Path, tokens: Path | None, text: str | None, o
                       force: bool = False) -> None:
     """``mtpipe attention``: check the inputs, translate ``text`` while recording its attention, draw it into ``out``
     (every check before any work; nothing is written on an error). ``tokens`` None: the checkpoint's own
-    SentencePiece model (:func:`mtpipe.loading.vocab_source`)."""
+    SentencePiece model (:func:`mtpipe.engine.loading.vocab_source`)."""
     import torch
 
     from mtpipe.console import info, table
-    from mtpipe.loading import load_model_and_vocab
+    from mtpipe.engine.loading import load_model_and_vocab
 
     if out is None:
         raise MtpipeError("--out: required (the directory for the pictures)")

@@ -25,7 +25,7 @@ largest input step, whose manifest lists the inputs in ``extra["averaged"]`` (pa
 manifest hashes under ``upstream``. It carries the SentencePiece model and the recorded decode settings of the newest
 input that has them (:func:`carried`), so that it decodes on its own as its inputs do.
 
-``average.prune`` (LayerDrop, Fan et al. 2019; :func:`mtpipe.pruning.prune_plan`) then removes layers from the average:
+``average.prune`` (LayerDrop, Fan et al. 2019; :func:`mtpipe.engine.pruning.prune_plan`) then removes layers from the average:
 the output's model config has the reduced layer counts (``layerdrop`` kept as a record), so ``mtpipe decode`` runs
 the smaller model without any flag; ``extra["pruned"]`` lists the kept layers (0-based, of the inputs' stacks).
 """
@@ -94,7 +94,7 @@ def checkpoint_metric(d: Path, m: artifacts.Manifest) -> tuple[str, float | None
     """``(train.stop_metric, its value)`` of a training checkpoint: the run's metric from the manifest's train params,
     and the validation at the checkpoint's step that training recorded (``extra["valid"]``), or None when the
     checkpoint was written without one (or before mtpipe recorded them)."""
-    from mtpipe.resume import STOP_METRICS
+    from mtpipe.training.resume import STOP_METRICS
 
     metric = ((m.params or {}).get("train") or {}).get("stop_metric", "valid_ppl")
     if metric not in STOP_METRICS:
@@ -107,7 +107,7 @@ def checkpoint_metric(d: Path, m: artifacts.Manifest) -> tuple[str, float | None
 
 def rank_best(measured: list[tuple[int, Path, float]], metric: str, n: int) -> list[tuple[int, Path]]:
     """The ``n`` best of ``(step, directory, value)`` by ``metric`` (ties: the newer first), sorted by step."""
-    from mtpipe.resume import STOP_METRICS
+    from mtpipe.training.resume import STOP_METRICS
 
     higher = STOP_METRICS[metric][1]
     ranked = sorted(measured, key=lambda sdv: ((-sdv[2] if higher else sdv[2]), -sdv[0]))
@@ -270,7 +270,7 @@ def average_checkpoints(cfg: AverageConfig, run_dir: Path, checkpoints: list[Pat
         warn("no input carries its SentencePiece model (checkpoints written by an older mtpipe): decode the average "
              "with --tokens")
     if plan is not None:
-        from mtpipe.pruning import prune_state_dict
+        from mtpipe.engine.pruning import prune_state_dict
 
         state = prune_state_dict(state, plan)
         extra["pruned"] = {"spec": cfg.prune, "encoder_kept": list(plan.encoder), "decoder_kept": list(plan.decoder)}
@@ -291,7 +291,7 @@ def _prune_plan(cfg: AverageConfig, first: Path) -> tuple[Any, dict[str, Any]]:
     config), before any weights are read; ``(None, {})`` without pruning."""
     if not cfg.prune.strip():
         return None, {}
-    from mtpipe.pruning import prune_plan, pruned_config
+    from mtpipe.engine.pruning import prune_plan, pruned_config
 
     m = artifacts.read_manifest(first, "checkpoint")
     try:

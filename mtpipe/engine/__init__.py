@@ -1,0 +1,1 @@
+"""What runs a model: platform, prepared variants, caches, step runners, search, engines, workers."""

@@ -1,0 +1,1 @@
+"""Training: the update, the loop, validation, loss, batches, resume, metrics, distributed launch."""
