@@ -1,0 +1,357 @@
+"""The documentation cannot rot: README.md and docs/ are checked against the code and the results files.
+
+- Generated text (docs/configuration.md, docs/cli.md, every rendered table) equals what ``tools/docs.py`` (``make
+  docs``) writes now, and the renderers turn a results file of each benchmark into a table.
+- README.md stays under 200 lines; every relative link (and its #anchor) resolves; no link leaves the repository.
+- Outside rendered blocks and docs/journal/, no page names a CPU by code name, a commit hash, a date or an issue.
+- Every ``sh`` block is valid shell, and every command in it is checked: ``mtpipe`` command lines are parsed by the
+  Typer app itself (an unknown command or option, or a bad value, fails), ``make`` targets, ``dvc`` stages and
+  ``-S`` keys, pip extras and repository paths must exist. Blocks that need nothing beyond a small project run for
+  real, in order, on a tiny corpus; a block with a ``# needs: ...`` comment (a GPU, the network, ...) or a hidden
+  ``<!-- docs-test: flags: tests/test_x.py -->`` line before it (another test runs it) is only parsed.
+- Every ``yaml`` block is a valid piece of params.yaml.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO
+
+spec = importlib.util.spec_from_file_location("mtpipe_docs", REPO / "tools" / "docs.py")
+docs = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(docs)
+
+PAGES = docs.pages(REPO)
+CHECKED = [*PAGES, REPO / "bench" / "README.md", REPO / "BENCHMARKS.md"]  # user-facing: the prose rules apply
+LINKED = [*CHECKED, *sorted((REPO / "docs" / "journal").glob("*.md"))]
+FENCE = re.compile(r"(?:<!-- docs-test: flags: (?P<covered>\S+) -->\n)?^```(?P<lang>\w*)\n(?P<body>.*?)^```$", re.S | re.M)
+CODE_NAMES = re.compile(r"\b(Zen ?\d?|EPYC|Xeon|Ryzen|Threadripper|Sapphire Rapids|Emerald Rapids|Granite Rapids|"
+                        r"Ice Lake|Cascade Lake|Cooper Lake|Skylake|Milan|Genoa|Turin|Bergamo|Hopper|Ampere)\b")
+COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b")
+DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+ISSUE = re.compile(r"(?<![\w&/#])#\d+\b|\b[Ii]ssue \d+")
+SHELL_OK = {"git", "cd", "cp", "mv", "sed", "echo", "curl", "cat", "head", "tail", "source", ".", "export", "set",
+            "sbatch", "scontrol", "mkdir", "ls", "printf", "true", "sort"}
+WRAPPERS = {"srun", "exec", "env", "nohup", "time"}
+REPO_DIRS = ("recipes/", "stages/", "bench/", "tools/", "docs/", "tests/", "mtpipe/")
+
+
+def blocks(lang: str = "sh") -> list[tuple[str, str, str | None]]:
+    """(page:line, body, covering test) of every fenced block of ``lang`` in the user-facing pages."""
+    found = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for m in FENCE.finditer(text):
+            if m["lang"] == lang:
+                found.append((f"{page.relative_to(REPO)}:{text[:m.start('body')].count(chr(10))}", m["body"],
+                              m["covered"]))
+    return found
+
+
+def without_rendered(text: str) -> str:
+    return docs.BLOCK.sub("", text)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Generated pages and rendered tables
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_generated_pages_and_tables_are_current() -> None:
+    stale = [str(p.relative_to(REPO)) for p, text in docs.expected(REPO).items()
+             if not p.exists() or p.read_text(encoding="utf-8") != text]
+    assert not stale, f"run `make docs`: these pages differ from what tools/docs.py writes: {stale}"
+
+
+def test_every_params_key_and_command_is_documented() -> None:
+    from mtpipe.config import SECTIONS
+
+    configuration = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
+    cli = (REPO / "docs" / "cli.md").read_text(encoding="utf-8")
+    for name, cls in SECTIONS.items():
+        assert f"## {name}\n" in configuration
+        for f in dataclasses.fields(cls):
+            assert f"| `{f.name}` |" in configuration, f"{name}.{f.name}"
+    for name in docs.cli_group().commands:
+        assert f"## mtpipe {name}\n" in cli
+
+
+def write_result(directory: Path, name: str, figures: dict, **machine) -> None:
+    doc = {"name": name, "command": f"python bench/{name}.py", "commit": "abc1234", "date": "2026-12-01T00:00:00+00:00",
+           "machine": {"cpu": {"model": "Some CPU", "cpus": 4}, "torch": "2.13.0", "native_bf16": False, "gpu": False,
+                       "environment": {}, **machine}, "figures": figures}
+    (directory / f"{name}-20261201T000000Z.json").write_text(json.dumps(doc), encoding="utf-8")
+
+
+def test_results_files_render_as_tables_and_no_file_as_not_measured(tmp_path: Path) -> None:
+    for name in docs.RENDERERS:
+        if name != "code-map":
+            assert "Not measured" in docs.RENDERERS[name](tmp_path), name
+    write_result(tmp_path, "quickstart", {"isa": "native", "runs": [
+        {"test_bleu": 39.5, "pipeline_min": 37.4, "updates": 9000}, {"test_bleu": 39.9, "pipeline_min": 37.3,
+                                                                      "updates": 9100}]}, native_bf16=True)
+    write_result(tmp_path, "serve", {"settings": {"clients": 8, "sentences": 500}, "ratio_median": 0.5,
+                                     "target": ">= 0.70x", "verdict": "MISSED"})
+    write_result(tmp_path, "anchors", {"smoke": False, "summary": [
+        {"group": "train small", "system": "mtpipe fp32", "unit": "src+tgt tok/s", "median": 5000.0,
+         "median_ratios": {"fairseq": 1.25}}]})
+    table = docs.render_quickstart(tmp_path)
+    assert "| AVX-512 bf16 CPU | 39.50 / 39.90 | 37.4 / 37.3 | 9,000 / 9,100 |" in table
+    assert "| AVX2 CPU | not measured |" in table and "4-core AVX-512 bf16 CPU" in table
+    assert "Some CPU" not in table and "abc1234" not in table  # machines by capability; no commit
+    assert "| 8 | 500 | 0.50x | >= 0.70x | MISSED |" in docs.render_serve(tmp_path)
+    assert "1.25x fairseq" in docs._anchors("train")(tmp_path)
+    assert "Not measured" in docs._anchors("decode")(tmp_path)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Prose rules
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_readme_is_a_short_guide() -> None:
+    lines = (REPO / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines < 200, f"README.md has {lines} lines: move detail into docs/"
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", LINKED, ids=lambda p: str(p.relative_to(REPO)))
+def test_links_resolve_inside_the_repository(page: Path) -> None:
+    text = page.read_text(encoding="utf-8")
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        assert not re.match(r"[a-z]+:", target) and not target.startswith("/"), f"{page.name}: {target} leaves the repo"
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        assert resolved.exists(), f"{page.relative_to(REPO)}: link to a missing file: {target}"
+        assert resolved.is_relative_to(REPO), f"{page.relative_to(REPO)}: {target} leaves the repository"
+        if anchor and resolved.suffix == ".md":
+            headings = re.findall(r"^#+ (.*)$", resolved.read_text(encoding="utf-8"), re.M)
+            assert anchor in {slug(h) for h in headings}, f"{page.relative_to(REPO)}: no heading for {target}"
+
+
+@pytest.mark.parametrize("page", CHECKED, ids=lambda p: str(p.relative_to(REPO)))
+def test_no_code_names_commits_dates_or_issue_numbers(page: Path) -> None:
+    text = without_rendered(page.read_text(encoding="utf-8"))
+    for rule, pattern in (("a CPU code name", CODE_NAMES), ("a commit hash", COMMIT), ("a date", DATE),
+                          ("an issue number", ISSUE)):
+        hits = pattern.findall(text)
+        assert not hits, f"{page.relative_to(REPO)} names {rule}: {hits[:5]} (dated notes go to docs/journal/)"
+
+
+@pytest.mark.parametrize("where,body", [(w, b) for w, b, _ in blocks("yaml")])
+def test_yaml_blocks_are_valid_params(where: str, body: str) -> None:
+    from mtpipe.config import SECTIONS
+
+    for name, values in yaml.safe_load(body).items():
+        assert name in SECTIONS, f"{where}: no params section '{name}'"
+        SECTIONS[name](**values)  # unknown keys and broken rules raise
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Shell blocks: parsed
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def logical_lines(body: str) -> list[str]:
+    return [line for line in body.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def simple_commands(line: str) -> list[list[str]]:
+    """The simple commands of one shell line: split at pipes, lists and subshells, comments and redirections
+    dropped."""
+    lex = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lex.whitespace_split, lex.commenters = True, "#"
+    commands, current, tokens = [], [], list(lex)
+    skip = False
+    for tok in tokens:
+        if skip:
+            skip = False
+        elif tok in ("|", "||", "&&", ";", "&", "(", ")"):
+            commands.append(current)
+            current = []
+        elif tok in (">", ">>", "<", "2>"):
+            skip = True
+        else:
+            current.append(tok)
+    return [c for c in [*commands, current] if c]
+
+
+def check_mtpipe(args: list[str]) -> None:
+    group = docs.cli_group()
+    assert args and args[0] in group.commands, f"mtpipe: no command {args[:1]}"
+    if {"--help", "-h"} & set(args):
+        return
+    ctx = group.make_context("mtpipe", [], resilient_parsing=True)
+    group.commands[args[0]].make_context(args[0], list(args[1:]), parent=ctx)  # raises on a bad option or value
+
+
+def check_python(args: list[str]) -> None:
+    if args[:1] == ["stages/train.py"]:
+        return check_mtpipe(["train", *args[1:]])
+    if args[:1] == ["-m"]:
+        module = args[1]
+        assert module in ("pytest", "mtpipe") or (REPO / (module.replace(".", "/") + ".py")).exists() or (
+            REPO / module.replace(".", "/") / "__main__.py").exists(), f"python -m {module}: no such module"
+    elif args and args[0] != "-c":
+        assert (REPO / args[0]).exists(), f"python {args[0]}: no such file"
+
+
+def check_dvc(args: list[str]) -> None:
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text(encoding="utf-8"))["stages"]
+    sub = {"exp": {"run", "show", "apply", "diff", "list", "remove"}, "metrics": {"show", "diff"},
+           "plots": {"show", "diff"}}
+    assert args[0] in {"repro", "commit", "status", "dag", "init", "pull", "push", "params", *sub}, f"dvc {args[0]}"
+    if args[0] in sub:
+        assert args[1] in sub[args[0]], f"dvc {args[0]} {args[1]}"
+    if args[0] in ("repro", "commit"):
+        for word in (a for a in args[1:] if not a.startswith("-")):
+            assert word in stages, f"dvc {args[0]}: no stage {word}"
+    from mtpipe.config import SECTIONS
+
+    for setting in (b for a, b in zip(args, args[1:]) if a == "-S"):
+        section, key = setting.split("=")[0].split(".")
+        assert key in {f.name for f in dataclasses.fields(SECTIONS[section])}, f"dvc -S {setting}: no such key"
+
+
+def check_command(words: list[str]) -> None:
+    while words and re.fullmatch(r"[A-Za-z_]\w*=.*", words[0]):
+        words = words[1:]  # VAR=value before a command
+    if not words:
+        return
+    name, args = Path(words[0]).name if words[0].startswith(".venv/bin/") else words[0], words[1:]
+    for word in args:
+        if word.startswith(REPO_DIRS):
+            assert (REPO / word.split(":")[0]).exists(), f"{name}: no such path {word}"
+    if name in WRAPPERS:
+        while args and args[0].startswith("-"):
+            args = args[1:]  # the wrapper's own options
+        return check_command(args)
+    if name == "bash" and args[:1] == ["-c"]:
+        for line in logical_lines(args[1]):
+            for command in simple_commands(line):
+                check_command(command)
+        return
+    if name == "mtpipe":
+        return check_mtpipe(args)
+    if name in ("python", "python3"):
+        return check_python(args)
+    if name == "dvc":
+        return check_dvc(args)
+    if name == "make":
+        targets = set(re.findall(r"^([\w.-]+):", (REPO / "Makefile").read_text(encoding="utf-8"), re.M))
+        for word in (a for a in args if "=" not in a):
+            assert word in targets, f"make: no target {word}"
+        return
+    if name == "pip":
+        import tomllib
+
+        extras = set(tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"][
+            "optional-dependencies"])
+        for word in args:
+            if m := re.fullmatch(r"(?:\.|mtpipe)\[([\w,-]+)\]", word):
+                assert set(m[1].split(",")) <= extras, f"pip: no extra in {word} (extras: {sorted(extras)})"
+        return
+    if name == "pytest":
+        return
+    assert name in SHELL_OK, f"unknown command {name!r}: a typo, or add it to SHELL_OK"
+
+
+SH_BLOCKS = blocks("sh")
+
+
+@pytest.mark.parametrize("where,body,covered", SH_BLOCKS, ids=[w for w, _, _ in SH_BLOCKS])
+def test_shell_blocks_parse_and_name_real_commands_and_options(where: str, body: str, covered: str | None) -> None:
+    syntax = subprocess.run(["bash", "-n"], input=body, text=True, capture_output=True)
+    assert syntax.returncode == 0, f"{where}: {syntax.stderr}"
+    if covered:
+        assert (REPO / covered).is_file(), f"{where}: the covering test {covered} does not exist"
+    for line in logical_lines(body):
+        for command in simple_commands(line):
+            try:
+                check_command(command)
+            except AssertionError:
+                raise
+            except Exception as e:  # the CLI's own parse errors
+                raise AssertionError(f"{where}: {' '.join(command)}: {getattr(e, 'format_message', e.__str__)()}")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Shell blocks: run
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def runnable() -> list[tuple[str, str]]:
+    """The blocks that run for real, each once (README.md and docs/ share some)."""
+    seen, out = set(), []
+    for where, body, covered in SH_BLOCKS:
+        key = "\n".join(" ".join(shlex.split(line, comments=True)) for line in logical_lines(body))
+        if covered is None and "# needs:" not in body and key not in seen:
+            seen.add(key)
+            out.append((where, body))
+    return out
+
+
+BUILD = textwrap.dedent("""
+    import sys
+    from typer.testing import CliRunner
+    from mtpipe.cli import app
+    for args in (["fetch", "--out", "artifacts/fetch"], ["bpe", "--corpus", "artifacts/fetch", "--out", "artifacts/bpe"],
+                 ["bucket", "--tokens", "artifacts/bpe", "--out", "artifacts/bucket"],
+                 ["train", "--tokens", "artifacts/bpe", "--batches", "artifacts/bucket", "--out", "artifacts/train"],
+                 ["average", "--out", "artifacts/average"], ["decode", "--out", "artifacts/decode"]):
+        r = CliRunner().invoke(app, args)
+        if r.exit_code:
+            sys.exit(f"mtpipe {args[0]} exited {r.exit_code}: {r.output[-2000:]}")
+""")
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """A project as the quickstart leaves it (artifacts/fetch ... artifacts/decode), on a tiny made-up corpus with
+    the committed params.yaml shrunk as tests/test_pipeline.py shrinks it; built in one process of its own."""
+    from conftest import synthetic_pairs, write_corpus
+    from test_pipeline import environment, tiny_params
+
+    root = tmp_path_factory.mktemp("docs_project")
+    params = tiny_params(write_corpus(root / "corpus", {"train": 300, "val": 20, "test_2016_flickr": 20}))
+    params["bpe"]["vocab_size"] = 200
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
+    for name in ("my.en", "test.en"):
+        (root / name).write_text("".join(src + "\n" for src, _ in synthetic_pairs(3, 7)), encoding="utf-8")
+    env = environment()
+    build = subprocess.run([sys.executable, "-c", BUILD], cwd=root, env=env, capture_output=True, text=True)
+    assert build.returncode == 0, build.stdout + build.stderr
+    return root, env
+
+
+@pytest.mark.parametrize("where,body", runnable(), ids=[w for w, _ in runnable()])
+def test_shell_blocks_run(where: str, body: str, project: tuple[Path, dict[str, str]]) -> None:
+    root, env = project
+    run = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", body], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, f"{where} exited {run.returncode}:\n{body}\n{run.stderr[-3000:]}"
+    assert "Traceback" not in run.stderr, f"{where}:\n{run.stderr[-3000:]}"
+
+
+def test_the_checks_catch_a_wrong_option_and_an_unknown_command() -> None:
+    with pytest.raises(Exception, match="--no-such-flag"):
+        check_mtpipe(["decode", "--no-such-flag"])
+    with pytest.raises(AssertionError, match="unknown command"):
+        check_command(["mtpip", "decode"])
+    with pytest.raises(AssertionError, match="no target"):
+        check_command(["make", "pipelin"])
