@@ -32,4 +32,10 @@ exps: install
 test: install
 	MTPIPE_NO_SKIPS=1 $(VENV)/bin/python -m pytest -q -rs -n 2 --dist loadfile tests
 
-.PHONY: install pipeline test baseline exps
+# The generated documentation: docs/environment.md, docs/configuration.md, docs/cli.md, and the tables rendered from
+# bench/results/*.json into README.md and docs/ (tools/docs.py; tests/test_docs.py checks they are current).
+docs: install
+	$(VENV)/bin/python -m mtpipe.env --markdown > docs/environment.md
+	$(VENV)/bin/python tools/docs.py
+
+.PHONY: install pipeline test baseline exps docs

@@ -3,7 +3,7 @@
 
 Beam 4, alpha 0.6, max length source + 50, the first ``--sentences`` of Multi30k test_2016_flickr, 2 threads. Rows,
 each at every ``--precisions`` and ``--batches``, interleaved call by call in rotating order, ``--rounds`` rounds:
-``mtpipe`` (:class:`mtpipe.stages.decode.MtpipeEngine` as ``mtpipe decode`` holds it: encoder once, cached keys/values,
+``mtpipe`` (:class:`mtpipe.engine.translate.MtpipeEngine` as ``mtpipe decode`` holds it: encoder once, cached keys/values,
 finished sentences leave the batch); ``naive`` (unless ``--no-naive``: the decoder re-run over the whole prefix every
 step; target: mtpipe >= 4x naive at fp32); a row per ``--plain`` trick switched off (:data:`PLAIN`: each trick's
 worth); ``--compiled`` (``decode.compile``, built in the warm-up; the twice, package and gather tricks are its own).
@@ -28,7 +28,6 @@ import contextlib
 import copy
 import dataclasses
 import gzip
-import os
 import statistics
 import sys
 import time
@@ -45,53 +44,76 @@ machine.isa_from_argv()  # before torch loads
 import torch  # noqa: E402
 
 from mtpipe import artifacts  # noqa: E402
-from mtpipe.stages import decode as mdecode  # noqa: E402
+from mtpipe import env as mtenv  # noqa: E402
+from mtpipe.engine import translate as mdecode  # noqa: E402
 from mtpipe.config import DecodeConfig, ModelConfig  # noqa: E402
 from mtpipe.console import console, progress, table  # noqa: E402
 from mtpipe.model.transformer import build_model  # noqa: E402
 from mtpipe.engine.search import DecodeRules  # noqa: E402
 
-DATA = Path(os.environ.get("MTPIPE_MULTI30K", REPO / "data" / "multi30k"))  # {split}.{en,de}.gz
+DATA = Path(mtenv.get("MTPIPE_MULTI30K") or REPO / "data" / "multi30k")  # {split}.{en,de}.gz
 
 # Tricks --plain switches off, one row each: (whose trick: the eager step's or the compiled one's, what replaces it)
 PLAIN = {
     "ranking": ("eager", "one top-k over every extension instead of mtpipe.engine.search.top_candidates' chunks"),
-    "projection": ("eager", "F.linear on the [V, D] matrix instead of Transformer.decoding_logits' kept copy"),
-    "packing": ("eager", "decoding_logits' [D, V] copy and addmm instead of oneDNN's packed copy"),
+    "projection": ("eager", "the model's own logits (F.linear on the [V, D] matrix) instead of the float32 CPU "
+                   "variant's kept copy (mtpipe.engine.packed.PackedProjection)"),
+    "packing": ("eager", "PackedProjection's [D, V] copy and addmm instead of oneDNN's packed copy"),
     "layer-packing": ("eager", "the linear layers on their weights as they are instead of kept packed copies"),
-    "onednn": ("eager", "torch's own float32 products (MKL on x86) instead of oneDNN's (mtpipe.model.kernels.mm)"),
+    "onednn": ("eager", "torch's own float32 products (MKL on x86) instead of oneDNN's (mtpipe.model.ops.mm)"),
     "cuda-graphs": ("engine", "the eager step on a GPU instead of decode.cuda_graphs' replayed graphs"),
     "twice": ("compiled", "a lone sentence in its own graph (serve's, stdin's) instead of as two (mtpipe decode's)"),
-    "package": ("compiled", "torch.compile's step (MTPIPE_STEP_PACKAGE=0) instead of the one packaged on disk"),
+    "package": ("compiled", "torch.compile's step built in the process (decode.compile=jit) instead of the one "
+                "packaged on disk (the compiled row's aot)"),
     "gather": ("compiled", "the cache gathered before the graph at every width, not in it (_GATHER_IN_GRAPH_BYTES)"),
 }
 
 
-@contextlib.contextmanager
-def switched_off(trick: str | None, engine: Any):
-    """One of :data:`PLAIN`'s tricks switched off around a call of ``engine`` (the warm-up's too, which prepares its
-    model: the compiled step is built then, with or without its package)."""
-    import mtpipe.model.kernels as kernels
-    import mtpipe.model.transformer as mmodel
-    import mtpipe.engine.search as search
+def switched_off(trick: str | None) -> contextlib.AbstractContextManager:
+    """One of :data:`PLAIN`'s tricks switched off (nothing for the tricks an engine's settings switch off: cuda-graphs,
+    twice, package), around the opening of the row's engine, which prepares its variant (the packed copies are made
+    then), and around each of its calls (the warm-up's too: the compiled step is built then)."""
+    from mtpipe.engine import packed, runners, search
+    from mtpipe.model import ops
 
-    switches = {"ranking": (search, "_CHUNK", 1 << 40), "packing": (kernels, "PACK_DECODING_PROJECTION", False),
-                "layer-packing": (kernels, "PACK_DECODING_LINEARS", False), "onednn": (kernels, "ONEDNN_FP32", False),
-                "gather": (mmodel, "_GATHER_IN_GRAPH_BYTES", 1 << 40)}
-    package = os.environ.get("MTPIPE_STEP_PACKAGE")
-    if trick == "package":
-        os.environ["MTPIPE_STEP_PACKAGE"] = "0"
-    model = engine.prepared()
-    if trick == "projection":
-        object.__setattr__(model, "decoding_logits", model.logits)  # shadows the method on this model only
-    try:
-        with machine.patched(*([switches[trick]] if trick in switches else [])):
-            yield
-    finally:
-        model.__dict__.pop("decoding_logits", None)
-        os.environ.pop("MTPIPE_STEP_PACKAGE", None)
-        if package is not None:
-            os.environ["MTPIPE_STEP_PACKAGE"] = package
+    switches = {"ranking": (search, "_CHUNK", 1 << 40),
+                "projection": (packed, "packable", lambda model: False),  # the variant keeps the model's logits
+                "packing": (packed, "PACK_DECODING_PROJECTION", False),
+                "layer-packing": (packed, "PACK_DECODING_LINEARS", False), "onednn": (ops, "ONEDNN_FP32", False),
+                "gather": (runners, "_GATHER_IN_GRAPH_BYTES", 1 << 40)}
+    return machine.patched(*([switches[trick]] if trick in switches else []))
+
+
+def naive(model: Any, batch: list[list[int]], rules: Any, max_tokens: int, precision: str,
+          device: torch.device) -> list[list[Any]]:
+    """The naive row: the same batches and search, the whole prefix re-decoded by the float32 model at every step
+    (cross-attention keys/values included; under bf16 autocast for bf16)."""
+    import torch.nn.functional as F
+
+    from mtpipe.engine.variants import decoding_context
+
+    @dataclasses.dataclass
+    class Prefix:
+        memory: Any
+        src_mask: Any
+        prefix: Any
+
+        def select(self, index: Any, beams: int | None = None) -> "Prefix":
+            return Prefix(self.memory.index_select(0, index), self.src_mask.index_select(0, index),
+                          self.prefix.index_select(0, index))
+
+    def step(tokens: Any, state: Prefix) -> tuple[Any, Prefix]:
+        prefix = torch.cat([state.prefix, tokens[:, None]], dim=1)  # [N, t] -> [N, t+1]
+        x = model.decode(prefix, state.memory, state.src_mask)  # [N, t+1, D]
+        return F.log_softmax(model.logits(x[:, -1]).float(), dim=-1), Prefix(state.memory, state.src_mask, prefix)
+
+    def start(memory: Any, src_mask: Any) -> Prefix:
+        return Prefix(memory, src_mask, torch.zeros(memory.size(0), 0, dtype=torch.long, device=device))
+
+    model.eval()
+    with torch.inference_mode(), decoding_context(device, precision):
+        return mdecode.search_batches(model, batch, rules, max_tokens=max_tokens, device=device, step=step,
+                                      start=start)
 
 
 def read_text(path: Path, n: int) -> list[str]:
@@ -171,22 +193,25 @@ def main() -> None:
                        device=args.device)
     rules = DecodeRules.from_config(cfg)
 
-    # Rows: name -> (engine kind, trick). Engines per (kind, precision), each as mtpipe holds one: the eager one on
-    # the model itself (shared by the eager tricks' rows: their switches act per call), the others on copies.
+    # Rows: name -> (engine kind, trick). Engines per (kind, precision), each as mtpipe holds one, a prepared
+    # snapshot: the eager one on the model itself, the others on copies; each trick's row has an engine of its own,
+    # opened with the trick switched off (some switches act when the variant is prepared, others per call).
     rows: dict[str, tuple[str | None, str | None]] = {} if args.no_naive else {"naive": (None, None)}
     rows["mtpipe"] = ("eager", None)
-    rows.update({f"mtpipe, plain {t}": ("eager" if PLAIN[t][0] == "eager" else t, t) for t in tricks
-                 if PLAIN[t][0] != "compiled"})
+    rows.update({f"mtpipe, plain {t}": (t, t) for t in tricks if PLAIN[t][0] != "compiled"})
     if args.compiled:
         rows["compiled"] = ("compiled", None)
         rows.update({f"compiled, plain {t}": (f"compiled {t}", t) for t in tricks if PLAIN[t][0] == "compiled"})
     engines = {}
-    for kind in {k for k, _ in rows.values() if k}:
+    for kind, trick in {(k, t) for k, t in rows.values() if k}:
+        # decode.compile: aot (the step packaged on disk, float32 on CPU; elsewhere jit), jit for plain package
+        mode = "off" if not kind.startswith("compiled") else "jit" if trick == "package" else "aot"
         for p in precisions:
-            c = dataclasses.replace(cfg, precision=p, compile=kind.startswith("compiled"),
+            c = dataclasses.replace(cfg, precision=p, compile=mode,
                                     cuda_graphs=kind != "cuda-graphs")
-            engines[kind, p] = mdecode.MtpipeEngine.open(model if kind == "eager" else copy.deepcopy(model), c,
-                                                         lone_graph=kind == "compiled twice")
+            with switched_off(trick):
+                engines[kind, p] = mdecode.MtpipeEngine.open(model if kind == "eager" else copy.deepcopy(model), c,
+                                                             lone_graph=kind == "compiled twice")
     keys = [(name, p) for p in precisions for name in rows if not (name == "naive" and p == "int8")]
     steps = [0]
     search = mdecode.beam_search
@@ -203,12 +228,11 @@ def main() -> None:
     def decode(key: tuple[str, str], batch: list[list[int]], max_tokens: int) -> list[list[int]]:
         (kind, trick), p = rows[key[0]], key[1]
         if kind is None:
-            hyps = mdecode.translate_batches(model, batch, rules, max_tokens=max_tokens, precision=p,
-                                             device=args.device, cache=False)
+            hyps = naive(model, batch, rules, max_tokens, p, torch.device(args.device))
         else:
             engine = engines[kind, p]
             engine.max_tokens = max_tokens
-            with switched_off(trick, engine):
+            with switched_off(trick):
                 hyps = engine.translate(batch, rules)
         if args.device == "cuda":
             torch.cuda.synchronize()
@@ -288,21 +312,23 @@ def profile(key: tuple[str, str], decode: Any, sources: list[list[int]], max_tok
     generated kernels are no torch operations: one labelled row shows their time."""
     from torch.profiler import ProfilerActivity, profile as torch_profile, record_function
 
-    from mtpipe.model.transformer import Transformer
+    from mtpipe.engine.runners import CompiledStep
 
-    step = Transformer.step
+    step = CompiledStep.__call__
 
     def labelled(*a: Any, **k: Any) -> Any:
         with record_function("decoder step (compiled: generated kernels in self time)"):
             return step(*a, **k)
 
-    Transformer.step = labelled if key[0].startswith("compiled") else step
+    CompiledStep.__call__ = labelled if key[0].startswith("compiled") else step
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     start = time.perf_counter()
-    with torch_profile(activities=acts) as prof:
-        decode(key, sources, max_tokens)
+    try:
+        with torch_profile(activities=acts) as prof:
+            decode(key, sources, max_tokens)
+    finally:
+        CompiledStep.__call__ = step
     wall = time.perf_counter() - start
-    Transformer.step = step
     events = prof.key_averages()
     print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50))
     ops = sum(e.self_cpu_time_total for e in events) / 1e6

@@ -17,8 +17,8 @@ goes into starting 8 processes). CI-runnable: exit status 1 when any scenario fa
 * ``dead-rendezvous-2x2``: the same with the node frozen whose torchrun hosts the rendezvous (often rank 0's as
   well): node 1's launcher does not wait for its own torchrun agent, which blocks on that store for good.
 
-The scenarios are the functions of ``tests/test_faults.py``, whose cheap sizes (2 nodes x 1 process, 2 -> 1) run in
-the suite.
+The scenarios are the functions of :mod:`testkit.faults`, whose cheap sizes (2 nodes x 1 process, 2 -> 1) run in
+the suite (``tests/test_faults.py``).
 
     python bench/faults.py                              # every scenario (~5 min on 2 cores)
     python bench/faults.py --only dead-node-2x2,kill-2x2 --timeout 10
@@ -36,12 +36,52 @@ from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 from bench import machine  # noqa: E402
-import test_faults as tf  # noqa: E402
+from testkit import faults as tf  # noqa: E402
+from testkit.runs import make_artifacts  # noqa: E402
 
 NAMES = ("kill-ws8", "resume-8-to-4", "kill-2x2", "dead-node-2x2", "dead-head-2x2", "dead-rendezvous-2x2")
+
+
+def scenarios(data: tuple[Path, Path], root: Path, args: argparse.Namespace,
+              outcomes: dict[str, Any]) -> dict[str, Callable[[Path], dict[str, Any]]]:
+    """Each scenario as a function of its work directory, checked; the reference runs they compare with are made
+    once, on first use, and timed in ``outcomes``."""
+    refs: dict[int, Path] = {}
+
+    def ref(world: int) -> Path:
+        if world not in refs:
+            where = root / f"ref{world}"
+            where.mkdir(exist_ok=True)
+            t0 = time.monotonic()
+            refs[world] = tf.reference_run(data, where, world)
+            outcomes[f"reference-ws{world}"] = {"ok": True, "seconds": round(time.monotonic() - t0, 1)}
+        return refs[world]
+
+    def dead(here: Path, victim: str, host_store: bool) -> dict[str, Any]:
+        r = tf.dead_node(data, here, 2, 2, args.timeout, victim, host_store=host_store)
+        tf.check_dead_node(r, args.timeout, args.margin)
+        return r
+
+    def elsewhere(here: Path) -> dict[str, Any]:
+        r = tf.resume_elsewhere(data, here, ref(8), 8, 4)
+        tf.check_resume_elsewhere(r, 8, 4)
+        return r
+
+    def killed(here: Path, nnodes: int, nproc: int) -> dict[str, Any]:
+        r = tf.kill_and_resume(data, here, ref(nnodes * nproc), nnodes, nproc)
+        tf.check_kill(r)
+        return r
+
+    return {
+        "kill-ws8": lambda here: killed(here, 1, 8),
+        "resume-8-to-4": elsewhere,
+        "kill-2x2": lambda here: killed(here, 2, 2),
+        "dead-node-2x2": lambda here: dead(here, "tail", host_store=True),
+        "dead-head-2x2": lambda here: dead(here, "head", host_store=True),
+        "dead-rendezvous-2x2": lambda here: dead(here, "rendezvous", host_store=False),
+    }
 
 
 def main() -> int:
@@ -57,51 +97,17 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown scenario(s): {', '.join(unknown)}")
 
+    outcomes: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="mtpipe-faults-") as tmp:
         root = args.keep or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
-        data = tf.make_artifacts(root / "data")
-        refs: dict[int, Path] = {}
-
-        def ref(world: int) -> Path:
-            if world not in refs:
-                where = root / f"ref{world}"
-                where.mkdir(exist_ok=True)
-                t0 = time.monotonic()
-                refs[world] = tf.reference_run(data, where, world)
-                outcomes[f"reference-ws{world}"] = {"ok": True, "seconds": round(time.monotonic() - t0, 1)}
-            return refs[world]
-
-        def dead(victim: str, host_store: bool) -> dict[str, Any]:
-            r = tf.dead_node(data, here, 2, 2, args.timeout, victim, host_store=host_store)
-            tf.check_dead_node(r, args.timeout, args.margin)
-            return r
-
-        def elsewhere() -> dict[str, Any]:
-            r = tf.resume_elsewhere(data, here, ref(8), 8, 4)
-            tf.check_resume_elsewhere(r, 8, 4)
-            return r
-
-        def killed(nnodes: int, nproc: int) -> dict[str, Any]:
-            r = tf.kill_and_resume(data, here, ref(nnodes * nproc), nnodes, nproc)
-            tf.check_kill(r)
-            return r
-
-        scenarios: dict[str, Callable[[], dict[str, Any]]] = {
-            "kill-ws8": lambda: killed(1, 8),
-            "resume-8-to-4": elsewhere,
-            "kill-2x2": lambda: killed(2, 2),
-            "dead-node-2x2": lambda: dead("tail", host_store=True),
-            "dead-head-2x2": lambda: dead("head", host_store=True),
-            "dead-rendezvous-2x2": lambda: dead("rendezvous", host_store=False),
-        }
-        outcomes: dict[str, Any] = {}
+        runs = scenarios(make_artifacts(root / "data"), root, args, outcomes)
         for name in chosen:
             here = root / name
             here.mkdir(exist_ok=True)
             t0 = time.monotonic()
             try:
-                result, ok, error = scenarios[name](), True, None
+                result, ok, error = runs[name](here), True, None
             except Exception as e:  # noqa: BLE001 -- a failed check is this scenario's outcome
                 result, ok, error = None, False, "".join(traceback.format_exception_only(e)).strip()
                 traceback.print_exc()

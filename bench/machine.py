@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from mtpipe import env as mtenv
+
 REPO = Path(__file__).resolve().parents[1]
 # What an AVX2-only CPU offers, on a CPU with more: torch's dispatch level, oneDNN's, and fbgemm's (mtpipe's int8
 # products; it heeds neither of the first two). Read when torch loads: see isa_from_argv.
@@ -35,7 +37,7 @@ def isa_from_argv() -> None:
     """``--isa avx2`` on the command line: this process run again with :data:`AVX2_ONLY` in its environment (unless
     it already has them). Call it before importing torch, which reads them as it loads."""
     avx2 = "--isa=avx2" in sys.argv or ("--isa", "avx2") in zip(sys.argv, sys.argv[1:])
-    if avx2 and any(os.environ.get(k) != v for k, v in AVX2_ONLY.items()):
+    if avx2 and any(mtenv.get(k) != v for k, v in AVX2_ONLY.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ONLY})
 
 
@@ -64,8 +66,8 @@ def rates(native_bf16: bool) -> dict[str, float]:
 
     import torch
 
-    from mtpipe.stages.decode import _int8_linear
-    from mtpipe.model.kernels import mm
+    from mtpipe.engine.variants import _int8_linear
+    from mtpipe.model.ops import mm
 
     def best(run: Callable[[], Any], ops: float, reps: int = 5) -> float:
         run()  # allocation and kernel choice
@@ -85,7 +87,7 @@ def probe(speed: bool = False) -> dict[str, Any]:
     """What this process runs on: CPU, torch's dispatched capability and threads, native bf16 (what ``precision:
     auto`` sees), the ISA variables set (a restriction), versions, GPU; ``speed``: :func:`rates` too."""
     out: dict[str, Any] = {"cpu": cpu_info(), "python": sys.version.split()[0],
-                           "environment": {k: os.environ[k] for k in ISA_VARIABLES if k in os.environ}}
+                           "environment": {k: mtenv.get(k) for k in ISA_VARIABLES if mtenv.get(k) is not None}}
     import torch
 
     if str(REPO) not in sys.path:

@@ -30,8 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import machine  # noqa: E402
+from mtpipe import env as mtenv  # noqa: E402
 
-DATA = Path(os.environ.get("MTPIPE_MULTI30K", REPO / "data" / "multi30k"))  # {train,val,test_2016_flickr}.{en,de}.gz
+DATA = Path(mtenv.get("MTPIPE_MULTI30K") or REPO / "data" / "multi30k")  # {train,val,test_2016_flickr}.{en,de}.gz
 
 
 def set_params(params: Path, source: Path, seed: int) -> None:

@@ -245,7 +245,7 @@ class Ceiling:
 
         from mtpipe.config import DecodeConfig
         from mtpipe.engine.search import DecodeRules
-        from mtpipe.serve.app import ServedModel
+        from mtpipe.engine.opening import OpenModel
         from mtpipe.engine.workers import WorkerProcess, worker_threads
 
         info = httpx.get(url + "/info", timeout=30).json()  # the settings the server really runs with
@@ -256,7 +256,7 @@ class Ceiling:
         self.procs = [WorkerProcess(i, cfg, args.checkpoint, args.tokens, serve["batching"])
                       for i in range(self.workers)]
         description = [w.ready() for w in self.procs][0]
-        self.model = ServedModel.described(description)
+        self.model = OpenModel.described(description)
         self.in_flight = max(1, -(-args.clients // self.workers))
 
     def run(self, sentences: list[str]) -> float:

@@ -229,6 +229,23 @@ def node(a: argparse.Namespace, batches: Path, env: dict[str, str]) -> dict[str,
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def make_artifacts(a: argparse.Namespace, tokens: Path, batches: Path, old: Path) -> dict[str, Any]:
+    """The tokens artifact of ``--pairs`` synthetic pairs, and the bucket stage run on it (timed, with its peak
+    memory); returns those figures."""
+    for d in (tokens, batches, old):
+        shutil.rmtree(d, ignore_errors=True)
+    t = time.perf_counter()
+    make_tokens(tokens, a.pairs)
+    figures: dict[str, Any] = {"make_tokens_s": round(time.perf_counter() - t, 1)}
+    code = ("import sys; from pathlib import Path; from mtpipe.stages.bucket import bucket_tokens; "
+            "from mtpipe.config import BucketConfig; bucket_tokens(BucketConfig(), Path(sys.argv[1]), "
+            "Path(sys.argv[2]))")
+    wall, peak, _ = timed_child([sys.executable, "-c", code, str(tokens), str(batches)],
+                                {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "100"})
+    figures["bucket_stage"] = {"seconds": round(wall, 1), "peak_rss_mb": round(peak / 2**20, 1)}
+    return figures
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--pairs", type=int, default=200_000, help="train pairs of the synthetic corpus (default 200000)")
@@ -253,17 +270,7 @@ def main() -> None:
     figures: dict[str, Any] = {"pairs": a.pairs, "workers": a.workers}
     have = a.keep and batches.exists() and read_manifest(tokens).rows.get("train.parquet") == a.pairs
     if not have:
-        for d in (tokens, batches, old):
-            shutil.rmtree(d, ignore_errors=True)
-        t = time.perf_counter()
-        make_tokens(tokens, a.pairs)
-        figures["make_tokens_s"] = round(time.perf_counter() - t, 1)
-        code = ("import sys; from pathlib import Path; from mtpipe.stages.bucket import bucket_tokens; "
-                "from mtpipe.config import BucketConfig; bucket_tokens(BucketConfig(), Path(sys.argv[1]), "
-                "Path(sys.argv[2]))")
-        wall, peak, _ = timed_child([sys.executable, "-c", code, str(tokens), str(batches)],
-                                    {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "100"})
-        figures["bucket_stage"] = {"seconds": round(wall, 1), "peak_rss_mb": round(peak / 2**20, 1)}
+        figures.update(make_artifacts(a, tokens, batches, old))
     old_copy(batches, old)
     m = read_manifest(batches)
     sizes = {"tokens_train_parquet_mb": (tokens / "train.parquet").stat().st_size,

@@ -2,7 +2,7 @@
 """Training throughput: mtpipe's update against a plain ``torch.nn.Transformer`` loop, on the same batches.
 
 The paper's base dims, the ``small`` preset (the anchors') and the quickstart's model (``--configs``), 2 threads:
-mtpipe (``mtpipe.training.train.make_train_step``, exactly ``mtpipe train``'s update) in fp32 and bf16, and with one CPU trick
+mtpipe (``bench.train_step.make_train_step``, exactly ``mtpipe train``'s update) in fp32 and bf16, and with one CPU trick
 switched off per ``--plain`` row (:data:`PLAIN`), against the reference (nn.Transformer, F.cross_entropy with label
 smoothing, torch.optim.Adam) in fp32. Real Multi30k batches (a joint 8k BPE trained here, ``mtpipe.stages.bucket.pack`` at
 4,096 tokens). After warm-up steps and an untimed pass over the timed batches (warm allocator and kernel caches),
@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import gzip
 import math
-import os
 import random
 import statistics
 import sys
@@ -42,10 +41,11 @@ import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
+from mtpipe import env as mtenv  # noqa: E402
 from mtpipe.config import ModelConfig  # noqa: E402
 from mtpipe.console import console, table  # noqa: E402
 
-DATA = Path(os.environ.get("MTPIPE_MULTI30K", REPO / "data" / "multi30k"))  # {split}.{en,de}.gz
+DATA = Path(mtenv.get("MTPIPE_MULTI30K") or REPO / "data" / "multi30k")  # {split}.{en,de}.gz
 DIMS = {
     "base": dict(layers=6, d_model=512, heads=8, d_ff=2048),
     "small": dict(layers=3, d_model=256, heads=4, d_ff=1024),
@@ -54,12 +54,12 @@ DIMS = {
                        model=dict(norm_position="pre", dropout=0.2, attention_dropout=0.1, relu_dropout=0.1)),
 }
 TARGETS = {"fp32": 1.3, "bf16": 3.0}  # mtpipe's tokens/s over the reference's in fp32
-# CPU tricks of mtpipe.model.kernels and mtpipe.training.loss that --plain switches off, a row each: what replaces each.
+# CPU tricks of mtpipe.model.ops and mtpipe.training.loss that --plain switches off, a row each: what replaces each.
 PLAIN = {
-    "dropout": "F.dropout (torch's bernoulli masks) instead of mtpipe.model.kernels.keep_mask",
+    "dropout": "F.dropout (torch's bernoulli masks) instead of mtpipe.model.ops.keep_mask",
     "attention": "F.scaled_dot_product_attention instead of two matmuls",
     "loss": "the whole [N, V] logits, then the textbook loss through autograd, instead of mtpipe.training.loss's blocks",
-    "onednn": "torch's own float32 products (MKL on x86) instead of oneDNN's (mtpipe.model.kernels.mm)",
+    "onednn": "torch's own float32 products (MKL on x86) instead of oneDNN's (mtpipe.model.ops.mm)",
 }
 
 
@@ -177,32 +177,36 @@ def reference_step(vocab: int, dims: dict, seed: int) -> Callable[[Batch], float
 @contextlib.contextmanager
 def plain_kernels(tricks: frozenset[str]) -> Iterator[None]:
     """mtpipe's step with the named tricks (:data:`PLAIN`) switched off, for the length of one step."""
-    from mtpipe.model import kernels
-    from mtpipe.training import loss
-    from mtpipe.model import transformer as model
-    from mtpipe.training import train as mtrain
+    from mtpipe.model import attention, ops
+    from mtpipe.training import update
 
     def whole_logits(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, eps: float):
-        return loss.reference_label_smoothed_nll(F.linear(h, weight, bias), target, eps)
+        """The textbook loss (section 5.4) on the whole ``[N, V]`` logits, through autograd."""
+        lprobs = torch.log_softmax(F.linear(h, weight, bias).float(), dim=-1)  # [N, V]
+        nll = -lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # [N, 1] -> [N]
+        if eps == 0.0:
+            return nll.sum(), nll.sum()
+        return ((1.0 - eps) * nll + eps * -lprobs.mean(dim=-1)).sum(), nll.sum()
 
-    switches = {"dropout": (kernels, "_fused_dropout_available", lambda x: True),
-                "attention": (model, "prefer_explicit_attention", lambda q: False),
-                "loss": (mtrain, "projected_label_smoothed_nll", whole_logits),  # the global LossModule calls
-                "onednn": (kernels, "ONEDNN_FP32", False)}
+    switches = {"dropout": (ops, "_fused_dropout_available", lambda x: True),
+                "attention": (attention, "prefer_explicit_attention", lambda q: False),
+                "loss": (update, "projected_label_smoothed_nll", whole_logits),  # the global LossModule calls
+                "onednn": (ops, "ONEDNN_FP32", False)}
     with machine.patched(*(switch for name, switch in switches.items() if name in tricks)):
         yield
 
 
 def mtpipe_step(vocab: int, dims: dict, precision: str, compiled: bool, args: argparse.Namespace,
                 plain: frozenset[str] = frozenset()) -> Callable[[Batch], float]:
-    from mtpipe.training import train as mtrain
     from mtpipe.config import TrainConfig
     from mtpipe.model.transformer import Transformer
+
+    from bench.train_step import make_train_step
 
     cfg = ModelConfig(preset="base", encoder_layers=dims["layers"], decoder_layers=dims["layers"],
                       d_model=dims["d_model"], heads=dims["heads"], d_ff=dims["d_ff"], **dims.get("model", {}))
     torch.manual_seed(args.seed)
-    run = mtrain.make_train_step(Transformer(cfg, vocab).train(), TrainConfig(
+    run = make_train_step(Transformer(cfg, vocab).train(), TrainConfig(
         precision=precision, compile=compiled, threads=args.threads, warmup=4000, label_smoothing=0.1))
 
     def step(b: Batch) -> float:
@@ -212,7 +216,7 @@ def mtpipe_step(vocab: int, dims: dict, precision: str, compiled: bool, args: ar
     return step
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="small,base", help="comma list of: " + ", ".join(DIMS))
     ap.add_argument("--precisions", default="fp32,bf16", help="mtpipe's precisions (comma list: fp32, bf16)")
@@ -232,15 +236,80 @@ def main() -> int:
     ap.add_argument("--profile", metavar="CONFIG:PRECISION", help="a torch.profiler table of mtpipe's step instead")
     machine.add_flags(ap, rounds=1)
     args = ap.parse_args()
-    configs, precisions = args.configs.split(","), args.precisions.split(",")
-    plain = [t for t in args.plain.split(",") if t]
-    if bad := [x for x in configs if x not in DIMS] + [p for p in precisions if p not in ("fp32", "bf16")] + [
-            t for t in plain if t not in PLAIN]:
+    args.configs, args.precisions = args.configs.split(","), args.precisions.split(",")
+    args.plain = [t for t in args.plain.split(",") if t]
+    if bad := [x for x in args.configs if x not in DIMS] + [p for p in args.precisions if p not in ("fp32", "bf16")] + [
+            t for t in args.plain if t not in PLAIN]:
         ap.error(f"unknown {bad}")
-    steps = ({k: int(v) for k, v in (kv.split("=") for kv in args.steps.split(","))} if "=" in args.steps
-             else dict.fromkeys(DIMS, int(args.steps)))
+    args.steps = ({k: int(v) for k, v in (kv.split("=") for kv in args.steps.split(","))} if "=" in args.steps
+                  else dict.fromkeys(DIMS, int(args.steps)))
     if args.clock == "cpu" and args.threads != 1:
         ap.error("--clock cpu needs --threads 1 (other threads' CPU time is not this thread's)")
+    return args
+
+
+def profile_step(args: argparse.Namespace, batches: list[Batch], vocab: int) -> None:
+    """``--profile``: a torch.profiler table of mtpipe's step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    config, precision = args.profile.split(":")
+    step, n = mtpipe_step(vocab, DIMS[config], precision, args.compile == "on", args), args.steps.get(config, 4)
+    for b in batches[: args.warmup + n]:
+        step(b)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for b in batches[args.warmup: args.warmup + n]:
+            step(b)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=50))
+
+
+def systems_of(c: str, vocab: int, args: argparse.Namespace) -> dict[str, Callable[[Batch], float]]:
+    """The reference and mtpipe's steps (precisions, compiled, --plain rows) of config ``c``."""
+    systems = {"reference fp32": reference_step(vocab, DIMS[c], args.seed)}
+    for compiled in {"off": [False], "on": [True], "both": [False, True]}[args.compile]:
+        for p in args.precisions:
+            systems[f"mtpipe {p}" + " compiled" * compiled] = mtpipe_step(vocab, DIMS[c], p, compiled, args)
+            for t in args.plain if not compiled else []:
+                systems[f"mtpipe {p} plain {t}"] = mtpipe_step(vocab, DIMS[c], p, False, args, frozenset([t]))
+    return systems
+
+
+def time_config(c: str, timed: list[Batch], rest: list[Batch], vocab: int, args: argparse.Namespace, clock: Callable,
+                peaks: dict[str, list[float]], bf16_peak: bool) -> tuple[list[dict], list[list]]:
+    """Config ``c``'s systems on the ``timed`` batches, after warm-up on the largest of ``rest``: its figures and
+    table rows."""
+    systems = systems_of(c, vocab, args)
+    # warm-up: the largest other batches (the allocator's steady state), then an untimed pass over the timed ones
+    for name, step in systems.items():
+        with console.status(f"{c} {name}: warm-up"):
+            for b in sorted(rest, key=lambda b: -b.tgt_in.numel())[: args.warmup] + timed:
+                step(b)
+    for p in ("fp32", "bf16") if bf16_peak else ("fp32",):
+        peaks[p].append(matmul_peak(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[p]), clock))
+    names = list(systems)
+    with console.status(f"{c}: {len(timed)} batches x {len(names)} systems x {args.rounds} round(s)"):
+        secs = machine.interleaved(names, timed, args.rounds, lambda s, b: systems[s](b), clock)
+    src = args.rounds * sum(sum(b.src_lens) for b in timed)
+    tgt = args.rounds * sum(sum(b.tgt_lens) for b in timed)
+    flops = args.rounds * sum(train_flops(b, vocab=vocab, **DIMS[c]) for b in timed)
+    ref = [t for rnd in secs["reference fp32"] for t in rnd]
+    figures, rows = [], []
+    for name in names:
+        own_secs = [t for rnd in secs[name] for t in rnd]
+        total, ratios = sum(own_secs), [r / t for r, t in zip(ref, own_secs)]  # same batch: time = speed ratio
+        target, gflops = TARGETS.get(name.split()[1]) if name.startswith("mtpipe") else None, flops / total / 1e9
+        figures.append({"config": c, "system": name, "tgt_tokens_per_s": tgt / total,
+                        "src_tgt_tokens_per_s": (src + tgt) / total, "seconds_per_step": total / len(own_secs),
+                        "gflops": gflops, "ratio_to_reference": machine.stats(ratios), "per_batch_ratios": ratios,
+                        "target": target})
+        verdict = target and f">= {target}x: " + ("pass" if statistics.median(ratios) >= target else "MISSED")
+        mfu = [f"{100 * gflops / statistics.median(peaks[p]):.0f}%" if peaks[p] else "-" for p in ("fp32", "bf16")]
+        rows.append([c, name, round(tgt / total), round((src + tgt) / total), round(total / len(own_secs), 3),
+                     round(gflops), *mfu, machine.spread(ratios, "x"), verdict])
+    return figures, rows
+
+
+def main() -> int:
+    args = parse_args()
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     from mtpipe.engine.runtime import cpu_supports_bf16, tune_cpu_allocator
@@ -248,58 +317,20 @@ def main() -> int:
     tune_cpu_allocator()  # process-wide, as `mtpipe train` on CPU: the reference gets it too
     batches, vocab = load_batches(args)
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        config, precision = args.profile.split(":")
-        step, n = mtpipe_step(vocab, DIMS[config], precision, args.compile == "on", args), steps.get(config, 4)
-        for b in batches[: args.warmup + n]:
-            step(b)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for b in batches[args.warmup: args.warmup + n]:
-                step(b)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=50))
+        profile_step(args, batches, vocab)
         return 0
     ticks, own = machine.cpu_ticks(), machine.own_cpu()
     bf16_peak = cpu_supports_bf16()  # without native bf16 a 2048^3 bf16 product takes minutes: no bf16 MFU
     peaks: dict[str, list[float]] = {"fp32": [], "bf16": []}
     figures, rows, used = [], [], 0
-    for c in configs:
-        systems = {"reference fp32": reference_step(vocab, DIMS[c], args.seed)}
-        for compiled in {"off": [False], "on": [True], "both": [False, True]}[args.compile]:
-            for p in precisions:
-                systems[f"mtpipe {p}" + " compiled" * compiled] = mtpipe_step(vocab, DIMS[c], p, compiled, args)
-                for t in plain if not compiled else []:
-                    systems[f"mtpipe {p} plain {t}"] = mtpipe_step(vocab, DIMS[c], p, False, args, frozenset([t]))
-        timed = batches[used: used + steps.get(c, 16)]
+    for c in args.configs:
+        timed = batches[used: used + args.steps.get(c, 16)]
         used += len(timed)
-        if len(timed) < steps.get(c, 16):
-            ap.error(f"not enough batches for {steps.get(c, 16)} timed steps of {c}")
-        # warm-up: the largest other batches (the allocator's steady state), then an untimed pass over the timed ones
-        for name, step in systems.items():
-            with console.status(f"{c} {name}: warm-up"):
-                for b in sorted(batches[used:], key=lambda b: -b.tgt_in.numel())[: args.warmup] + timed:
-                    step(b)
-        for p in ("fp32", "bf16") if bf16_peak else ("fp32",):
-            peaks[p].append(matmul_peak(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[p]), clock))
-        names = list(systems)
-        with console.status(f"{c}: {len(timed)} batches x {len(names)} systems x {args.rounds} round(s)"):
-            secs = machine.interleaved(names, timed, args.rounds, lambda s, b: systems[s](b), clock)
-        src = args.rounds * sum(sum(b.src_lens) for b in timed)
-        tgt = args.rounds * sum(sum(b.tgt_lens) for b in timed)
-        flops = args.rounds * sum(train_flops(b, vocab=vocab, **DIMS[c]) for b in timed)
-        ref = [t for rnd in secs["reference fp32"] for t in rnd]
-        for name in names:
-            own_secs = [t for rnd in secs[name] for t in rnd]
-            total, ratios = sum(own_secs), [r / t for r, t in zip(ref, own_secs)]  # same batch: time = speed ratio
-            target, gflops = TARGETS.get(name.split()[1]) if name.startswith("mtpipe") else None, flops / total / 1e9
-            figures.append({"config": c, "system": name, "tgt_tokens_per_s": tgt / total,
-                            "src_tgt_tokens_per_s": (src + tgt) / total, "seconds_per_step": total / len(own_secs),
-                            "gflops": gflops, "ratio_to_reference": machine.stats(ratios), "per_batch_ratios": ratios,
-                            "target": target})
-            verdict = target and f">= {target}x: " + ("pass" if statistics.median(ratios) >= target else "MISSED")
-            mfu = [f"{100 * gflops / statistics.median(peaks[p]):.0f}%" if peaks[p] else "-" for p in ("fp32", "bf16")]
-            rows.append([c, name, round(tgt / total), round((src + tgt) / total), round(total / len(own_secs), 3),
-                         round(gflops), *mfu, machine.spread(ratios, "x"), verdict])
+        if len(timed) < args.steps.get(c, 16):
+            raise SystemExit(f"not enough batches for {args.steps.get(c, 16)} timed steps of {c}")
+        f, r = time_config(c, timed, batches[used:], vocab, args, clock, peaks, bf16_peak)
+        figures += f
+        rows += r
     others = machine.others_share(ticks, own)
     unit = "per CPU-second of the one thread" if args.clock == "cpu" else "per second"
     table(f"training throughput (tokens {unit}), {args.threads} thread(s), batch by batch interleaved; matmul peak "

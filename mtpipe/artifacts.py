@@ -62,7 +62,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mtpipe import __version__
+from mtpipe import __version__, env
+from mtpipe.atomic import atomic_write_text
 from mtpipe.errors import MtpipeError, os_reason
 
 MANIFEST = "manifest.json"
@@ -249,8 +250,8 @@ RACY_NS = 2_000_000_000
 
 def cache_root() -> Path:
     """mtpipe's per-user cache: ``$MTPIPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mtpipe`` (``~/.cache/mtpipe``)."""
-    root = os.environ.get("MTPIPE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mtpipe")
+    root = env.get("MTPIPE_CACHE_DIR") or os.path.join(
+        env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mtpipe")
     return Path(root)
 
 
@@ -285,8 +286,6 @@ def remember_verified(path: Path, want: str, before: dict[str, int]) -> None:
     """Record that ``path`` hashed to ``want``, if its stat key is still ``before`` (taken before hashing) and no
     change of it could hide within the filesystem's clock tick (:data:`RACY_NS`). Written atomically; a cache that
     cannot be written costs a warning and another check at the next start, nothing else."""
-    from mtpipe.writing import atomic_write_text
-
     key = _stat_key(path)
     if key != before or time.time_ns() - max(key["mtime_ns"], key["ctime_ns"]) < RACY_NS:
         return
@@ -394,6 +393,9 @@ RUN_ENTRIES = (CHECKPOINTS, "live", "train.json", "train.log", "best.json", "clo
 WEIGHTS, TRAINER_STATE = "model.safetensors", "trainer.pt"
 # The SentencePiece model a checkpoint carries (format 2), and the bpe artifact's listing of its pieces.
 CHECKPOINT_SPM, CHECKPOINT_SPM_VOCAB = "spm.model", "spm.vocab"
+# train.stop_metric -> (the valid/* curve it reads, whether higher is better). Training records that curve's value at
+# a checkpoint's step in its manifest (``extra["valid"]``), and ``mtpipe average --select best`` ranks checkpoints by it.
+STOP_METRICS = {"valid_ppl": ("valid/ppl", False), "valid_bleu": ("valid/bleu", True)}
 
 
 def checkpoint_path(run_dir: Path | str, step: int) -> Path:
@@ -429,6 +431,29 @@ def list_checkpoints(run_dir: Path | str) -> list[tuple[int, Path]]:
             raise MtpipeError(f"{ck_dir}: two checkpoints at step {step}: {found[step].name} and {d.name}")
         found[step] = d
     return sorted(found.items())
+
+
+# The special ids of every SentencePiece model mtpipe reads: the ids the batches and the embedding table use.
+SPECIALS = {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID}
+
+
+def load_spm(path: Path | str) -> Any:
+    """A SentencePiece processor, after checking that its special ids are mtpipe's (:data:`SPECIALS`): one with
+    other ids would map the batches' pads and sentence marks to ordinary pieces without any error."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor()
+    try:
+        sp.Load(str(path))
+    except (OSError, RuntimeError) as e:
+        raise MtpipeError(f"{path}: not a SentencePiece model ({str(e).splitlines()[0] if str(e) else e})") from None
+    got = {"pad": sp.pad_id(), "unk": sp.unk_id(), "bos": sp.bos_id(), "eos": sp.eos_id()}
+    if got != SPECIALS:
+        raise MtpipeError(
+            f"{path}: special ids {got} differ from mtpipe's {SPECIALS}; train it with --pad_id=0 --unk_id=1 "
+            "--bos_id=2 --eos_id=3 (or let `mtpipe bpe` train one)"
+        )
+    return sp
 
 
 def bare_sha(value: Any) -> str:

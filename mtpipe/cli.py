@@ -21,8 +21,6 @@ import typer
 from mtpipe import __version__
 from mtpipe.config import (
     MAX_BEAM,
-    PARAMS_FILE,
-    PATHS,
     RECORDED_DECODE,
     AverageConfig,
     BpeConfig,
@@ -34,12 +32,21 @@ from mtpipe.config import (
     ScoreConfig,
     ServeConfig,
     TrainConfig,
-    base_type,
-    field_types,
-    load_params,
-    resolve,
+    check_sections,
 )
 from mtpipe.errors import MtpipeError
+from mtpipe.params import (
+    PARAMS_FILE,
+    PATHS,
+    base_type,
+    checkpoint_decode,
+    field_types,
+    flag_values,
+    help_params,
+    load_params,
+    recorded_decode,
+    resolve,
+)
 
 app = typer.Typer(
     help="mtpipe: the Transformer of 'Attention Is All You Need' as a machine-translation pipeline.\n\n"
@@ -122,23 +129,7 @@ def check_output(opt: Opt, out: Path, inputs: list[Any], force: bool) -> None:
         writing.prepare_output(out, opt.kind, inputs=paths, force=force)
 
 
-def _help_params(path: Path = Path(PARAMS_FILE)) -> dict[str, dict[str, Any]]:
-    """``./params.yaml`` as ``--help`` shows it beside each flag, read once at start-up (PyYAML, no torch); any
-    problem with it gives {} here: the command itself reports it."""
-    if not path.is_file():
-        return {}
-    import yaml
-
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, yaml.YAMLError):  # UnicodeDecodeError is a ValueError
-        return {}
-    if not isinstance(data, dict):
-        return {}
-    return {k: v for k, v in data.items() if isinstance(v, dict)}
-
-
-HELP_PARAMS = _help_params()
+HELP_PARAMS = help_params()  # ./params.yaml, read once at start-up
 
 
 def _shown(value: Any) -> str:
@@ -180,7 +171,7 @@ def _param_option(section: type, name: str, tp: Any, recorded: bool = False) -> 
     help_text = meta.get("help", "") + " " + _param_help(section, name, recorded)
     flag = "--" + name.replace("_", "-")
     bt = base_type(tp)
-    if bt is bool:
+    if bt is bool or "booleans" in meta:  # (a key that was a boolean once keeps its flags: its values for them)
         return Optional[bool], typer.Option(None, f"{flag}/--no-{name.replace('_', '-')}", help=help_text,
                                             show_default=False)
     if (typing.get_origin(bt) or bt) in (dict, list):
@@ -211,10 +202,11 @@ def stage_command(name: str, sections: list[type], opts: list[Opt] = (), help: s
                 params = load_params(params_file or PARAMS_FILE, required=params_file is not None) if sections else {}
                 where = str(params_file or PARAMS_FILE)
                 lower = below(kwargs) if below is not None else {}
-                overrides = {section.SECTION: _overrides(section, kwargs) for section in sections}
+                overrides = {section.SECTION: flag_values(section, kwargs) for section in sections}
                 cfg = SimpleNamespace(**{section.SECTION: resolve(section, params, overrides[section.SECTION],
                                                                   where=where, below=lower.get(section.SECTION))
                                          for section in sections})
+                check_sections(**vars(cfg))
                 kwargs.update(params_file=params_file, params=params)
                 inputs = [kwargs[o.name] for o in opts if o.role == "in"]
                 inputs += config_inputs(cfg, kwargs) if config_inputs else []
@@ -297,22 +289,6 @@ def _one_line_errors() -> Iterator[None]:
         raise typer.Exit(130) from None
 
 
-def _overrides(section: type, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The flags of ``section`` taken out of ``kwargs`` (None = not given); dict and list values are YAML."""
-    import yaml
-
-    over = {}
-    for key, tp in field_types(section).items():
-        v = kwargs.pop(f"{section.SECTION}__{key}")
-        if v is not None and (typing.get_origin(base_type(tp)) or base_type(tp)) in (dict, list):
-            try:
-                v = yaml.safe_load(v)
-            except yaml.YAMLError:
-                raise MtpipeError(f"--{key.replace('_', '-')}: not valid YAML: {v!r}") from None
-        over[key] = v
-    return over
-
-
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"mtpipe {__version__}")
@@ -337,28 +313,6 @@ def _out(kind: str, default: str | None, help: str) -> Opt:
 
 def _in(name: str, default: str | None, help: str, flag: str, tp: Any = Path) -> Opt:
     return Opt(name, tp, Path(default) if default else None, help, (flag,), role="in")
-
-
-def _checkpoint_decode(options: dict[str, Any]) -> dict[str, tuple[dict[str, Any], str]]:
-    """The decode settings that ``--checkpoint`` (a checkpoint or an export) records, to lie under params.yaml
-    (:func:`stage_command`'s ``below``); {} when it records none or cannot be read (loading it says why)."""
-    import json
-
-    # The manifest's name spelled out: mtpipe.artifacts imports pyarrow, which start-up must not pay for.
-    manifest = Path(options.get("checkpoint") or PATHS["average"]) / "manifest.json"
-    try:
-        record = (json.loads(manifest.read_text(encoding="utf-8")).get("extra") or {}).get("decode")
-    except (OSError, ValueError, AttributeError):
-        return {}
-    if not isinstance(record, dict):
-        return {}
-    return {"decode": ({k: record[k] for k in RECORDED_DECODE if k in record}, str(manifest))}
-
-
-def recorded_decode(params: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """What a checkpoint records of the decode settings: the keys of :data:`RECORDED_DECODE` that params.yaml sets
-    (the defaults are not recorded, so that they stay the defaults of whatever mtpipe decodes it)."""
-    return {k: v for k, v in (params.get("decode") or {}).items() if k in RECORDED_DECODE}
 
 
 # --tokens of the commands that load a checkpoint: optional, a checkpoint carries its SentencePiece model.
@@ -438,7 +392,7 @@ def train(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     if cmd is not None:
         # torchrun's agent runs in this process: a failed group ends in one line naming the rank, the last
         # checkpoint and the command that resumes; torchrun's report goes to the run's train.log.
-        from mtpipe.training.launch import run_torchrun
+        from mtpipe.training.torchrun import run_torchrun
 
         raise typer.Exit(run_torchrun(cmd, opts.out))
     from mtpipe.training.launch import worker_errors
@@ -484,7 +438,7 @@ def average(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
         Opt("stats", Optional[bool], None, "Print the summary table (speed, tokens, mean score) to stderr \\[default: "
             "yes, unless the input is stdin or stdout is a terminal].", ("--stats/--no-stats",)),
     ],
-    below=_checkpoint_decode,
+    below=checkpoint_decode,
     # A split is read from the default bpe artifact when --tokens names none.
     config_inputs=lambda cfg, options: [PATHS["bpe"]] if options["tokens"] is None and options["input"] is None
     else [],
@@ -507,7 +461,7 @@ def decode(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
             "also a CTranslate2 export (`mtpipe export`).", "--checkpoint"),
         _in("tokens", None, TOKENS_HELP, "--tokens", Optional[Path]),
     ],
-    below=_checkpoint_decode,
+    below=checkpoint_decode,
 )
 def serve(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Serve translations over HTTP (POST /translate, GET /health, GET /info), concurrent requests decoded together
@@ -609,7 +563,7 @@ def attention(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     heatmaps labelled with its pieces, and an offline index.html (the paper's Figures 3-5)."""
     from mtpipe.stages.attention import attention_command
 
-    record = _checkpoint_decode({"checkpoint": opts.checkpoint}).get("decode")
+    record = checkpoint_decode({"checkpoint": opts.checkpoint}).get("decode")
     recorded = record[0] if record else {}
     alpha = opts.alpha if opts.alpha is not None else recorded.get("alpha", 0.6)
     attention_command(opts.checkpoint, opts.tokens, opts.text, opts.out, opts.layer, opts.beam, alpha,

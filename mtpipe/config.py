@@ -1,12 +1,9 @@
-"""params.yaml: one frozen dataclass per section, strict loading, CLI overrides.
+"""params.yaml's sections: one frozen dataclass each, with every rule its values must follow, however it is built.
 
-Precedence, lowest first: the dataclass defaults below, then ``params.yaml``, then command-line flags (``decode`` and
-``serve`` put a checkpoint's recorded decode settings, :data:`RECORDED_DECODE`, between the defaults and
-params.yaml). Every field of a section a command reads is also an option of that command (``vocab_size`` ->
-``--vocab-size``), so ``dvc.yaml`` can pass paths only and DVC tracks every knob through params.yaml. Unknown keys
-fail loudly with their name.
-
-This module must stay light (no torch, no pyarrow): the CLI builds its options from these classes at start-up.
+A key's own rules (type, range, choices) are its field's (:func:`_h`); rules across keys of a section, its
+:meth:`Section.check`; rules across sections, :func:`check_sections`. Each field is also a flag of the commands that
+read its section, so ``dvc.yaml`` passes paths only. :mod:`mtpipe.params` layers params.yaml and flags into sections.
+Light (no torch, no pyarrow): the CLI builds its options from these classes at start-up.
 """
 
 from __future__ import annotations
@@ -15,39 +12,34 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 from mtpipe.errors import MtpipeError
-
-PARAMS_FILE = "params.yaml"
 
 
 def _h(text: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
        lt: float | None = None, choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
     """A dataclass field with a help string (shown by ``mtpipe <stage> --help``) and the rules its value must
     follow, checked whenever a section is built (:class:`Section`): a finite number ``>= ge``, ``> gt``, ``<= le``,
-    ``< lt``;
-    one of ``choices``. ``None`` (for optional fields) passes every rule. Rules that span several keys stay with the
-    stage that needs them."""
+    ``< lt``; one of ``choices``. ``None`` (for optional fields) passes every rule. Rules that span several keys of
+    one section are its :meth:`Section.check`; rules across sections are :func:`check_sections`."""
     rules = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices}
     return field(metadata={"help": text, **{k: v for k, v in rules.items() if v is not None}}, **kw)
 
 
 class Section:
-    """Base of every params section: the fields' rules hold however a section is built (params.yaml, flags, or
-    directly in code)."""
+    """Base of every params section: the fields' rules, then the section's rules that span several of its keys
+    (:meth:`check`), hold however a section is built (params.yaml, flags, or directly in code)."""
 
     SECTION: typing.ClassVar[str]
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            _check_rules(type(self), f.name, getattr(self, f.name), f.metadata, "params")
+            check_rules(type(self), f.name, getattr(self, f.name), f.metadata, "params")
+        self.check()
 
-
-# --------------------------------------------------------------------------------------------------------------------
-# Sections
-# --------------------------------------------------------------------------------------------------------------------
+    def check(self) -> None:
+        """The rules that span several keys of this section (an :class:`MtpipeError` naming them); none here."""
 
 
 @dataclass(frozen=True)
@@ -56,11 +48,9 @@ class FetchConfig(Section):
 
     SECTION: typing.ClassVar[str] = "fetch"
 
-    source: str = _h(
-        "Corpus: 'hf:REPO[:CONFIG]' (Hugging Face dataset, or 'hf:PATH' for a local one), or a local directory "
-        "({split}.{lang}[.gz] parallel files, {split}.tsv, {split}.parquet, or a saved `datasets` directory).",
-        default="hf:bentrevett/multi30k",
-    )
+    source: str = _h("Corpus: 'hf:REPO[:CONFIG]' (Hugging Face dataset, or 'hf:PATH' for a local one), or a local "
+                     "directory ({split}.{lang}[.gz] parallel files, {split}.tsv, {split}.parquet, or a saved "
+                     "`datasets` directory).", default="hf:bentrevett/multi30k")
     src_lang: str = _h("Source language code (column / file suffix).", default="en")
     tgt_lang: str = _h("Target language code (column / file suffix).", default="de")
     splits: dict = _h(
@@ -81,6 +71,13 @@ class FetchConfig(Section):
     dedup: bool = _h("Train: drop exact duplicate (src, tgt) pairs.", default=True)
     revision: Optional[str] = _h("Hugging Face dataset revision (git tag / commit) for reproducibility.", default=None)
 
+    def check(self) -> None:
+        if self.src_lang == self.tgt_lang:
+            raise MtpipeError(f"fetch.src_lang and fetch.tgt_lang are both '{self.src_lang}'")
+        if self.max_len < max(self.min_len, 1):
+            raise MtpipeError(f"fetch.min_len={self.min_len} / fetch.max_len={self.max_len}: need 0 <= min_len <= "
+                              "max_len")
+
 
 @dataclass(frozen=True)
 class BpeConfig(Section):
@@ -90,9 +87,8 @@ class BpeConfig(Section):
 
     vocab_size: int = _h("Joint BPE vocabulary size (paper: ~37000 en-de, 32000 en-fr).", default=8000)
     character_coverage: float = _h("SentencePiece character coverage.", default=1.0, gt=0, le=1)
-    sample_sentences: int = _h(
-        "Cap on sentences (both sides together) sampled for BPE training on big corpora.", default=10_000_000
-    , ge=1)
+    sample_sentences: int = _h("Cap on sentences (both sides together) sampled for BPE training on big corpora.",
+                               default=10_000_000, ge=1)
     threads: int = _h("Threads for training and encoding (0 = all cores).", default=0, ge=0)
     seed: int = _h("Seed for the training-sentence sample and the BPE-dropout samples.", default=1)
     dropout: float = _h("BPE-dropout (Provilkov et al. 2020): each merge is skipped with this probability when the "
@@ -101,6 +97,17 @@ class BpeConfig(Section):
     dropout_copies: int = _h("Extra encodings of train with bpe.dropout, each a different sample, stored after the "
                              "usual one (an epoch then covers 1 + dropout_copies encodings); valid and test are "
                              "never sampled.", default=0, ge=0)
+
+    def check(self) -> None:
+        if self.vocab_size <= SPECIAL_TOKENS:
+            raise MtpipeError(f"bpe.vocab_size={self.vocab_size}: must be larger than the {SPECIAL_TOKENS} special "
+                              "tokens")
+        if (self.dropout > 0) != (self.dropout_copies > 0):
+            raise MtpipeError(f"bpe.dropout={self.dropout} with bpe.dropout_copies={self.dropout_copies}: BPE-dropout "
+                              "needs both (a probability > 0 and at least one extra copy of train), or neither")
+
+
+SPECIAL_TOKENS = 4  # pad, unk, bos, eos: the first ids of every vocabulary (mtpipe.artifacts.SPECIALS)
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,13 @@ class BucketConfig(Section):
     max_len: int = _h("Train pairs with a side longer than this many positions (incl. EOS) are dropped.",
                       default=256, ge=2)
     multiple_of: int = _h("Sentence count per batch is a multiple of this (tensor-core friendly).", default=8, ge=1)
+
+    def check(self) -> None:
+        if self.max_tokens < self.max_len:
+            raise MtpipeError(
+                f"bucket.max_tokens={self.max_tokens} is smaller than bucket.max_len={self.max_len}: the longest "
+                f"allowed pair would not fit in any batch; raise --max-tokens to at least {self.max_len} or lower "
+                "--max-len")
 
 
 @dataclass(frozen=True)
@@ -172,9 +186,8 @@ class ModelConfig(Section):
             if values.get(k) is None:
                 values[k] = v
         if values["d_model"] % values["heads"] and (values["d_k"] is None or values["d_v"] is None):
-            raise MtpipeError(
-                f"model: d_model={values['d_model']} is not divisible by heads={values['heads']}; set d_k and d_v"
-            )
+            raise MtpipeError(f"model: d_model={values['d_model']} is not divisible by heads={values['heads']}; set "
+                              "d_k and d_v")
         for k in ("d_k", "d_v"):
             if values[k] is None:
                 values[k] = values["d_model"] // values["heads"]
@@ -218,11 +231,8 @@ class TrainConfig(Section):
     seed: int = _h("Random seed (model init, dropout, batch order).", default=1, ge=0)
     nproc: str = _h("Processes for the torchrun launcher: 'auto' (every visible GPU, else 1 CPU process) or a number.",
                     default="auto")
-    tokens_per_update: int = _h(
-        "Target tokens per optimizer step across all processes (paper ~25000); sets gradient accumulation.",
-        default=25000,
-        ge=1,
-    )
+    tokens_per_update: int = _h("Target tokens per optimizer step across all processes (paper ~25000); sets "
+                                "gradient accumulation.", default=25000, ge=1)
     max_steps: int = _h("Stop after this many updates (paper: base 100k, big 300k). 0 = no limit.", default=100_000,
                         ge=0)
     max_epochs: int = _h("Stop after this many epochs. 0 = no limit.", default=0, ge=0)
@@ -279,6 +289,22 @@ class TrainConfig(Section):
                                "last step. 0 = off.", default=0.0, ge=0, lt=1)
     drophead_end: Optional[float] = _h("DropHead probability at the last step (null = drophead_start).", default=None,
                                        ge=0, lt=1)
+
+    def check(self) -> None:
+        """Something must stop training, and DropHead's schedule needs a known last step."""
+        if not (self.max_steps > 0 or self.max_epochs > 0 or self.max_time > 0):
+            raise MtpipeError("train.max_steps/max_epochs/max_time: are all 0: set at least one stopping criterion")
+        drophead = self.drophead_start > 0 or (self.drophead_end or 0.0) > 0
+        if drophead and not (self.max_steps > 0 or self.max_epochs > 0):
+            raise MtpipeError("train.drophead_start/drophead_end: the schedule rises to drophead_end at the last "
+                              "step: set train.max_steps or train.max_epochs")
+        if self.stop_metric == "valid_bleu" and self.valid_bleu_every_steps == 0:
+            raise MtpipeError("train.stop_metric=valid_bleu: needs validation BLEU: set train.valid_bleu_every_steps "
+                              "> 0 (or use stop_metric valid_ppl)")
+        if self.patience and self.stop_metric == "valid_ppl" and self.valid_every_steps == 0:
+            raise MtpipeError("train.patience: counts validations of valid_ppl, which train.valid_every_steps=0 turns "
+                              "off: set train.valid_every_steps > 0")
+
 
 
 PRUNE_HELP = ("LayerDrop pruning (Fan et al. 2019) of the model, without fine-tuning: '' = none; 'every_other' = drop "
@@ -342,65 +368,72 @@ class DecodeConfig(Section):
         "honoured, scores use mtpipe's formula, greedy output is mtpipe's. At beam > 1 the search differs: "
         "CTranslate2 stops a sentence once beam x patience hypotheses have finished (fairseq's rule, = stop "
         "finished), mtpipe by decode.stop; CTranslate2's own penalty is |Y|^alpha (= fairseq), "
-        "so gnmt is applied by re-ranking the hypotheses CTranslate2 finished.",
-        default="mtpipe",
-        choices=("mtpipe", "ctranslate2"),
-    )
+        "so gnmt is applied by re-ranking the hypotheses CTranslate2 finished.", default="mtpipe",
+        choices=("mtpipe", "ctranslate2"))
     ct2_compute_type: str = _h(
         "engine ctranslate2: CTranslate2 compute type: default (the export's weight type), auto, float32, int8, "
         "int8_float32, int8_float16, int8_bfloat16, int16, float16, bfloat16 (precision applies to engine mtpipe "
-        "only).",
-        default="default",
+        "only).", default="default",
         # CTranslate2's compute types (ctranslate2.Translator(compute_type=...)); "default" keeps the weights' type.
         choices=("default", "auto", "float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16",
-                 "float16", "bfloat16"),
-    )
+                 "float16", "bfloat16"))
     stop: str = _h(
         "When a sentence's beam search stops: 'bound' (exact: when no live hypothesis can beat the finished ones; "
         "tensor2tensor's rule, the paper's) or 'finished' (fairseq's and CTranslate2's search: the live beam is "
         "refilled from 2 x beam candidates and a sentence stops once round(beam x patience) hypotheses have "
         "finished; fewer decoder steps, may miss a longer, better hypothesis). Engine ctranslate2 always stops by "
-        "'finished'.",
-        default="bound",
-        choices=("bound", "finished"),
-    )
+        "'finished'.", default="bound", choices=("bound", "finished"))
     patience: float = _h(
         "stop=finished, and engine ctranslate2 always: stop a sentence once round(beam x this) hypotheses have "
         "finished (1 = fairseq's and CTranslate2's default; 2 finds the exact search's best output more often, at "
-        "some cost in speed).",
-        default=1.0,
-        ge=1,
-    )
+        "some cost in speed).", default=1.0, ge=1)
     min_len: int = _h(
         "Fewest pieces before EOS: 0 lets an empty output finish (the paper's search); 1 never ends a hypothesis at "
         "the first step, as fairseq (--min-len 1) and CTranslate2 (min_decoding_length 1) do by default: set 1 to "
-        "decode exactly as they do.",
-        default=0,
-        ge=0,
-    )
+        "decode exactly as they do.", default=0, ge=0)
     device: str = _h(
         "Where to decode: auto (the GPU when one is visible, else the CPU; the CPU for int8, which runs there only), "
         "cpu or cuda. On a GPU a step of a few sentences is bound by launching its kernels (decode.cuda_graphs "
-        "halves it; BENCHMARKS.md): a server with few clients on a machine with a GPU may answer as soon with cpu.",
+        "launches them at once): a server with few clients on a machine with a GPU may answer as soon with cpu.",
         default="auto", choices=("auto", "cpu", "cuda"))
-    compile: bool = _h(
-        "Engine mtpipe, fp32 or bf16: run the decoder's step compiled (fused kernels, fewer operations; on CPU "
-        "float32 weights frozen into the graph, packed once for oneDNN), at the cost of building it first (tens of "
-        "seconds on a small CPU; needs a C++ compiler on CPU). float32 on CPU: built once and kept in "
-        "$MTPIPE_CACHE_DIR (default ~/.cache/mtpipe), loaded in seconds by later runs, the least recently used "
-        "removed beyond $MTPIPE_CACHE_MAX_GB (default 5); else once per process. "
-        "Outputs equal the uncompiled step's up to float rounding.",
-        default=False,
-    )
+    compile: str = field(default="off", metadata={
+        "help": "Engine mtpipe, fp32 or bf16: run the decoder's step compiled (fused kernels, fewer operations; on "
+        "CPU float32 weights frozen into the graph, packed once for oneDNN), at the cost of building it first (tens "
+        "of seconds on a small CPU; needs a C++ compiler on CPU). off: the eager step; jit: torch.compile, built in "
+        "every process; aot: float32 on CPU built ahead of time once and kept in $MTPIPE_CACHE_DIR (default "
+        "~/.cache/mtpipe), loaded in seconds by later runs, the least recently used removed beyond "
+        "$MTPIPE_CACHE_MAX_GB (default 5); elsewhere as jit. false / true (older params files and checkpoints): off "
+        "/ aot; the flag alone: aot. Outputs equal the uncompiled step's up to float rounding.",
+        "choices": ("off", "jit", "aot"), "booleans": ("off", "aot")})
     cuda_graphs: bool = _h(
         "Engine mtpipe on a GPU, fp32 or bf16: replay the decoder's step (layers, projection, log-softmax) from CUDA "
         "graphs recorded for a few fixed shapes (rows, cached and source positions rounded up to powers of two), "
         "for batches of up to 256 rows: a few sentences' step is bound by launching its ~200 kernels, which a "
         "graph launches at once. No effect on CPU, with decode.compile (its step runs instead) or with restricted "
         "self-attention. Outputs equal the eager step's up to float rounding. Where a graph cannot be made (GPU "
-        "memory, a driver that does not allow it): one warning, then the eager step.",
-        default=True,
-    )
+        "memory, a driver that does not allow it): one warning, then the eager step.", default=True)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.compile, bool):  # decode.compile as older params files and checkpoints record it
+            object.__setattr__(self, "compile", "aot" if self.compile else "off")
+        super().__post_init__()
+
+    def check(self) -> None:
+        """nbest <= beam, and what engine ctranslate2 and precision int8 leave out."""
+        if self.nbest > self.beam:
+            raise MtpipeError(f"decode.nbest: {self.nbest} is not between 1 and decode.beam ({self.beam})")
+        if self.engine == "ctranslate2":
+            if self.precision != "fp32":
+                raise MtpipeError(f"decode.precision: {self.precision} applies to engine mtpipe; with engine "
+                                  "ctranslate2 set decode.ct2_compute_type (e.g. bfloat16, int8)")
+            if self.prune:
+                raise MtpipeError("decode.prune: not available with engine ctranslate2; write a pruned checkpoint "
+                                  "with `mtpipe average --prune` and decode (or export) that")
+            if self.compile != "off":
+                raise MtpipeError("decode.compile: applies to engine mtpipe (CTranslate2 runs its own compiled code)")
+        elif self.compile != "off" and self.precision == "int8":
+            raise MtpipeError("decode.compile: applies to precision fp32 and bf16, not int8 (its quantised linear "
+                              "layers are torch.ao modules that torch.compile does not fuse)")
 
 
 @dataclass(frozen=True)
@@ -411,11 +444,9 @@ class ScoreConfig(Section):
 
     tokenize: str = _h("sacreBLEU tokenizer (13a is the WMT standard).", default="13a")
     lowercase: bool = _h("Case-insensitive BLEU.", default=False)
-    split: Optional[str] = _h(
-        "Reference split of the fetch artifact (--ref DIR) when --hyp is a text file (default: test). With a "
-        "hypotheses artifact its own split is used; a different value here is an error.",
-        default=None,
-    )
+    split: Optional[str] = _h("Reference split of the fetch artifact (--ref DIR) when --hyp is a text file (default: "
+                              "test). With a hypotheses artifact its own split is used; a different value here is an "
+                              "error.", default=None)
     min_bleu: Optional[float] = _h("Gate: exit with status 3 when BLEU is below this (the metrics JSON is still "
                                    "written).", default=None)
     max_drop: Optional[float] = _h("Gate: exit with status 3 when BLEU is more than this below the --baseline "
@@ -441,6 +472,12 @@ class ExportConfig(Section):
                            "int16, float16, bfloat16 or float32.", default="none",
                            choices=("none", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16",
                                     "float16", "bfloat16", "float32"))
+
+    def check(self) -> None:
+        if self.format != "ctranslate2" and self.quantization != "none":
+            raise MtpipeError(f"export.quantization: {self.quantization!r} applies to CTranslate2 only; use 'none' "
+                              f"with format {self.format}")
+
 
 
 @dataclass(frozen=True)
@@ -470,8 +507,7 @@ class ServeConfig(Section):
     workers: int = _h("Decoding processes, each with its own copy of the model and 1/N of the CPU threads (unless "
                       "decode.threads is set), each decoding its own requests: the small batches of a server use "
                       "several cores better side by side than split; with several GPUs worker i decodes on GPU i "
-                      "mod their number. 1 = the model in the server's own process.",
-                      default=1, ge=1)
+                      "mod their number. 1 = the model in the server's own process.", default=1, ge=1)
     max_beam: int = _h("Largest beam a request may ask for (decode.beam is the default; at most decode.beam's own "
                        "limit).", default=8, ge=1, le=MAX_BEAM)
     max_nbest: int = _h("Largest nbest a request may ask for (decode.nbest is the default).", default=4, ge=1,
@@ -506,58 +542,39 @@ class ServeConfig(Section):
                                 default=400, ge=1)
 
 
+def check_sections(**sections: Any) -> None:
+    """The rules across the sections one command reads, given by name (model=, train=, serve=, decode=; one missing:
+    skipped). Called where a command's sections are resolved (:mod:`mtpipe.cli`) and by the trainer's update."""
+    model, train = sections.get("model"), sections.get("train")
+    if model is not None and train is not None and train.compile and (model.layerdrop or 0.0) > 0:
+        raise MtpipeError("train.compile: not supported with model.layerdrop > 0 (every draw of skipped layers "
+                          "would be another graph to compile); set --no-compile")
+    serve, decode = sections.get("serve"), sections.get("decode")
+    if serve is None or decode is None:
+        return
+    # The decode section's values are the requests' defaults: they must lie within the server's limits.
+    for key, value, limit in (("beam", decode.beam, serve.max_beam), ("nbest", decode.nbest, serve.max_nbest),
+                              ("alpha", decode.alpha, serve.max_alpha)):
+        if value > limit:
+            raise MtpipeError(f"decode.{key} = {value:g} is over serve.max_{key} = {limit:g}: the default a request "
+                              "gets must be one it may ask for")
+    if serve.batching == "continuous" and decode.engine != "mtpipe":
+        raise MtpipeError(f"serve.batching=continuous needs decode.engine=mtpipe ({decode.engine} decodes batch by "
+                          "batch)")
+
+
 # The decode settings a checkpoint records (train: the params.yaml decode keys it ran with; average and export copy
 # them): ``decode`` and ``serve`` take them where neither params.yaml nor a flag sets them (README, "Decoding
 # defaults"). The search's rules only: the machine's settings (precision, threads, engine) stay the decoder's own.
 RECORDED_DECODE = ("beam", "alpha", "length_penalty", "max_len_a", "max_len_b")
 
-SECTIONS: dict[str, type] = {
-    c.SECTION: c
-    for c in (FetchConfig, BpeConfig, BucketConfig, ModelConfig, TrainConfig, AverageConfig, DecodeConfig, ScoreConfig,
-              ExportConfig, ServeConfig)
-}
+SECTIONS: dict[str, type] = {c.SECTION: c for c in (FetchConfig, BpeConfig, BucketConfig, ModelConfig, TrainConfig,
+                                                     AverageConfig, DecodeConfig, ScoreConfig, ExportConfig,
+                                                     ServeConfig)}
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def field_types(cls: type) -> dict[str, Any]:
-    """Resolved annotations of a section's fields (``from __future__ import annotations`` makes them strings)."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def base_type(tp: Any) -> Any:
-    """``Optional[int]`` -> ``int``; anything else unchanged."""
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if typing.get_origin(tp) is typing.Union and len(args) == 1:
-        return args[0]
-    return tp
-
-
-def _coerce(cls: type, key: str, value: Any, tp: Any, where: str) -> Any:
-    """Check a params.yaml value against the field's type; ints are accepted for floats."""
-    if value is None:
-        if typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp):
-            return None
-        raise MtpipeError(f"{where}: {cls.SECTION}.{key} must not be null")
-    bt = base_type(tp)
-    origin = typing.get_origin(bt) or bt
-    if bt is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if bt is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    if origin in (dict, list) and isinstance(value, origin):
-        return value
-    if isinstance(bt, type) and isinstance(value, bt) and not (bt is int and isinstance(value, bool)):
-        return value
-    raise MtpipeError(f"{where}: {cls.SECTION}.{key} = {value!r} is not a {getattr(bt, '__name__', bt)}")
-
-
-def _check_rules(cls: type, key: str, value: Any, meta: Any, where: str) -> None:
-    """A value against its field's ``ge`` and ``choices`` (see :func:`_h`)."""
+def check_rules(cls: type, key: str, value: Any, meta: Any, where: str) -> None:
+    """A value against its field's bounds and ``choices`` (see :func:`_h`); ``where`` names its origin."""
     if value is None:
         return
     name = f"{cls.SECTION}.{key}"
@@ -573,86 +590,7 @@ _BOUND = {"ge": lambda v, b: v >= b, "gt": lambda v, b: v > b, "le": lambda v, b
 _SYMBOL = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 
 
-def make_section(cls: type, values: dict[str, Any], where: str = PARAMS_FILE,
-                 origins: dict[str, str] | None = None) -> Any:
-    """Build a section from a mapping, failing on unknown keys (named), wrong types and values outside their
-    field's rules; ``origins`` names where a key's value came from when not ``where`` (a command-line flag)."""
-    if not isinstance(values, dict):
-        raise MtpipeError(f"{where}: section '{cls.SECTION}' must be a mapping, got {type(values).__name__}")
-    types = field_types(cls)
-    unknown = [k for k in values if k not in types]
-    if unknown:
-        raise MtpipeError(
-            f"{where}: unknown key '{cls.SECTION}.{unknown[0]}' (known: {', '.join(types)})"
-        )
-    metas = {f.name: f.metadata for f in dataclasses.fields(cls)}
-    coerced = {}
-    for k, v in values.items():
-        origin = (origins or {}).get(k, where)
-        coerced[k] = _coerce(cls, k, v, types[k], origin)
-        _check_rules(cls, k, coerced[k], metas[k], origin)
-    return cls(**coerced)
-
-
-def load_params(path: Path | str | None = PARAMS_FILE, *, required: bool = False) -> dict[str, dict[str, Any]]:
-    """Read params.yaml into ``{section: {key: value}}``; unknown sections fail with their name.
-
-    A missing file is fine unless ``required`` (then every value is the dataclass default).
-    """
-    import yaml
-
-    path = Path(path) if path is not None else None
-    if path is None or not path.exists():
-        if required:
-            raise MtpipeError(f"{path}: params file not found")
-        return {}
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as e:
-        first = str(e).splitlines()[0] if str(e) else "invalid YAML"
-        raise MtpipeError(f"{path}: not valid YAML ({first})") from None
-    if not isinstance(data, dict):
-        raise MtpipeError(f"{path}: top level must be a mapping of sections")
-    unknown = [k for k in data if k not in SECTIONS]
-    if unknown:
-        raise MtpipeError(f"{path}: unknown section '{unknown[0]}' (known: {', '.join(SECTIONS)})")
-    for name, values in data.items():
-        make_section(SECTIONS[name], values or {}, str(path))  # validate every section, used or not
-    return {k: (v or {}) for k, v in data.items()}
-
-
-def resolve(cls: type, params: dict[str, dict[str, Any]], overrides: dict[str, Any] | None = None,
-            where: str = PARAMS_FILE, below: tuple[dict[str, Any], str] | None = None) -> Any:
-    """Section ``cls`` from defaults <- ``below`` <- params.yaml <- ``overrides`` (CLI flags; ``None`` means not
-    given). ``below``: ``(values, where they come from)`` under params.yaml (a checkpoint's recorded decode
-    settings); a bad value there is named by its origin."""
-    values, origins = {}, {}
-    if below is not None:
-        values.update(below[0])
-        origins.update({k: below[1] for k in below[0]})
-    for k, v in params.get(cls.SECTION, {}).items():
-        values[k] = v
-        origins.pop(k, None)
-    for k, v in (overrides or {}).items():
-        if v is not None:
-            values[k] = v
-            origins[k] = "--" + k.replace("_", "-")
-    return make_section(cls, values, where, origins)
-
-
 def to_dict(section: Any) -> dict[str, Any]:
     """A section as plain data (for manifests and checkpoints)."""
     return dataclasses.asdict(section)
 
-
-# Default artifact locations: what `mtpipe <stage>` uses with no arguments, and what dvc.yaml passes.
-PATHS: dict[str, str] = {
-    "fetch": "artifacts/fetch",
-    "bpe": "artifacts/bpe",
-    "bucket": "artifacts/bucket",
-    "train": "artifacts/train",
-    "average": "artifacts/average",
-    "decode": "artifacts/decode",
-    "score": "metrics/score.json",
-    "export": "artifacts/export",
-}

@@ -10,7 +10,6 @@ as wide as :data:`PIPE_WIDTH` (``COLUMNS``, when set, still wins).
 
 from __future__ import annotations
 
-import os
 from typing import Any, Iterable
 
 from rich.console import Console
@@ -25,12 +24,14 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from mtpipe import env
+
 PIPE_WIDTH = 10_000  # columns of the console when stderr is not a terminal: in effect, no wrapping
 
 
 def _make_console() -> Console:
     c = Console(stderr=True, highlight=False)
-    if not c.is_terminal and not os.environ.get("COLUMNS"):
+    if not c.is_terminal and not env.get("COLUMNS"):
         c = Console(stderr=True, highlight=False, width=PIPE_WIDTH)
     return c
 
@@ -40,7 +41,7 @@ console = _make_console()
 
 def _quiet() -> bool:
     # Non-zero ranks of a torchrun launch stay silent.
-    return os.environ.get("RANK", "0") != "0" or os.environ.get("MTPIPE_QUIET") == "1"
+    return env.get("RANK", "0") != "0" or env.get("MTPIPE_QUIET") == "1"
 
 
 class _TimeRemaining(TimeRemainingColumn):
@@ -60,8 +61,8 @@ class _TimeRemaining(TimeRemainingColumn):
 
 class _Bar(BarColumn):
     """rich's bar, unless the task carries the fraction done in the field ``fraction`` (``mtpipe train``: the budget
-    spent, :meth:`mtpipe.training.train.Trainer.progress`): a run that ``train.max_time`` ends is done when its minutes are,
-    not at the ``n/total`` updates of its epoch or step cap that the count beside the bar shows."""
+    spent, :meth:`mtpipe.training.budget.Budget.progress`): a run that ``train.max_time`` ends is done when its
+    minutes are, not at the ``n/total`` updates of its epoch or step cap that the count beside the bar shows."""
 
     def render(self, task: Any) -> Any:
         bar = super().render(task)

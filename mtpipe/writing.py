@@ -43,6 +43,7 @@ from mtpipe.artifacts import (
     file_hash,
     manifest_hash,
 )
+from mtpipe.atomic import _umask, atomic_write_text  # noqa: F401 (atomic_write_text: writing's own, used by its callers)
 from mtpipe.errors import MtpipeError, os_reason
 
 
@@ -235,12 +236,6 @@ class ArtifactWriter:
             raise
 
 
-def _umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
-
-
 def usual_permissions(root: Path) -> None:
     """Give ``root`` and everything below it the permissions a plain ``open`` / ``mkdir`` would: files
     ``0o666 & ~umask``, directories ``0o777 & ~umask`` (symbolic links are left alone).
@@ -269,28 +264,6 @@ def replace_dir(src: Path, dst: Path) -> None:
     os.rename(src, dst)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def atomic_write_text(path: Path | str, text: str) -> None:
-    """Write a single file atomically (temp file in the same directory, then rename), with the permissions a plain
-    ``open`` would give; an OS error becomes one :class:`MtpipeError` line and leaves ``path`` as it was."""
-    path = Path(path)
-    tmp: str | None = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent)
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError as e:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        raise MtpipeError(f"{path}: cannot write ({os_reason(e)})") from None
-    except BaseException:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def check_run_dir(out: Path | str, *, force: bool = False) -> None:

@@ -90,24 +90,28 @@ def small_corpus(tmp_path: Path) -> Path:
 
 
 def assert_steps_match_forward(model, src, tgt, reorder=None) -> None:
-    """Incremental decoding (``encode`` / ``start`` / ``step`` with the self-attention cache) gives the full
-    teacher-forced forward pass's log-probabilities at every target position; with ``reorder`` (a row index), one
-    more step after ``state.select(reorder)`` gives the rows ``reorder`` of the same step without it (beam search
-    reorders and drops rows). ``src`` ``[B, S]``, ``tgt`` ``[B, T]`` starting with BOS."""
+    """Incremental decoding (the prepared model's ``encode`` / ``start`` / ``step`` with the self-attention cache,
+    :func:`mtpipe.engine.variants.prepare`) gives the full teacher-forced forward pass's log-probabilities at every
+    target position; with ``reorder`` (a row index), one more step after ``state.select(reorder)`` gives the rows
+    ``reorder`` of the same step without it (beam search reorders and drops rows). ``src`` ``[B, S]``, ``tgt``
+    ``[B, T]`` starting with BOS."""
     import torch
+
+    from mtpipe.engine.variants import prepare
 
     with torch.no_grad():
         full = torch.log_softmax(model(src, tgt).float(), dim=-1)  # [B, T, V]
-        state = model.start(*model.encode(src))
+        prepared = prepare(model, "fp32", torch.device("cpu"))
+        state = prepared.start(*prepared.encode(src))
         for t in range(tgt.size(1)):
-            logp, state = model.step(tgt[:, t], state)
+            logp, state = prepared.step(tgt[:, t], state)
             torch.testing.assert_close(logp, full[:, t], rtol=1e-4, atol=1e-4)
         if reorder is None:
             return
         nxt = torch.randint(4, full.size(-1), (src.size(0),))
         selected = state.select(reorder)  # before the step below: only the newest state may be selected from
-        logp_all, _ = model.step(nxt, state)
-        logp_sel, _ = model.step(nxt[reorder], selected)
+        logp_all, _ = prepared.step(nxt, state)
+        logp_sel, _ = prepared.step(nxt[reorder], selected)
     torch.testing.assert_close(logp_sel, logp_all[reorder], rtol=1e-4, atol=1e-4)
 
 

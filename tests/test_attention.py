@@ -22,7 +22,7 @@ from mtpipe.stages.attention import (GRID_LABELS, HEAD_LABELS, KINDS, MAX_PIECES
                               chosen_layers, head_figure, layer_figure, record_attention, tick_labels)
 from mtpipe.cli import app
 from mtpipe.config import MAX_BEAM, ModelConfig, to_dict
-from mtpipe.stages.decode import translate_batches
+from mtpipe.engine.translate import translate_batches
 from mtpipe.errors import MtpipeError
 from mtpipe.model.transformer import Transformer
 from mtpipe.engine.search import DecodeRules, LengthPenalty

@@ -1,4 +1,4 @@
-"""params.yaml loading, strictness, and CLI flags overriding it."""
+"""params.yaml loading, strictness, CLI flags overriding it, and the rules across keys and sections."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from mtpipe.cli import app
-from mtpipe.config import SECTIONS, BpeConfig, ModelConfig, field_types, load_params, resolve
+from mtpipe.config import SECTIONS, BpeConfig, ModelConfig
+from mtpipe.params import field_types, load_params, resolve
 from mtpipe.errors import MtpipeError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,7 +192,8 @@ def test_recipes_differ_from_params_yaml_only_where_they_say_why(recipe: Path):
 
 def test_every_field_rule_is_enforced_from_params_and_flags(tmp_path: Path):
     """Ranges and choices live in the fields (config owns validation): a bad value fails however it arrives."""
-    from mtpipe.config import MODEL_PRESETS, TrainConfig, make_section
+    from mtpipe.config import MODEL_PRESETS, TrainConfig
+    from mtpipe.params import make_section
 
     preset = next(f for f in dataclasses.fields(ModelConfig) if f.name == "preset")
     assert set(preset.metadata["choices"]) == set(MODEL_PRESETS)
@@ -205,3 +207,78 @@ def test_every_field_rule_is_enforced_from_params_and_flags(tmp_path: Path):
     assert res.exit_code == 1 and f"{p}: bucket.multiple_of = 0 must be >= 1" in res.output
     res = CliRunner().invoke(app, ["bucket", "--max-len", "1", "--out", str(tmp_path / "b")])
     assert res.exit_code == 1 and "--max-len: bucket.max_len = 1 must be >= 2" in res.output
+
+
+# The rules across keys of one section (Section.check) and across sections (check_sections), each with a value
+# that breaks it: an error naming the keys, however the section is built.
+CROSS_KEY = [
+    ("fetch", dict(src_lang="en", tgt_lang="en"), "fetch.src_lang and fetch.tgt_lang are both 'en'"),
+    ("fetch", dict(min_len=5, max_len=4), "fetch.min_len=5 / fetch.max_len=4"),
+    ("bpe", dict(vocab_size=4), "bpe.vocab_size=4: must be larger than the 4 special tokens"),
+    ("bpe", dict(dropout=0.1), "bpe.dropout=0.1 with bpe.dropout_copies=0"),
+    ("bpe", dict(dropout_copies=2), "bpe.dropout=0.0 with bpe.dropout_copies=2"),
+    ("bucket", dict(max_tokens=100, max_len=256), "bucket.max_tokens=100 is smaller than bucket.max_len=256"),
+    ("train", dict(max_steps=0, max_epochs=0, max_time=0.0), "at least one stopping criterion"),
+    ("train", dict(max_steps=0, max_time=5.0, drophead_start=0.1), "train.drophead_start/drophead_end"),
+    ("train", dict(stop_metric="valid_bleu"), "train.stop_metric=valid_bleu: needs validation BLEU"),
+    ("train", dict(patience=2, valid_every_steps=0), "train.patience: counts validations of valid_ppl"),
+    ("decode", dict(beam=2, nbest=3), r"decode.nbest: 3 is not between 1 and decode.beam \(2\)"),
+    ("decode", dict(engine="ctranslate2", precision="bf16"), "decode.precision: bf16 applies to engine mtpipe"),
+    ("decode", dict(engine="ctranslate2", prune="every_other"), "decode.prune: not available with engine ctranslate2"),
+    ("decode", dict(engine="ctranslate2", compile=True), "decode.compile: applies to engine mtpipe"),
+    ("decode", dict(precision="int8", compile=True), "decode.compile: applies to precision fp32 and bf16"),
+    ("export", dict(format="marian", quantization="int8"), "applies to CTranslate2 only; use 'none' with format "
+     "marian"),
+]
+
+
+@pytest.mark.parametrize("section, values, match", CROSS_KEY, ids=[f"{s}-{'-'.join(v)}" for s, v, _ in CROSS_KEY])
+def test_rules_across_keys_hold_however_a_section_is_built(section: str, values: dict, match: str):
+    with pytest.raises(MtpipeError, match=match):
+        SECTIONS[section](**values)
+    with pytest.raises(MtpipeError, match=match):
+        resolve(SECTIONS[section], {section: values})
+
+
+def test_params_yaml_may_hold_half_of_a_pair_that_a_flag_completes(tmp_path: Path):
+    """Each key of params.yaml is checked alone when the file is read; the rules across keys when the section is
+    built from the file and the flags together."""
+    from mtpipe.config import BucketConfig, TrainConfig
+
+    p = tmp_path / "params.yaml"
+    p.write_text("bucket:\n  max_len: 5000\ntrain:\n  max_steps: 0\n  max_epochs: 0\n")
+    params = load_params(p)
+    assert resolve(BucketConfig, params, {"max_tokens": 6000}).max_len == 5000
+    assert resolve(TrainConfig, params, {"max_time": 3.0}).max_time == 3.0
+    with pytest.raises(MtpipeError, match="bucket.max_tokens=4096 is smaller than bucket.max_len=5000"):
+        resolve(BucketConfig, params)
+
+
+def test_rules_across_sections():
+    from mtpipe.config import DecodeConfig, ServeConfig, TrainConfig, check_sections
+
+    check_sections(model=ModelConfig(layerdrop=0.2), train=TrainConfig(), decode=DecodeConfig(), serve=ServeConfig())
+    check_sections(model=ModelConfig(layerdrop=0.2))  # a section alone: nothing to compare
+    with pytest.raises(MtpipeError, match="train.compile: not supported with model.layerdrop > 0"):
+        check_sections(model=ModelConfig(layerdrop=0.2), train=TrainConfig(compile=True))
+    with pytest.raises(MtpipeError, match="decode.beam = 9 is over serve.max_beam = 8"):
+        check_sections(serve=ServeConfig(), decode=DecodeConfig(beam=9))
+    with pytest.raises(MtpipeError, match="decode.alpha = 5 is over serve.max_alpha = 4"):
+        check_sections(serve=ServeConfig(), decode=DecodeConfig(alpha=5.0))
+    with pytest.raises(MtpipeError, match="serve.batching=continuous needs decode.engine=mtpipe"):
+        check_sections(serve=ServeConfig(batching="continuous"), decode=DecodeConfig(engine="ctranslate2"))
+
+
+def test_cross_section_rules_apply_to_the_sections_a_command_reads(tmp_path: Path):
+    """`mtpipe train` checks model against train where it loads them: one line, before anything is read."""
+    res = CliRunner().invoke(app, ["train", "--layerdrop", "0.2", "--compile", "--tokens", str(tmp_path / "t"),
+                                   "--batches", str(tmp_path / "b"), "--out", str(tmp_path / "run")])
+    assert res.exit_code == 1 and "train.compile: not supported with model.layerdrop > 0" in res.output
+    assert len(res.output.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_special_tokens_count_matches_the_vocabulary_layout():
+    from mtpipe.artifacts import SPECIALS
+    from mtpipe.config import SPECIAL_TOKENS
+
+    assert SPECIAL_TOKENS == len(SPECIALS) and sorted(SPECIALS.values()) == list(range(SPECIAL_TOKENS))

@@ -17,14 +17,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_steps_match_forward
+from oracles import translate_uncached
 
-import mtpipe.model.transformer as model_module
-from mtpipe.model import kernels
+from mtpipe.engine import packed as packing
+from mtpipe.model import ops
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mtpipe.config import DecodeConfig, ModelConfig
-from mtpipe.stages.decode import batches_by_tokens, translate, translate_batches, validate
+from mtpipe.engine.translate import batches_by_tokens, translate, translate_batches
 from mtpipe.errors import MtpipeError
-from mtpipe.model.kernels import Linear
 from mtpipe.model.transformer import Transformer
 from mtpipe.engine.search import DecodeRules, LengthPenalty, beam_search
 from mtpipe.engine.step_package import PackagedStep
@@ -125,6 +125,26 @@ def greedy(model: Transformer, src: list[int], max_len: int, penalty: LengthPena
             if tok == EOS_ID:
                 return out, total / penalty(len(out) + 1)
             out.append(tok)
+
+
+def decode_prepared(prepared, srcs: list[list[int]], cfg: DecodeConfig, device: str = "cpu") -> list:
+    """:func:`translate` on a model already prepared (as :class:`mtpipe.engine.translate.MtpipeEngine` decodes):
+    ``cfg``'s rules, batches and precision."""
+    from mtpipe.engine.translate import search_prepared
+
+    return search_prepared(prepared, srcs, DecodeRules.from_config(cfg), max_tokens=cfg.max_tokens,
+                           precision=cfg.precision, device=torch.device(device))
+
+
+def graphed(model: Transformer, capture: bool = False):
+    """``model`` prepared to decode in float32 on CPU with decode.cuda_graphs's step: on a CPU without recording
+    graphs (``capture=False``), the same padded computation on the same buffers."""
+    from mtpipe.engine.cuda_graphs import GraphedStep
+    from mtpipe.engine.variants import prepare
+
+    prepared = prepare(model, "fp32", torch.device("cpu"))
+    prepared.graphs = GraphedStep(prepared.model, prepared.project, capture=capture)
+    return prepared
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -374,7 +394,7 @@ def test_incremental_decoding_matches_full_re_decoding(model):
     cfg = DecodeConfig(beam=4, max_len_b=24, nbest=3)
     srcs = sources(10, seed=5)
     cached = translate(model, srcs, cfg)
-    uncached = translate(model, srcs, cfg, cache=False)
+    uncached = translate_uncached(model, srcs, cfg)
     for a, b in zip(cached, uncached):
         assert [h.tokens for h in a] == [h.tokens for h in b]
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
@@ -455,17 +475,19 @@ def test_batched_decoding_keeps_input_order_and_equals_one_at_a_time(model):
     cfg = DecodeConfig(beam=4, max_len_b=8, max_tokens=60)  # several batches of mixed lengths
     assert len(batches_by_tokens([len(s) + 1 for s in srcs], cfg.max_tokens)) > 2
     rows_per_step: list[int] = []
-    step = model.step
+    from mtpipe.engine.variants import Prepared
 
-    def recording_step(tokens, state, **kw):
+    step = Prepared.step
+
+    def recording_step(self, tokens, state, **kw):
         rows_per_step.append(len(tokens))
-        return step(tokens, state, **kw)
+        return step(self, tokens, state, **kw)
 
-    model.step = recording_step  # instance attribute: translate() looks up model.step
+    Prepared.step = recording_step  # the prepared model's step, which translate() runs
     try:
         batched = translate(model, srcs, cfg)
     finally:
-        del model.step
+        Prepared.step = step
     # Sentences leave the batch as they finish: the row count falls within a batch (not only at batch ends).
     assert any(b < a and b > 0 for a, b in zip(rows_per_step, rows_per_step[1:]))
     one_by_one = [translate(model, [s], cfg)[0] for s in srcs]
@@ -474,26 +496,26 @@ def test_batched_decoding_keeps_input_order_and_equals_one_at_a_time(model):
         assert a[0].score == pytest.approx(b[0].score, abs=1e-4)
 
 
-@pytest.mark.skipif(not kernels._ONEDNN_AVAILABLE, reason="this torch build has no oneDNN")
+@pytest.mark.skipif(not ops._ONEDNN_AVAILABLE, reason="this torch build has no oneDNN")
 def test_packed_layer_weights_decode_what_the_plain_layers_decode(model, monkeypatch):
-    """Every linear layer on its kept packed copy (the threshold at 1 multiply-add) finds the same hypotheses as the
-    layers' usual products; drop_decoding_copies (training's valid BLEU) frees the copies, and the model decodes
-    the same again afterwards."""
+    """Every linear layer of the float32 CPU variant on its packed copy (the threshold at 1 multiply-add) finds the
+    same hypotheses as the layers' usual products, call after call (each prepares its own variant)."""
+    from mtpipe.engine.variants import prepare
+
     srcs = sources(12, seed=21)
     cfg = DecodeConfig(beam=3, max_len_b=8)
-    monkeypatch.setattr(kernels, "PACK_DECODING_LINEARS", False)
+    monkeypatch.setattr(packing, "PACK_DECODING_LINEARS", False)
     plain = translate(model, srcs, cfg)
-    monkeypatch.setattr(kernels, "PACK_DECODING_LINEARS", True)
-    monkeypatch.setattr(kernels, "_PACKED_MIN_MACS", 1)
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    monkeypatch.setattr(packing, "PACK_DECODING_LINEARS", True)
+    monkeypatch.setattr(packing, "_PACKED_MIN_MACS", 1)
+    layers = [m for m in prepare(model, "fp32", torch.device("cpu")).model.modules()
+              if isinstance(m, packing.PackedLinear)]
+    assert layers and all(m.packed is not None for m in layers)  # every layer has its packed copy
     for _ in range(2):
         packed = translate(model, srcs, cfg)
-        assert all(m.packed._packed is not None for m in layers)  # every layer decoded on its packed copy
         for a, b in zip(plain, packed):
             assert a[0].tokens == b[0].tokens
             assert a[0].score == pytest.approx(b[0].score, abs=1e-4)
-        kernels.drop_decoding_copies(model)
-        assert all(m.packed._packed is None for m in layers) and model._decoding_projection._matrix is None
 
 
 def test_bf16_autocast_decodes(model):
@@ -508,7 +530,7 @@ def test_the_cache_slots_table_reads_what_a_reordered_cache_holds():
     # DecoderState keeps every position's keys where the step wrote them and reorders a table of slots instead. Against
     # a cache physically reordered at every select: beam widening, reorders, sentences leaving, more positions than
     # the first allocation (growth), sentences joining (continuous batching) and the oldest positions dropped.
-    from mtpipe.model.transformer import DecoderState
+    from mtpipe.engine.cache import DecoderState
 
     g = torch.Generator().manual_seed(5)
     layers, heads, d = 2, 2, 3
@@ -552,22 +574,31 @@ def test_the_cache_slots_table_reads_what_a_reordered_cache_holds():
 
 
 def test_compiled_step_decodes_what_the_eager_step_decodes(model, monkeypatch):
-    # decode.compile: Transformer.step_layers compiled, from the third step on (float32 on CPU: packaged ahead of
-    # time, mtpipe.engine.step_package; bf16: torch.compile). Sentences of mixed lengths finish at different steps, so the
-    # batch runs with several sentences and then with one alone (run as two copies of itself, in the same graph);
-    # the beam search must find the same hypotheses with the same scores. float32 with the graph gathering the
-    # cached keys/values itself (the tiny model's rows are short: forced), bf16 below with them gathered before it.
+    # decode.compile: the model's step (Transformer.step) compiled, from the third step on (aot, float32 on CPU:
+    # packaged ahead of time, mtpipe.engine.step_package; bf16: torch.compile). Sentences of mixed lengths finish at
+    # different steps, so the batch runs with several sentences and then with one alone (run as two copies of itself,
+    # in the same graph); the beam search must find the same hypotheses with the same scores. float32 with the graph
+    # gathering the cached keys/values itself (the tiny model's rows are short: forced), bf16 below with them
+    # gathered before it.
     import torch._dynamo.config
     import torch._inductor.config
+    from torch._dynamo.utils import counters
 
-    monkeypatch.setattr("mtpipe.model.transformer._GATHER_IN_GRAPH_BYTES", 0)
+    from mtpipe.engine import runners
+    from mtpipe.engine.translate import MtpipeEngine
+    from mtpipe.engine.variants import prepare
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(runners, "_GATHER_IN_GRAPH_BYTES", 0)
     # the longest source alone: its outputs, which the length limit (source + 10) ends last, run alone at the end
     srcs = sources(6, seed=11, lo=2, hi=14) + sources(1, seed=12, lo=15, hi=16)
     cfg = DecodeConfig(beam=3, max_len_b=10, max_tokens=1000, nbest=3)
     eager = translate(model, srcs, cfg)
-    compiled = copy.deepcopy(model)
-    compiled.compile_step()
-    inner, calls, sentences, settings, entered = compiled._compiled_step, [], [], [], []
+    source = copy.deepcopy(model)
+    compiled = prepare(source, "fp32", cpu, compile="aot")
+    # the variant holds weights of its own: a graph frozen on them never meets weights changed in place
+    assert not {id(t) for t in compiled.model.parameters()} & {id(t) for t in source.parameters()}
+    inner, calls, sentences, settings, entered = compiled.compiled.fn, [], [], [], []
 
     def call(*args):  # the rows and sentences of each call, and the settings it runs (and may trace a graph) under
         calls.append(args[0].size(0))
@@ -576,14 +607,11 @@ def test_compiled_step_decodes_what_the_eager_step_decodes(model, monkeypatch):
         settings.append((torch._inductor.config.freezing, torch._dynamo.config.specialize_float))
         return inner(*args)
 
-    compiled._compiled_step = call
-    real_settings = model_module._settings
-    monkeypatch.setattr(model_module, "_settings", lambda frozen: entered.append(frozen) or real_settings(frozen))
-    from torch._dynamo.utils import counters
-
+    compiled.compiled.fn = call
+    real_settings = runners._settings
+    monkeypatch.setattr(runners, "_settings", lambda frozen: entered.append(frozen) or real_settings(frozen))
     graphs = counters["stats"]["unique_graphs"]
-    out = translate(compiled, srcs, dataclasses.replace(cfg, compile=True))
-    assert model._compiled_step is None
+    out = decode_prepared(compiled, srcs, cfg)
     assert max(calls) == 7 * 3 and min(calls) < 7 * 3  # the compiled step ran, on the whole batch and as it shrank
     # ... down to the last sentence, which ran as two (torch would specialise a size of 1): one graph for them all
     assert (2, True) in sentences and min(n for n, _ in sentences) == 2 and calls[-1] == 2 * 3
@@ -592,46 +620,52 @@ def test_compiled_step_decodes_what_the_eager_step_decodes(model, monkeypatch):
     # Its settings (weights frozen into the graph, the step's floats constants) were in force at every call, where
     # a graph may be traced, and were entered once around the whole decode, not by every step.
     assert set(settings) == {(True, True)} and entered == [True]
-    # So do the engines, which pass their prepared (compiled) model to translate_batches without compile=True.
-    translate_batches(compiled, srcs, DecodeRules.from_config(cfg), max_tokens=cfg.max_tokens)
+    # So does an engine holding the prepared model (stdin's lines, a server's requests): once per call.
+    MtpipeEngine(compiled, cpu, "fp32", cfg.max_tokens).translate(srcs, DecodeRules.from_config(cfg))
     assert set(settings) == {(True, True)} and entered == [True, True]
     assert (torch._inductor.config.freezing, torch._dynamo.config.specialize_float) == (False, False)  # left after
-    # A copy (bf16_copy and prune make them) never runs its original's compiled step, which holds the original weights.
-    twin, ran = copy.deepcopy(compiled), len(calls)
-    assert translate(twin, srcs[:2], cfg)[0][0].tokens == eager[0][0].tokens and len(calls) == ran
+    # The compiled step belongs to the prepared variant: the model it was prepared from, prepared without
+    # decode.compile, decodes eagerly.
+    ran = len(calls)
+    assert translate(source, srcs[:2], cfg)[0][0].tokens == eager[0][0].tokens and len(calls) == ran
     for a, b in zip(eager, out):
         assert [h.tokens for h in a] == [h.tokens for h in b]
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
 
-    monkeypatch.setattr("mtpipe.model.transformer._GATHER_IN_GRAPH_BYTES", 1 << 30)
+    monkeypatch.setattr(runners, "_GATHER_IN_GRAPH_BYTES", 1 << 30)
     cfg16 = dataclasses.replace(cfg, precision="bf16", nbest=1)
     eager16 = translate(model, srcs, cfg16)
-    out16 = translate(model, srcs, dataclasses.replace(cfg16, compile=True))
+    out16 = translate(model, srcs, dataclasses.replace(cfg16, compile="jit"))
     same = sum(a[0].tokens == b[0].tokens for a, b in zip(eager16, out16))
     assert same >= len(srcs) - 1  # bf16 rounding differs between the two: a near tie may go the other way
 
-    # On CPU the graph holds the weights as constants (inductor's freezing). After an in-place update of the weights
-    # the step is built again, so it decodes with the new ones: not a mix of new cross-attention keys (projected
-    # eagerly) and the old layers.
-    assert compiled._frozen_key is not None
+    # A prepared model is a snapshot of the weights it was prepared from (on CPU the graph holds them as constants,
+    # inductor's freezing). After an in-place update of the weights, preparing again builds a package of the new
+    # weights and decodes with them (not a mix of new cross-attention keys and the old layers), while the earlier
+    # prepared model goes on decoding with the old ones.
     fresh = copy.deepcopy(model)
     torch.manual_seed(123)
     fresh.reset_parameters()
     expected = translate(fresh, srcs, cfg)
     assert [h[0].tokens for h in expected] != [h[0].tokens for h in eager]  # the update changes the translations
-    compiled.load_state_dict(fresh.state_dict())
-    again = translate(compiled, srcs, dataclasses.replace(cfg, compile=True))
-    assert [[h.tokens for h in hyps] for hyps in again] == [[h.tokens for h in hyps] for hyps in expected]
+    source.load_state_dict(fresh.state_dict())
+    again = prepare(source, "fp32", cpu, compile="aot")
+    renewed = decode_prepared(again, srcs, cfg)
+    assert [[h.tokens for h in hyps] for hyps in renewed] == [[h.tokens for h in hyps] for hyps in expected]
+    assert again.compiled.fn.built == 1  # a package of its own: the new weights' key
+    ran = len(calls)
+    old = decode_prepared(compiled, srcs, cfg)
+    assert len(calls) > ran  # the earlier compiled step ran ...
+    assert [[h.tokens for h in hyps] for hyps in old] == [[h.tokens for h in hyps] for hyps in eager]  # ... as before
 
     # lone_graph (mtpipe serve, stdin): the lone sentence in a graph of its own, the same hypotheses
     torch.compiler.reset()  # the graphs above (of the same code) out of the way, as a new process would start
-    monkeypatch.setattr("mtpipe.model.transformer._GATHER_IN_GRAPH_BYTES", 0)  # the variant of the first package above
-    own = copy.deepcopy(model)
-    own.compile_step(lone_graph=True)
-    inner_own, own_sentences = own._compiled_step, []
-    own._compiled_step = lambda *args: own_sentences.append(args[5].size(0)) or inner_own(*args)
+    monkeypatch.setattr(runners, "_GATHER_IN_GRAPH_BYTES", 0)  # the variant of the first package above
+    own = prepare(copy.deepcopy(model), "fp32", cpu, compile="aot", lone_graph=True)
+    inner_own, own_sentences = own.compiled.fn, []
+    own.compiled.fn = lambda *args: own_sentences.append(args[5].size(0)) or inner_own(*args)
     graphs = counters["stats"]["unique_graphs"]
-    alone = translate(own, srcs, dataclasses.replace(cfg, compile=True))
+    alone = decode_prepared(own, srcs, cfg)
     # the several sentences' package (the same weights) loaded from disk, the lone sentence's built; no graph
     assert min(own_sentences) == 1 and inner_own.built == 1 and counters["stats"]["unique_graphs"] == graphs
     assert [[h.tokens for h in hyps] for hyps in alone] == [[h.tokens for h in hyps] for hyps in eager]
@@ -647,8 +681,8 @@ def test_graphed_step_decodes_what_the_eager_step_decodes(model, monkeypatch):
     srcs = sources(7, seed=12, lo=2, hi=14) + sources(2, seed=13, lo=34, hi=40)  # source buckets 32 and 64
     cfg = DecodeConfig(beam=3, max_len_b=30, max_tokens=120, nbest=3)  # the short and the long in batches apart
     eager = translate(model, srcs, cfg)
-    twin = copy.deepcopy(model)
-    twin.graph_step(capture=False)
+    source = copy.deepcopy(model)
+    twin = graphed(source)
     seen: list[tuple[int, tuple]] = []  # (rows, bucket) of every graphed step
     real_call = cuda_graphs.GraphedStep.__call__
 
@@ -660,27 +694,34 @@ def test_graphed_step_decodes_what_the_eager_step_decodes(model, monkeypatch):
         return real_call(self, x, state)
 
     monkeypatch.setattr(cuda_graphs.GraphedStep, "__call__", counting)
-    out = translate(twin, srcs, cfg)
+    out = decode_prepared(twin, srcs, cfg)
     buckets = {key for _, key in seen}
     assert {key[3] for key in buckets} >= {16, 32} and {key[2] for key in buckets} == {32, 64}
     assert any(rows < key[0] * key[1] for rows, key in seen)  # padded rows
-    assert len(twin._graphed.buckets) == len(buckets) and not any(b.graph for b in twin._graphed.buckets.values())
-    kept, buckets_before = twin._graphed, dict(twin._graphed.buckets)
-    twin.graph_step(capture=False)  # as every translate() of the same model asks again: the graphs so far are kept
-    translate(twin, srcs[:2], cfg)
-    assert twin._graphed is kept and all(kept.buckets.get(k) is b for k, b in buckets_before.items())
-    # Weights that moved (model.to(...), here a round trip through float64) leave the graphs reading freed memory:
-    # the next batch's start forgets them and records new ones, and the translations stay the eager step's.
-    twin.to(torch.float64).to(torch.float32)
-    assert translate(twin, srcs[:2], cfg)[0][0].tokens == eager[0][0].tokens
-    assert kept.buckets and not any(kept.buckets.get(k) is b for k, b in buckets_before.items())
+    assert len(twin.graphs.buckets) == len(buckets) and not any(b.graph for b in twin.graphs.buckets.values())
     for a, b in zip(eager, out):
         assert [h.tokens for h in a] == [h.tokens for h in b]
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
-    # A copy (bf16_copy and prune make them) does not replay its original's graphs, which hold the original weights.
-    twin2, calls = copy.deepcopy(twin), len(seen)
-    assert twin2._graphed is None and translate(twin2, srcs[:2], cfg)[0][0].tokens == eager[0][0].tokens
-    assert len(seen) == calls
+    # A later decode on the same prepared model (an engine's next call) keeps the graphs made so far.
+    kept, buckets_before = twin.graphs, dict(twin.graphs.buckets)
+    assert decode_prepared(twin, srcs[:2], cfg)[0][0].tokens == eager[0][0].tokens
+    assert twin.graphs is kept and all(kept.buckets.get(k) is b for k, b in buckets_before.items())
+    # Graphs read the weights of the variant they were made for, a snapshot: after the weights change in place,
+    # preparing again gives graphs of their own (new buckets), which decode with the new weights as the eager step
+    # does.
+    fresh = copy.deepcopy(model)
+    torch.manual_seed(123)
+    fresh.reset_parameters()
+    expected = translate(fresh, srcs, cfg)
+    assert [h[0].tokens for h in expected] != [h[0].tokens for h in eager]  # the update changes the translations
+    source.load_state_dict(fresh.state_dict())
+    renewed, ran = graphed(source), len(seen)
+    got = decode_prepared(renewed, srcs, cfg)
+    assert len(seen) > ran and renewed.graphs.buckets
+    assert not {id(b) for b in renewed.graphs.buckets.values()} & {id(b) for b in kept.buckets.values()}
+    for a, b in zip(expected, got):
+        assert [h.tokens for h in a] == [h.tokens for h in b]
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
 
 
 def test_graphed_step_takes_sentences_joining_a_running_search(model):
@@ -692,8 +733,7 @@ def test_graphed_step_takes_sentences_joining_a_running_search(model):
     rules = DecodeRules(beam=4, nbest=2, penalty=LengthPenalty("gnmt", 0.6), max_len_b=24)
     srcs = sources(8, seed=21)
     alone = [translate_batches(model, [s], rules, max_tokens=1000)[0] for s in srcs]
-    twin = copy.deepcopy(model)
-    twin.graph_step(capture=False)
+    twin = graphed(model)
     stream = StreamDecoder(twin, rules, max_tokens=10_000)
     got: dict[int, list] = {}
     arrivals = {0: [0, 1], 2: [2, 3], 5: [4], 9: [5, 6, 7]}
@@ -707,7 +747,7 @@ def test_graphed_step_takes_sentences_joining_a_running_search(model):
             joined_late |= state is not None and state.start is not None
             step += 1
             assert step < 200
-    assert joined_late and twin._graphed.buckets
+    assert joined_late and twin.graphs.buckets
     for i, hyps in enumerate(alone):
         assert [h.tokens for h in got[i]] == [h.tokens for h in hyps], i
         assert [h.score for h in got[i]] == pytest.approx([h.score for h in hyps], abs=1e-4)
@@ -723,21 +763,20 @@ def test_a_graph_that_cannot_be_made_falls_back_to_the_eager_step(model, capsys,
     srcs = sources(4, seed=41)
     cfg = DecodeConfig(beam=2, max_len_b=8)
     eager = translate(model, srcs, cfg)
-    twin = copy.deepcopy(model)
-    twin.graph_step(capture=failing == "record")
+    twin = graphed(model, capture=failing == "record")
     if failing == "allocate":
         def no_memory(self, key, x):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
 
         monkeypatch.setattr(cuda_graphs.GraphedStep, "_allocate", no_memory)
-    out = translate(twin, srcs, cfg)
+    out = decode_prepared(twin, srcs, cfg)
     assert [[h.tokens for h in a] for a in out] == [[h.tokens for h in a] for a in eager]
     assert [[h.score for h in a] for a in out] == [[h.score for h in a] for a in eager]
     err = capsys.readouterr()
     warnings = [line for line in (err.out + err.err).splitlines() if "decode.cuda_graphs" in line]
     assert len(warnings) == 1 and "could not be made" in warnings[0] and "eager step" in warnings[0]
     assert ("out of memory" in warnings[0]) == (failing == "allocate")
-    assert not twin._graphed.takes(1) and not twin._graphed.buckets
+    assert not twin.graphs.takes(1) and not twin.graphs.buckets
 
 
 def test_graphed_step_serves_two_searches_taking_turns(model):
@@ -750,8 +789,7 @@ def test_graphed_step_serves_two_searches_taking_turns(model):
     rules = [DecodeRules(beam=2, max_len_b=12), DecodeRules(beam=2, max_len_b=12, penalty=LengthPenalty("gnmt", 1.0))]
     srcs = [sources(3, seed=31), sources(3, seed=32)]
     alone = [[translate_batches(model, [s], r, max_tokens=1000)[0] for s in ss] for r, ss in zip(rules, srcs)]
-    twin = copy.deepcopy(model)
-    twin.graph_step(capture=False)
+    twin = graphed(model)
     streams = [StreamDecoder(twin, r, max_tokens=10_000) for r in rules]
     got: list[dict] = [{}, {}]
     with torch.inference_mode():
@@ -779,16 +817,16 @@ def test_recorded_cuda_graphs_decode_what_the_eager_step_decodes(model, precisio
         torch.manual_seed(0)
         model = Transformer(ModelConfig(preset="tiny", dropout=0.0, max_positions=128, norm_position="pre",
                                         norm="scale", fixnorm=True, positions="learned"), 40).eval()
+    from mtpipe.engine.variants import prepare
+
     gpu = copy.deepcopy(model).cuda()
     srcs = sources(7, seed=12, lo=2, hi=14) + sources(2, seed=13, lo=34, hi=40)
     cfg = DecodeConfig(beam=3, max_len_b=30, max_tokens=120, nbest=3, precision=precision, device="cuda")
     eager = translate(gpu, srcs, dataclasses.replace(cfg, cuda_graphs=False), device="cuda")
-    twin = copy.deepcopy(gpu)
-    out = translate(twin, srcs, cfg, device="cuda")
-    prepared = twin if precision == "fp32" else None
-    if prepared is not None:
-        assert prepared._graphed is not None and len(prepared._graphed.buckets) > 3
-        assert all(b.graph is not None for b in prepared._graphed.buckets.values())
+    prepared = prepare(gpu, precision, torch.device("cuda"), cuda_graphs=True)
+    out = decode_prepared(prepared, srcs, cfg, device="cuda")
+    assert prepared.graphs is not None and len(prepared.graphs.buckets) > 3
+    assert all(b.graph is not None for b in prepared.graphs.buckets.values())
     same = sum([h.tokens for h in a] == [h.tokens for h in b] for a, b in zip(eager, out))
     assert same >= len(srcs) - (0 if precision == "fp32" else 2)  # bf16: a near tie may go the other way
     for a, b in zip(eager, out):
@@ -797,37 +835,43 @@ def test_recorded_cuda_graphs_decode_what_the_eager_step_decodes(model, precisio
 
 
 def test_cuda_graphs_apply_on_a_gpu_only_and_not_to_restricted_attention(model):
-    from mtpipe.stages.decode import decoding_model
+    """decode.cuda_graphs: a model prepared for a GPU gets the graphed step (its graphs made at first use, so nothing
+    here needs a GPU); not on CPU, not with restricted self-attention, and not with decode.compile, whose step runs
+    instead."""
+    from mtpipe.engine.cuda_graphs import GraphedStep
+    from mtpipe.engine.variants import prepare
 
-    cpu = decoding_model(copy.deepcopy(model), "fp32", torch.device("cpu"), cuda_graphs=True)
-    assert cpu._graphed is None  # decode.cuda_graphs has no effect on CPU
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert isinstance(prepare(copy.deepcopy(model), "fp32", gpu, cuda_graphs=True).graphs, GraphedStep)
+    assert prepare(copy.deepcopy(model), "fp32", gpu, cuda_graphs=False).graphs is None
+    assert prepare(model, "fp32", cpu, cuda_graphs=True).graphs is None  # decode.cuda_graphs has no effect on CPU
     torch.manual_seed(0)
     windowed = Transformer(ModelConfig(preset="tiny", dropout=0.0, attention_window=3), 40).eval()
-    windowed.graph_step(capture=False)
-    assert windowed._graphed is None  # its window is the last r cached positions, which padding would move
-    compiled = copy.deepcopy(model)
-    compiled.compile_step()
-    compiled.graph_step(capture=False)
-    assert compiled._graphed is None  # decode.compile's step runs instead
+    # its window is the last r cached positions, which padding would move
+    assert prepare(windowed, "fp32", gpu, cuda_graphs=True).graphs is None
+    compiled = prepare(copy.deepcopy(model), "fp32", gpu, compile="jit", cuda_graphs=True)
+    assert compiled.graphs is None and compiled.compiled is not None  # decode.compile's step runs instead
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
-def test_the_engine_makes_its_precision_copy_once(model, precision):
-    """A bf16 or int8 engine copies (quantises) the weights once, not per call (stdin's lines and a server's
-    requests are many calls), and decodes what the one-off path decodes."""
-    from mtpipe.stages.decode import MtpipeEngine
+def test_the_engine_makes_its_precision_copy_once(model, precision, monkeypatch):
+    """A bf16 or int8 engine copies (quantises) the weights once, when it opens, not per call (stdin's lines and a
+    server's requests are many calls), and decodes what the one-off path decodes."""
+    import mtpipe.engine.variants as variants
+    from mtpipe.engine.translate import MtpipeEngine
 
     cfg = DecodeConfig(beam=2, max_len_b=6, precision=precision, threads=1)
-    engine = MtpipeEngine.open(copy.deepcopy(model), cfg)
+    loaded = copy.deepcopy(model)
+    engine = MtpipeEngine.open(loaded, cfg)
+    prepared: list[object] = []
+    monkeypatch.setattr(variants, "prepare", lambda *a, **k: prepared.append(a))  # no call may prepare again
     rules = DecodeRules.from_config(cfg)
     srcs = sources(4, seed=5)
     first = engine.translate(srcs[:2], rules)
-    prepared = engine.prepared()
     second = engine.translate(srcs[2:], rules)
-    assert engine.prepared() is prepared and prepared is not engine.model
-    if precision == "bf16":
-        assert next(prepared.parameters()).dtype == torch.bfloat16
-    assert next(engine.model.parameters()).dtype == torch.float32  # the loaded model is left as it was
+    assert prepared == []
+    assert next(loaded.parameters()).dtype == torch.float32  # the loaded model is left as it was
+    monkeypatch.undo()
     want = translate(model, srcs[:2], cfg) + translate(model, srcs[2:], cfg)  # the same batches (int8 quantises
     for got, ref in zip(first + second, want):  # each batch's activations with one scale)
         assert [h.tokens for h in got] == [h.tokens for h in ref]
@@ -837,16 +881,17 @@ def test_the_engine_makes_its_precision_copy_once(model, precision):
 def test_a_failed_compile_is_one_clear_error(model):
     # What a machine without a C++ compiler gets from torch.compile (an InductorError, a TorchDynamoException) becomes
     # an MtpipeError that says what failed and what to do: the CLI prints one line and exits non-zero.
-    broken = copy.deepcopy(model)
-    broken.compile_step()
+    from mtpipe.engine.variants import prepare
+
+    broken = prepare(copy.deepcopy(model), "fp32", torch.device("cpu"), compile="jit")
 
     def no_compiler(*args):
         raise torch._dynamo.exc.TorchDynamoException("InvalidCxxCompiler: No working C++ compiler found\nmore")
 
-    broken._compiled_step = no_compiler
+    broken.compiled.fn = no_compiler
     with pytest.raises(MtpipeError, match=r"decode.compile: torch.compile could not build the decoder step "
                                           r"\(InvalidCxxCompiler: No working C\+\+ compiler found\); decode without"):
-        translate(broken, sources(2, seed=3, lo=4, hi=8), DecodeConfig(beam=2, max_len_b=6, compile=True))
+        decode_prepared(broken, sources(2, seed=3, lo=4, hi=8), DecodeConfig(beam=2, max_len_b=6, compile="jit"))
 
 
 def test_a_packaged_step_serves_every_size_its_export_allowed(model, monkeypatch, capsys):
@@ -860,17 +905,17 @@ def test_a_packaged_step_serves_every_size_its_export_allowed(model, monkeypatch
     import random
 
     from mtpipe.engine import step_package
+    from mtpipe.engine.variants import prepare
 
     cache = Path(os.environ["MTPIPE_CACHE_DIR"]) / "bounded"
     monkeypatch.setenv("MTPIPE_CACHE_DIR", str(cache))
     monkeypatch.setenv("MTPIPE_CACHE_MAX_GB", "0")
-    compiled = copy.deepcopy(model)
-    compiled.compile_step()
-    step = compiled._compiled_step
+    compiled = prepare(copy.deepcopy(model), "fp32", torch.device("cpu"), compile="aot")
+    step = compiled.compiled.fn
     few, many = sources(2, seed=21, lo=3, hi=6), sources(7, seed=22, lo=2, hi=14)
     for srcs, beam in ((few, 2), (many, 3), (many, 1), (few, 1)):
-        cfg = DecodeConfig(beam=beam, max_len_b=8, max_tokens=1000, compile=True)
-        got = translate(compiled, srcs, cfg)
+        cfg = DecodeConfig(beam=beam, max_len_b=8, max_tokens=1000, compile="aot")
+        got = decode_prepared(compiled, srcs, cfg)
         want = translate(model, srcs, dataclasses.replace(cfg, compile=False))
         assert [h[0].tokens for h in got] == [h[0].tokens for h in want], (len(srcs), beam)
         assert [h[0].score for h in got] == pytest.approx([h[0].score for h in want], abs=1e-4)
@@ -884,13 +929,12 @@ def test_a_packaged_step_serves_every_size_its_export_allowed(model, monkeypatch
     # written beside it when it was built. Intact, a new model (as a new process) loads it without a word ...
     [package] = packages  # the greedy one, built last
     assert json.loads(package.with_suffix(".json").read_text())["content"] == step_package.content_hash(package)
-    cfg = DecodeConfig(beam=1, max_len_b=8, max_tokens=1000, compile=True)
+    cfg = DecodeConfig(beam=1, max_len_b=8, max_tokens=1000, compile="aot")
     want = [h[0].tokens for h in translate(model, many, dataclasses.replace(cfg, compile=False))]
 
     def decode_anew() -> tuple[PackagedStep, list[list[int]]]:
-        again = copy.deepcopy(model)
-        again.compile_step()
-        return again._compiled_step, [h[0].tokens for h in translate(again, many, cfg)]
+        again = prepare(copy.deepcopy(model), "fp32", torch.device("cpu"), compile="aot")
+        return again.compiled.fn, [h[0].tokens for h in decode_prepared(again, many, cfg)]
 
     step, got = decode_anew()
     assert step.built == 0 and got == want and "decode.compile" not in capsys.readouterr().err
@@ -1023,7 +1067,7 @@ def test_a_step_that_cannot_be_packaged_runs_through_torch_compile(model, monkey
         raise RuntimeError("an operator export cannot trace\nmore")
 
     monkeypatch.setattr(torch.export, "export", no_export)
-    srcs, cfg = sources(3, seed=5, lo=3, hi=9), DecodeConfig(beam=2, max_len_b=6, compile=True)
+    srcs, cfg = sources(3, seed=5, lo=3, hi=9), DecodeConfig(beam=2, max_len_b=6, compile="aot")
     compiled = copy.deepcopy(model)
     out = translate(compiled, srcs, cfg)
     err = capsys.readouterr().err
@@ -1034,11 +1078,29 @@ def test_a_step_that_cannot_be_packaged_runs_through_torch_compile(model, monkey
     assert not list((Path(os.environ["MTPIPE_CACHE_DIR"]) / "decode-step").glob("*.pt2"))
 
 
-def test_a_packaged_step_is_keyed_by_its_weights_and_environment(model, monkeypatch):
-    # A package holds the weights it was built with and code for one CPU dispatch: another model's weights (one
-    # value changed) or an AVX2-restricted process must not load it.
+def test_a_packaged_step_is_keyed_by_its_weights_and_environment(model, monkeypatch, capsys):
+    # decode.compile=aot packages the step (float32 on CPU; elsewhere it is jit, with a note); jit is torch.compile's
+    # step in every process, nothing packaged, and decodes as the eager step does (aot: the tests above).
     from mtpipe.engine import step_package
+    from mtpipe.engine.variants import prepare
 
+    cpu = torch.device("cpu")
+    assert isinstance(prepare(copy.deepcopy(model), "fp32", cpu, compile="aot").compiled.fn, PackagedStep)
+    capsys.readouterr()
+    bf16 = prepare(copy.deepcopy(model), "bf16", cpu, compile="aot")
+    assert bf16.compiled is not None and not isinstance(bf16.compiled.fn, PackagedStep)
+    assert "decode.compile=aot: packaged ahead of time for float32 on CPU only" in "".join(capsys.readouterr())
+    plain = prepare(copy.deepcopy(model), "fp32", cpu, compile="jit")
+    assert plain.compiled is not None and not isinstance(plain.compiled.fn, PackagedStep)
+    srcs, cfg = sources(3, seed=8, lo=3, hi=9), DecodeConfig(beam=2, max_len_b=6)
+    want = translate(model, srcs, cfg)
+    got = decode_prepared(plain, srcs, cfg)
+    assert [h[0].tokens for h in got] == [h[0].tokens for h in want]
+    assert [h[0].score for h in got] == pytest.approx([h[0].score for h in want], abs=1e-4)
+
+    # A package holds the weights it was built with and code for one CPU dispatch and one source of mtpipe's model
+    # and engine: another model's weights (one value changed), an AVX2-restricted process or other code must not
+    # load it.
     digest = step_package.weights_digest(model)
     variant = (False, False, 2, (("torch.float32", 3),))
     key = step_package.package_key(digest, variant)
@@ -1048,15 +1110,14 @@ def test_a_packaged_step_is_keyed_by_its_weights_and_environment(model, monkeypa
         next(other.decoder[0].parameters()).view(-1)[0] += 1e-6
     assert step_package.weights_digest(other) != digest
     assert step_package.package_key(digest, (True,) + variant[1:]) != key  # another input variant
+    assert step_package.package_key(digest, variant) == key  # (the same inputs, the same key)
+    monkeypatch.setattr(step_package, "_source_digest", lambda: "other code")
+    assert step_package.package_key(digest, variant) != key
+    monkeypatch.undo()
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2-restricted")
     assert step_package.package_key(digest, variant) != key
     monkeypatch.setenv("MTPIPE_CACHE_DIR", "/somewhere")
     assert step_package.cache_dir() == Path("/somewhere") / "decode-step"
-    # MTPIPE_STEP_PACKAGE=0: torch.compile's step in every process, nothing packaged
-    monkeypatch.setenv("MTPIPE_STEP_PACKAGE", "0")
-    plain = copy.deepcopy(model)
-    plain.compile_step()
-    assert plain._compiled() and not isinstance(plain._compiled_step, PackagedStep)
 
 
 def test_a_package_without_a_matching_record_is_not_verified(tmp_path):
@@ -1090,9 +1151,9 @@ def test_a_package_without_a_matching_record_is_not_verified(tmp_path):
 
 def test_compile_is_refused_where_it_does_not_apply():
     with pytest.raises(MtpipeError, match="decode.compile: applies to precision fp32 and bf16"):
-        validate(DecodeConfig(compile=True, precision="int8"))
+        DecodeConfig(compile=True, precision="int8")
     with pytest.raises(MtpipeError, match="decode.compile: applies to engine mtpipe"):
-        validate(DecodeConfig(compile=True, engine="ctranslate2"))
+        DecodeConfig(compile=True, engine="ctranslate2")
 
 
 def test_decoding_context_keeps_cudnn_attention_out_on_gpus_only():
@@ -1100,7 +1161,7 @@ def test_decoding_context_keeps_cudnn_attention_out_on_gpus_only():
     keys are one longer), with the others allowed; on CPU the backend switches stay as they are; both restored after.
     The switches are process-wide flags that exist without a GPU, so this runs anywhere (CUDA autocast does not:
     a CPU-only torch turns it off with a warning, so the bf16 half is checked on CPU)."""
-    from mtpipe.stages.decode import decoding_context
+    from mtpipe.engine.variants import decoding_context
 
     cuda = torch.backends.cuda
     before = (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
@@ -1128,11 +1189,12 @@ def test_sentences_joining_a_running_search_decode_as_they_would_alone(model, st
     row uses are dropped as the oldest sentences leave."""
     from mtpipe.engine.search import DecodeRules
     from mtpipe.engine.streaming import StreamDecoder
+    from mtpipe.engine.variants import prepare
 
     rules = DecodeRules(beam=4, nbest=2, penalty=LengthPenalty("gnmt", 0.6), max_len_b=24, stop=stop)
     srcs = sources(12, seed=11)
     alone = [translate_batches(model, [s], rules, max_tokens=1000)[0] for s in srcs]
-    stream = StreamDecoder(model, rules, max_tokens=10_000)
+    stream = StreamDecoder(prepare(model, "fp32", torch.device("cpu")), rules, max_tokens=10_000)
     got: dict[int, list] = {}
     arrivals = {0: [0, 1, 2], 1: [3], 3: [4, 5], 6: [6], 7: [7, 8], 12: [9], 13: [10, 11]}  # step -> sentences
     step, joined_late, shrank = 0, False, False

@@ -25,9 +25,9 @@ from mtpipe import artifacts, writing
 from mtpipe.artifacts import EOS_ID
 from mtpipe.cli import app
 from mtpipe.config import MAX_BEAM, DecodeConfig, to_dict
-from mtpipe.stages.decode import validate
+from mtpipe.engine.search import DecodeRules
 from mtpipe.errors import MtpipeError
-from mtpipe.model.kernels import Linear
+from mtpipe.model.ops import Linear
 
 
 SUBJECTS = [("the dog", "der hund"), ("the cat", "die katze"), ("a man", "ein mann"), ("a woman", "eine frau"),
@@ -103,7 +103,7 @@ def test_int8_decodes_what_fp32_decodes_and_quantises_every_linear_layer(trained
     memorised pairs the outputs are fp32's; reachable from the CLI."""
     import torch.ao.nn.quantized.dynamic as nnqd
 
-    from mtpipe.stages.decode import int8_copy
+    from mtpipe.engine.variants import int8_copy
 
     model = trained["model"]
     q = int8_copy(model)
@@ -156,7 +156,7 @@ def test_cli_compile(trained):
     for out, extra in ((eager, ()), (compiled, ("--compile",))):
         r = cli(trained, *decode_args(trained, out, "--split", "test", *extra))
         assert r.exit_code == 0, r.output
-    assert artifacts.read_manifest(compiled, "hypotheses").extra["decode"]["compile"] is True
+    assert artifacts.read_manifest(compiled, "hypotheses").extra["decode"]["compile"] == "aot"  # the flag alone
     assert "compile seconds (before decoding)" in r.output  # graphs built first, outside the decoding seconds
     assert (compiled / "test.txt").read_text(encoding="utf-8") == (eager / "test.txt").read_text(encoding="utf-8")
 
@@ -266,7 +266,7 @@ def test_beam_and_nbest_over_the_limit_in_params_yaml_name_the_file_key_and_limi
 def test_decode_device_picks_where_to_decode(monkeypatch):
     """decode.device: cpu always; cuda, or an error naming the key where no GPU is visible; auto the GPU when there
     is one, except for int8, which runs on the CPU only (so a GPU machine can decode int8 without hiding its GPU)."""
-    from mtpipe.stages.decode import decoding_device
+    from mtpipe.engine.variants import decoding_device
 
     assert decoding_device("cpu", "fp32").type == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -495,11 +495,11 @@ def test_processes_that_fail_give_one_line_and_no_hang(trained, tmp_path):
     pool = DecodePool(cfg, trained["checkpoint"], trained["tokens"], 2)
     try:
         sources = [[5, 6, 7]] * 40
-        assert len(pool.translate(sources, validate(cfg))) == 40  # it works ...
+        assert len(pool.translate(sources, DecodeRules.from_config(cfg))) == 40  # it works ...
         pool.procs[0]._proc.kill()  # ... until a process dies (e.g. killed for memory)
         pool.procs[0]._proc.join(5)
         with pytest.raises(MtpipeError, match=r"^decode.processes: worker process 0 exited \(code -9\)$"):
-            pool.translate(sources, dataclasses.replace(validate(cfg), beam=2))
+            pool.translate(sources, dataclasses.replace(DecodeRules.from_config(cfg), beam=2))
     finally:
         procs = [w._proc for w in pool.procs]
         pool.close(wait=0)
@@ -562,7 +562,7 @@ def project(trained, tmp_path_factory) -> dict:
 
 
 def test_train_and_average_write_checkpoints_that_carry_their_spm_and_decode_settings(project):
-    from mtpipe.training.resume import list_checkpoints
+    from mtpipe.artifacts import list_checkpoints
 
     found = [d for _, d in list_checkpoints(project["run"])]
     assert len(found) == 2

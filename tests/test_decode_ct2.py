@@ -21,7 +21,7 @@ from conftest import memorise, train_spm  # noqa: E402
 from mtpipe import artifacts, writing  # noqa: E402
 from mtpipe.cli import app  # noqa: E402
 from mtpipe.config import to_dict  # noqa: E402
-from mtpipe.stages.export import export_ctranslate2  # noqa: E402
+from mtpipe.engine.ct2_convert import export_ctranslate2  # noqa: E402
 
 SUBJECTS = [("the dog", "der hund"), ("the cat", "die katze"), ("a man", "ein mann"), ("a woman", "eine frau")]
 VERBS = [("sees", "sieht"), ("likes", "mag"), ("finds", "findet")]

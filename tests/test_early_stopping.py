@@ -15,7 +15,8 @@ import pyarrow as pa
 import pytest
 import torch
 from conftest import synthetic_pairs, train_spm
-from test_train import _pack, make_artifacts, mcfg, tcfg, tsv
+from test_train import mcfg, tcfg
+from testkit.runs import make_artifacts, pack_batches, tsv
 
 from mtpipe import artifacts, writing
 from mtpipe.config import AverageConfig, TrainConfig
@@ -29,15 +30,16 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def script_ppl(monkeypatch: pytest.MonkeyPatch, ppl_at: dict[int, float]) -> None:
     """Replace the validation loss by ``ppl_at[step]``: a known sequence of improvements and setbacks."""
-    from mtpipe.training.train import Trainer
+    from mtpipe.training.state import TrainState
+    from mtpipe.training.validation import Validator
 
-    def valid_loss(self: Trainer) -> dict[str, float]:
-        ppl = ppl_at[self.state.step]
-        self.state.last_valid_step = self.state.step
-        self.state.last_valid = {"valid/loss": math.log(ppl), "valid/nll": math.log(ppl), "valid/ppl": ppl}
-        return self.state.last_valid
+    def valid_loss(self: Validator, loss_module: object, state: TrainState) -> dict[str, float]:
+        ppl = ppl_at[state.step]
+        state.last_valid_step = state.step
+        state.last_valid = {"valid/loss": math.log(ppl), "valid/nll": math.log(ppl), "valid/ppl": ppl}
+        return state.last_valid
 
-    monkeypatch.setattr(Trainer, "valid_loss", valid_loss)
+    monkeypatch.setattr(Validator, "loss", valid_loss)
 
 
 # Validation every 2 updates: the best is 9.0 at step 4, then nothing beats it.
@@ -46,7 +48,7 @@ EARLY = dict(max_steps=20, valid_every_steps=2, save_every_steps=5, keep_last=1,
 
 
 def steps_of(out: Path) -> list[int]:
-    from mtpipe.training.resume import list_checkpoints
+    from mtpipe.artifacts import list_checkpoints
 
     return [s for s, _ in list_checkpoints(out)]
 
@@ -109,7 +111,8 @@ def test_improving_runs_are_not_stopped_and_patience_0_is_off(data: tuple[Path, 
 
 
 def test_best_record_and_pruning_rules() -> None:
-    from mtpipe.training.resume import Best, improves, prunable
+    from mtpipe.training.checkpoints import prunable
+    from mtpipe.training.state import Best, improves
 
     assert improves("valid_ppl", 4.0, 5.0) and not improves("valid_ppl", 5.0, 5.0)
     assert improves("valid_bleu", 20.0, 19.5) and not improves("valid_bleu", 19.0, 19.5)
@@ -160,7 +163,7 @@ def spm_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         w.extra.update(spm_sha256=artifacts.file_hash(root / "spm.model"), vocab_size=sp.get_piece_size())
     with writing.ArtifactWriter(batches, "batches", {"bucket": {"max_tokens": 256}}, upstream={"tokens": tokens}) as w:
         for split, (src, tgt) in enc.items():
-            bs = _pack(src, tgt, 256)
+            bs = pack_batches(src, tgt, 256)
             w.write_table(f"{split}.parquet", pa.table({
                 "batch": list(range(len(bs))), "ids": bs,
                 "src_tokens": [sum(len(src[i]) + 1 for i in b) for b in bs],
@@ -198,17 +201,17 @@ def test_valid_bleu_is_logged_and_leaves_training_unchanged(spm_data: tuple[Path
 def test_valid_bleu_sample_is_fixed_and_references_are_detokenised(spm_data: tuple[Path, Path],
                                                                    tmp_path: Path) -> None:
     from mtpipe.training.batches import load_split
-    from mtpipe.training.train import Trainer
+    from mtpipe.training.trainer import Trainer
 
     tokens, batches = spm_data
     trainer = Trainer(mcfg(max_positions=128), tcfg(**BLEU_RUN), tokens, batches, tmp_path / "out")
-    v = trainer.bleu
+    v = trainer.validator.sample
     assert v is not None and len(v.sources) == 5
     split = load_split(tokens, "valid")
     first, last = (split.src[split.src_off[r]:split.src_off[r + 1]].tolist() for r in (0, len(split.ids) - 1))
     assert v.sources[0] == first and v.sources[-1] == last  # evenly spaced over the split, ends included
     assert all(r.endswith(".") and " " in r and "\u2581" not in r for r in v.references)  # text, not pieces
-    assert trainer.valid_bleu() == trainer.valid_bleu()  # deterministic
+    assert trainer.validator.bleu(trainer.state) == trainer.validator.bleu(trainer.state)  # deterministic
     assert trainer.model.training
 
 
@@ -323,17 +326,18 @@ def test_progress_bar_fills_with_the_budget_not_the_epoch_cap(data: tuple[Path, 
     from rich.progress import BarColumn
 
     from mtpipe.console import progress
-    from mtpipe.training.train import Trainer, train_model
+    from mtpipe.training.budget import Budget
+    from mtpipe.training.train import train_model
 
     seen: list[dict] = []
-    original = Trainer._bar_fields
+    original = Budget.bar_fields
 
-    def recorded(self: Trainer, start_step: int) -> dict:
+    def recorded(self: Budget, start_step: int) -> dict:
         fields = original(self, start_step)
         seen.append({**fields, "step": self.state.step, "total": self.total_steps})
         return fields
 
-    monkeypatch.setattr(Trainer, "_bar_fields", recorded)
+    monkeypatch.setattr(Budget, "bar_fields", recorded)
     train_model(mcfg(), tcfg(max_steps=0, max_epochs=10_000, max_time=0.01, save_every_steps=0, valid_every_steps=0),
                 *data, tmp_path / "out")
     fills = [f["fraction"] for f in seen]
@@ -382,7 +386,8 @@ def test_config_keys_exist_and_are_checked() -> None:
 def test_valid_bleu_and_patience_at_world_size_2(spm_data: tuple[Path, Path], tmp_path: Path) -> None:
     """2 torchrun processes (gloo) split the BLEU sentences and gather them: the same valid/bleu points as 1 process
     with twice the accumulation (the same updates), and both ranks stop together (the launch exits cleanly)."""
-    from test_train import TINY, _command, _run, write_params
+    from test_train import _command, _run
+    from testkit.runs import TINY, write_params
 
     from mtpipe.training.train import train_model
 

@@ -30,10 +30,10 @@ from mtpipe import artifacts, writing  # noqa: E402
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 from mtpipe.cli import app  # noqa: E402
 from mtpipe.config import DecodeConfig, ModelConfig, to_dict  # noqa: E402
-from mtpipe.stages.decode import translate  # noqa: E402
+from mtpipe.engine.translate import translate  # noqa: E402
 from mtpipe.engine.ct2 import ct2_translate, load_ct2  # noqa: E402
 from mtpipe.errors import MtpipeError  # noqa: E402
-from mtpipe.stages.export import export_ctranslate2  # noqa: E402
+from mtpipe.engine.ct2_convert import export_ctranslate2  # noqa: E402
 from mtpipe.model.transformer import Transformer  # noqa: E402
 
 ALPHA = 0.6
@@ -106,7 +106,11 @@ def world(tmp_path_factory):
 
 @torch.no_grad()
 def greedy(model: Transformer, src: list[int], max_len: int) -> list[int]:
-    """Argmax decoding with the model's incremental API; PAD and BOS are never chosen; at most max_len tokens."""
+    """Argmax decoding with the model's incremental API (its float32 eager step, prepared as mtpipe decodes); PAD and
+    BOS are never chosen; at most max_len tokens."""
+    from mtpipe.engine.variants import prepare
+
+    model = prepare(model, "fp32", torch.device("cpu"))
     memory, mask = model.encode(torch.tensor([src + [EOS_ID]]))
     state = model.start(memory, mask)
     token, out = BOS_ID, []
@@ -323,7 +327,7 @@ def untied_model(world, seed: int, **variant) -> Transformer:
 
 @pytest.mark.parametrize("case", list(UNTIED))
 def test_untied_embeddings_output_bias_eos_start_and_per_stack_positions_export_exactly(world, tmp_path, case):
-    from mtpipe.stages.export import _load_source, build_ct2_spec
+    from mtpipe.engine.ct2_convert import build_ct2_spec, load_source
 
     sp, variant = world["sp"], UNTIED[case]
     model = untied_model(world, 7, **variant)
@@ -332,7 +336,7 @@ def test_untied_embeddings_output_bias_eos_start_and_per_stack_positions_export_
     config = json.loads((tmp_path / "ct2" / "config.json").read_text(encoding="utf-8"))
     assert config["decoder_start_token"] == ("</s>" if model.start_id == EOS_ID else "<s>")
     if case == "decoder":  # the target embedding and the projection are stored once
-        spec = build_ct2_spec(_load_source(ckpt, world["tokens"]))
+        spec = build_ct2_spec(load_source(ckpt, world["tokens"]))
         spec.optimize()
         assert spec.decoder.projection.weight == "decoder/embeddings/weight"
         assert not isinstance(spec.encoder.embeddings[0].weight, str)

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from mtpipe import artifacts
 from mtpipe.cli import app
 from mtpipe.config import DecodeConfig
-from mtpipe.stages.decode import translate
+from mtpipe.engine.translate import translate
 from mtpipe.engine.loading import load_model_and_vocab
 
 BOS, PAD, EOS, UNK = 0, 1, 2, 3  # fairseq.data.Dictionary

@@ -1,4 +1,4 @@
-"""The float32 products of :mod:`mtpipe.model.kernels` through oneDNN compute what torch's own products compute: values and
+"""The float32 products of :mod:`mtpipe.model.ops` through oneDNN compute what torch's own products compute: values and
 gradients equal ``F.linear`` / ``torch.mm`` up to float rounding in every operand layout, and the route is taken where
 it should be (and only there: not in compiled code)."""
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtpipe.model import kernels
+from mtpipe.engine import packed
+from mtpipe.model import ops as kernels
 
 pytestmark = pytest.mark.skipif(not kernels._ONEDNN_AVAILABLE, reason="this torch build has no oneDNN")
 
@@ -135,11 +136,12 @@ def test_compiled_code_keeps_the_compilers_own_products(dnn_calls: list) -> None
 
 def test_compiled_decoding_layers_keep_the_compilers_products_without_a_graph_break(dnn_calls: list,
                                                                                   monkeypatch) -> None:
-    # Linear in inference mode (a compiled decoding step) must trace to F.linear in one graph: a check the compiler
-    # cannot trace (torch.is_inference_mode_enabled) before is_compiling broke the graph at every layer.
+    # A packed decoding layer in inference mode (a compiled decoding step) must trace to F.linear in one graph: a
+    # check the compiler cannot trace (torch.is_inference_mode_enabled) before is_compiling broke the graph at every
+    # layer.
     torch._dynamo.reset()
-    monkeypatch.setattr(kernels, "_PACKED_MIN_MACS", 1)
-    first, second = kernels.Linear(16, 32), kernels.Linear(32, 16)
+    monkeypatch.setattr(packed, "_PACKED_MIN_MACS", 1)
+    first, second = packed.PackedLinear(kernels.Linear(16, 32)), packed.PackedLinear(kernels.Linear(32, 16))
     compiled = torch.compile(lambda x: second(torch.relu(first(x))) + x, fullgraph=True, dynamic=True)
     x = torch.randn(5, 16)
     with torch.inference_mode():
@@ -151,43 +153,29 @@ def test_compiled_decoding_layers_keep_the_compilers_products_without_a_graph_br
     torch._dynamo.reset()
 
 
-def test_decoding_linear_uses_a_packed_copy_kept_until_the_weight_changes(monkeypatch: pytest.MonkeyPatch) -> None:
-    # In inference mode (decoding), a float32 CPU product of at least _PACKED_MIN_MACS multiply-adds runs on a kept
-    # packed copy of the weight: packed once, remade when the weight is updated in place or replaced, never used in
-    # training or under no_grad alone (validation), and a deep copy of the layer packs its own.
-    import copy
-
-    packs = []
-    real = kernels._pack
-    monkeypatch.setattr(kernels, "_pack", lambda w: packs.append(1) or real(w))
-    layer = kernels.Linear(24, 40)
-    rows = -(-kernels._PACKED_MIN_MACS // (24 * 40))  # just large enough
+def test_a_packed_decoding_layer_multiplies_by_the_copy_made_from_its_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    # In inference mode (decoding), a float32 CPU product of at least _PACKED_MIN_MACS multiply-adds runs on the
+    # packed copy made once when the layer was made (a snapshot of the weight), never in training or under no_grad
+    # alone (validation); smaller products and --plain layer-packing take the plain route, and an inference-tensor
+    # weight gets no packed copy.
+    weights = []  # the weight operand of every oneDNN product
+    real = kernels._dnn
+    monkeypatch.setattr(kernels, "_dnn", lambda x, w, b=None: weights.append(w) or real(x, w, b))
+    plain = kernels.Linear(24, 40)
+    layer = packed.PackedLinear(plain)
+    assert layer.weight is plain.weight and layer.packed is not None  # packed once, from the layer's own weight
+    rows = -(-max(packed._PACKED_MIN_MACS, kernels._ONEDNN_MIN_MACS) // (24 * 40))  # large enough for both routes
     x = torch.randn(2, rows, 24)
     with torch.inference_mode():
         _close(layer(x), F.linear(x, layer.weight, layer.bias))
-        _close(layer(x), F.linear(x, layer.weight, layer.bias))
-        assert len(packs) == 1  # kept
-        layer(x[:, :1])  # too small: the layer's usual route
-        assert len(packs) == 1
+        assert weights[-1] is layer.packed  # the kept copy
     with torch.no_grad():
-        layer.weight.mul_(-2.0)  # an in-place update (an optimizer step, load_state_dict)
-        layer(x)  # not inference mode: no packed copy
-    assert len(packs) == 1
+        layer(x)  # not inference mode: the plain route
+        assert weights[-1] is layer.weight
     with torch.inference_mode():
-        _close(layer(x), F.linear(x, layer.weight, layer.bias))  # the updated weight, packed again
-        assert len(packs) == 2
-    twin = copy.deepcopy(layer)
-    with torch.inference_mode():
-        _close(twin(x), F.linear(x, layer.weight, layer.bias))
-        assert len(packs) == 3  # the copy packed its own
-        made_here = copy.deepcopy(layer)  # inference tensors: no version counter to tell an update by
-        _close(made_here(x), F.linear(x, layer.weight, layer.bias))
-        assert len(packs) == 3
-        monkeypatch.setattr(kernels, "PACK_DECODING_LINEARS", False)  # bench/decode_speed.py --plain layer-packing
+        monkeypatch.setattr(packed, "PACK_DECODING_LINEARS", False)  # bench/decode_speed.py --plain layer-packing
         _close(layer(x), F.linear(x, layer.weight, layer.bias))
-        assert len(packs) == 3
-    layer.weight = torch.nn.Parameter(torch.randn(40, 24))  # another tensor
-    monkeypatch.setattr(kernels, "PACK_DECODING_LINEARS", True)
-    with torch.inference_mode():
-        _close(layer(x), F.linear(x, layer.weight, layer.bias))
-    assert len(packs) == 4
+        assert weights[-1] is layer.weight
+        monkeypatch.setattr(packed, "PACK_DECODING_LINEARS", True)
+        made_here = packed.PackedLinear(kernels.Linear(24, 40))  # inference tensors: no packed copy
+    assert made_here.packed is None

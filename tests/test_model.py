@@ -118,48 +118,34 @@ def test_incremental_decoding_equals_full_forward(model: Transformer) -> None:
 
 @pytest.mark.parametrize("variant", [{}, {"share_embeddings": "decoder"}, {"share_embeddings": "none"},
                                      {"fixnorm": True, "output_bias": True}])
-def test_decoding_projection_equals_logits_and_follows_the_weights(variant: dict) -> None:
-    """A decoding step's projection (the matrix kept transposed) gives :meth:`Transformer.logits`, for every way the
-    pre-softmax matrix is tied, with FixNorm and an output bias, and again after the weights change in place (as in
-    training, between validations)."""
+@pytest.mark.parametrize("packing", [True, False])
+def test_the_decoding_projection_equals_logits_and_is_a_snapshot_of_the_weights(variant: dict, packing: bool,
+                                                                               monkeypatch) -> None:
+    """A decoding step's projection (the float32 CPU variant's copy of the matrix: oneDNN's packed layout, or the
+    plain ``[D, V]`` copy) gives :meth:`Transformer.logits`, for every way the pre-softmax matrix is tied, with
+    FixNorm and an output bias. It is made from the weights when the variant is prepared: after the weights change
+    in place (as in training, between validations) a variant prepared anew projects with the new ones."""
+    from mtpipe.engine import packed
+    from mtpipe.engine.variants import prepare
+
+    monkeypatch.setattr(packed, "PACK_DECODING_PROJECTION", packing)
     torch.manual_seed(2)
     m = build_model(ModelConfig(**{**CFG.__dict__, **variant}), V).eval()
     h = torch.randn(5, CFG.d_model)
+    before = prepare(m, "fp32", torch.device("cpu"))
+    assert isinstance(before.project, packed.PackedProjection)
     with torch.inference_mode():
-        assert torch.allclose(m.decoding_logits(h), m.logits(h), atol=1e-5)
+        want = m.logits(h)
+        assert torch.allclose(before.project(h), want, atol=1e-5)
     matrix = m.out_proj if m.out_proj is not None else (m.embed_tgt or m.embed).weight
     with torch.no_grad():
         matrix.mul_(-2.0)
         if m.out_bias is not None:
             m.out_bias.add_(1.0)
+    after = prepare(m, "fp32", torch.device("cpu"))
     with torch.inference_mode():
-        assert torch.allclose(m.decoding_logits(h), m.logits(h), atol=1e-5)
-
-
-@pytest.mark.parametrize("packing", [True, False])
-def test_decoding_projection_survives_a_deep_copy_and_each_copy_projects_its_own_weights(packing: bool,
-                                                                                       monkeypatch) -> None:
-    """With oneDNN's packed copy of the matrix (opaque, not copyable) and with the plain ``[D, V]`` copy: a model
-    that has decoded can be deep-copied (as bf16 / int8 decoding and pruning do), and the copy, its weights then
-    changed, projects with its own weights while the original keeps its own."""
-    import copy
-
-    from mtpipe.model import kernels
-
-    monkeypatch.setattr(kernels, "PACK_DECODING_PROJECTION", packing)
-    torch.manual_seed(3)
-    m = build_model(CFG, V).eval()
-    h = torch.randn(7, CFG.d_model)
-    with torch.inference_mode():
-        before = m.decoding_logits(h)
-        assert torch.allclose(before, m.logits(h), atol=1e-5)
-    twin = copy.deepcopy(m)
-    with torch.no_grad():
-        twin.embed.weight.mul_(0.5)
-    with torch.inference_mode():
-        assert torch.allclose(twin.decoding_logits(h), twin.logits(h), atol=1e-5)
-        assert torch.allclose(twin.decoding_logits(h), 0.5 * before, atol=1e-5)
-        assert torch.equal(m.decoding_logits(h), before)
+        assert torch.allclose(after.project(h), m.logits(h), atol=1e-5)
+        assert not torch.allclose(after.project(h), want, atol=1e-3)
 
 
 def test_sinusoids_match_section_3_5() -> None:

@@ -19,7 +19,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def test_linear_schedule_is_the_lower_of_the_warmup_line_and_the_decay_line() -> None:
-    from mtpipe.training.train import learning_rate, linear_learning_rate
+    from mtpipe.training.update import learning_rate, linear_learning_rate
 
     d, w = 512, 4000
     peak = learning_rate(w, d, w)
@@ -42,7 +42,9 @@ def test_linear_schedule_is_the_lower_of_the_warmup_line_and_the_decay_line() ->
 
 def test_linear_schedule_by_steps_logs_its_rate_and_checkpoints_by_progress(data: tuple[Path, Path],
                                                                             tmp_path: Path) -> None:
-    from mtpipe.training.train import linear_learning_rate, list_checkpoints, train_model
+    from mtpipe.artifacts import list_checkpoints
+    from mtpipe.training.train import train_model
+    from mtpipe.training.update import linear_learning_rate
 
     out = tmp_path / "out"
     cfg = tcfg(max_steps=12, warmup=4, schedule="linear", save_every_steps=0, save_every_progress=0.25)

@@ -249,10 +249,11 @@ def test_a_request_joins_the_running_batch_and_a_short_one_is_answered_first(mod
 
     from mtpipe.config import DecodeConfig
     from mtpipe.engine.search import DecodeRules, LengthPenalty
-    from mtpipe.serve.app import Batcher, Job, open_model
+    from mtpipe.engine.opening import open_model
+    from mtpipe.serve.batcher import Batcher, Job
 
-    served = open_model(DecodeConfig(threads=1), model["checkpoint"], model["tokens"], batching="continuous")
-    lane = served.lane()
+    served = open_model(DecodeConfig(threads=1), model["checkpoint"], model["tokens"])
+    lane = served.lane(continuous=True)
     steps: list[int] = []
     poll = lane.poll
 
@@ -262,7 +263,7 @@ def test_a_request_joins_the_running_batch_and_a_short_one_is_answered_first(mod
 
     lane.poll = counting_poll
     loop = asyncio.new_event_loop()
-    batcher = Batcher(served.detok, max_queue=8, wait_s=0.0, batch_tokens=10_000)
+    batcher = Batcher(served.detokenise, max_queue=8, wait_s=0.0, batch_tokens=10_000)
     rules = DecodeRules(beam=4, penalty=LengthPenalty("gnmt", 0.6))
     long_text, short_text = PAIRS[5][0], PAIRS[0][0]
     order: list[str] = []
@@ -537,7 +538,8 @@ def test_a_batch_waits_from_the_end_of_the_last_one():
     import asyncio
 
     from mtpipe.engine.search import Hypothesis
-    from mtpipe.serve.app import BatchLane, Batcher, Job
+    from mtpipe.engine.lanes import BatchLane
+    from mtpipe.serve.batcher import Batcher, Job
 
     loop = asyncio.new_event_loop()
     first_started, release, sizes = threading.Event(), threading.Event(), []
@@ -578,7 +580,8 @@ def test_idle_workers_share_a_burst_of_requests():
     import asyncio
 
     from mtpipe.engine.search import Hypothesis
-    from mtpipe.serve.app import BatchLane, Batcher, Job
+    from mtpipe.engine.lanes import BatchLane
+    from mtpipe.serve.batcher import Batcher, Job
 
     loop = asyncio.new_event_loop()
     sizes: dict[int, list[int]] = {0: [], 1: []}
@@ -612,7 +615,8 @@ def test_a_worker_enters_its_lanes_decoding_context_once_around_all_its_polls():
     import contextlib
 
     from mtpipe.engine.search import Hypothesis
-    from mtpipe.serve.app import BatchLane, Batcher, Job
+    from mtpipe.engine.lanes import BatchLane
+    from mtpipe.serve.batcher import Batcher, Job
 
     events: list[str] = []
     inside = [False]
@@ -648,30 +652,38 @@ def test_a_worker_enters_its_lanes_decoding_context_once_around_all_its_polls():
     assert events[1:] == ["poll"] * 3 + ["exit"]
 
 
-def test_the_warm_up_decodes_at_every_beam_a_request_may_bring(model):
+def test_the_warm_up_decodes_at_every_beam_a_request_may_bring(model, monkeypatch):
     """With decode.compile a step's graphs differ by the beam (greedy search, beams past 8), by the number of
     sentences and, in a continuous batch, by the masks of rows that joined later: the warm-up decodes one sentence
     and three at the default beam, at beam 1 and at serve.max_beam, and a continuous lane also lets three join one
     that is decoding, so that no request waits for a graph to be built."""
-    import dataclasses
-
+    import mtpipe.engine.variants as variants
     from mtpipe.config import DecodeConfig, ServeConfig
-    from mtpipe.stages.decode import validate
-    from mtpipe.serve.app import open_model, warm_beams
+    from mtpipe.engine.opening import open_model
+    from mtpipe.engine.search import DecodeRules
+    from mtpipe.serve.app import warm_beams
 
     cfg = DecodeConfig(threads=1, beam=4, nbest=2)
     beams = warm_beams(ServeConfig(max_beam=12), cfg)
     assert beams == (1, 4, 12)
     assert warm_beams(ServeConfig(max_beam=4), DecodeConfig(beam=4)) == (1, 4)
+    lone: list[bool] = []
+    prepare = variants.prepare
 
-    def warm_up(batching: str) -> list[tuple[int, int, int, bool]]:
+    def recording_prepare(*args, **kwargs):
+        lone.append(kwargs.get("lone_graph"))
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(variants, "prepare", recording_prepare)
+
+    def warm_up(continuous: bool) -> list[tuple[int, int, int, bool]]:
         """(sentences, beam, nbest, whether the lane was decoding already) of each group the warm-up added."""
-        served = open_model(cfg, model["checkpoint"], model["tokens"], batching)
+        served = open_model(cfg, model["checkpoint"], model["tokens"])
         seen: list[tuple[int, int, int, bool]] = []
-        real = served.lane
+        real = served.engine.lane
 
-        def recording():
-            lane = real()
+        def recording(continuous: bool = False):
+            lane = real(continuous)
             add = lane.add
 
             def record(key, sources, rules):
@@ -681,18 +693,19 @@ def test_the_warm_up_decodes_at_every_beam_a_request_may_bring(model):
             lane.add = record
             return lane
 
-        dataclasses.replace(served, lane=recording).warm_up(validate(cfg), beams)
+        served.engine.lane = recording
+        served.warm_up(DecodeRules.from_config(cfg), beams, continuous)
         return seen
 
     alone = [(1, 4, 2, False), (3, 4, 2, False), (1, 1, 1, False), (3, 1, 1, False), (1, 12, 2, False),
              (3, 12, 2, False)]
-    assert warm_up("batch") == alone
+    assert warm_up(False) == alone
     # requests often come one sentence at a time: with decode.compile a lone sentence gets its own graph
-    assert open_model(cfg, model["checkpoint"], model["tokens"]).lane().translate.__self__.lone_graph  # its engine
+    assert lone == [True]
     # Continuously: also three sentences joining one that is decoding (the joined rows' masks), at every beam.
     joined = [(1, 4, 2, False), (3, 4, 2, True), (1, 1, 1, False), (3, 1, 1, True), (1, 12, 2, False),
               (3, 12, 2, True)]
-    got = warm_up("continuous")
+    got = warm_up(True)
     assert [g for i, g in enumerate(got) if i % 4 < 2] == alone
     assert [g for i, g in enumerate(got) if i % 4 >= 2] == joined
 
@@ -701,14 +714,14 @@ def test_a_server_with_worker_processes_holds_the_vocabulary_not_the_weights(mod
     """With serve.workers > 1 the server process rebuilds the model from worker 0's description: the same
     SentencePiece model and /info facts, and no lane (no weights) of its own."""
     from mtpipe.config import DecodeConfig
-    from mtpipe.serve.app import ServedModel, open_model
+    from mtpipe.engine.opening import OpenModel, open_model
 
     served = open_model(DecodeConfig(threads=1), model["checkpoint"], model["tokens"])
-    remote = ServedModel.described(served.description())
+    remote = OpenModel.described(served.description())
     text = PAIRS[6][0]
     assert remote.sp.encode(text) == served.sp.encode(text) and remote.max_positions == served.max_positions
     assert remote.info == served.info
-    assert remote.detok([served.sp.encode(PAIRS[6][1])]) == [PAIRS[6][1]]
+    assert remote.detokenise([served.sp.encode(PAIRS[6][1])]) == [PAIRS[6][1]]
     with pytest.raises(Exception, match="holds no copy of the model"):
         remote.lane()
 
@@ -959,7 +972,8 @@ def test_a_large_request_takes_turns_with_a_short_one_chunk_by_chunk():
     import asyncio
 
     from mtpipe.engine.search import Hypothesis
-    from mtpipe.serve.app import BatchLane, Batcher, Job
+    from mtpipe.engine.lanes import BatchLane
+    from mtpipe.serve.batcher import Batcher, Job
 
     loop = asyncio.new_event_loop()
     first, release, batches = threading.Event(), threading.Event(), []
@@ -1005,7 +1019,8 @@ def test_abandon_answers_every_request_left_and_stops_the_workers():
     import asyncio
 
     from mtpipe.engine.search import Hypothesis
-    from mtpipe.serve.app import BatchLane, Batcher, Job, ServerStopping
+    from mtpipe.engine.lanes import BatchLane
+    from mtpipe.serve.batcher import Batcher, Job, ServerStopping
 
     loop = asyncio.new_event_loop()
     started, release = threading.Event(), threading.Event()

@@ -1,8 +1,7 @@
 """`mtpipe train`: schedule, loss, batching, precision, checkpoints and exact resume, distributed equivalence.
 
-Tiny artifacts are written directly with ``ArtifactWriter`` (the contract's schemas and manifest extras) so these
-tests depend neither on SentencePiece nor on the bpe/bucket stages. The task is learnable: the target is the source
-reversed with every id shifted, so a tiny model can overfit it.
+The tiny artifacts and the multi-process runs' helpers are :mod:`testkit.runs`'s (shared with bench/): the task is
+learnable (the target is the source reversed with every id shifted), so a tiny model can overfit it.
 """
 
 from __future__ import annotations
@@ -13,86 +12,33 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
 import torch.nn.functional as F
 
-from mtpipe import artifacts, writing
-
-from mtpipe.stages import bucket
-
-from mtpipe.training import resume
+from mtpipe import artifacts
 from mtpipe.config import ModelConfig, TrainConfig
 from mtpipe.errors import MtpipeError
-
-REPO = Path(__file__).resolve().parents[1]
-VOCAB = 32
-SPM = "sha256:" + "ab" * 32
-# A tiny model: fast on 2 CPU cores, but every part of the architecture is there.
-TINY = dict(preset="tiny", encoder_layers=1, decoder_layers=1, d_model=32, d_ff=64, heads=2, max_positions=64)
-
-
-def _pairs(rng: np.random.Generator, n: int) -> tuple[list[list[int]], list[list[int]]]:
-    src = [rng.integers(4, VOCAB, int(rng.integers(2, 9))).tolist() for _ in range(n)]
-    tgt = [[(t - 4 + 3) % (VOCAB - 4) + 4 for t in s][::-1] for s in src]
-    return src, tgt
-
-
-def _pack(src: list[list[int]], tgt: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Length-sorted batches whose padded size per side (EOS/BOS included) stays within max_tokens."""
-    order = sorted(range(len(src)), key=lambda i: (len(src[i]), len(tgt[i]), i))
-    batches, cur, width = [], [], 0
-    for i in order:
-        w = max(width, len(src[i]) + 1, len(tgt[i]) + 1)
-        if cur and (len(cur) + 1) * w > max_tokens:
-            batches.append(cur)
-            cur, w = [], max(len(src[i]), len(tgt[i])) + 1
-        cur.append(i)
-        width = w
-    return batches + [cur]
-
-
-def make_artifacts(root: Path, n_train: int = 96, n_valid: int = 16, max_tokens: int = 48, seed: int = 0,
-                   spm: str = SPM, id_base: int = 0, long_valid: int = 0, arrow: bool = True) -> tuple[Path, Path]:
-    """A bpe ("tokens") and a bucket ("batches") artifact of a synthetic corpus; ids start at ``id_base``;
-    ``long_valid`` > 0 adds a valid pair of that many tokens (the bucket stage keeps such pairs in a batch alone);
-    ``arrow``: the batches carry train.arrow, as the bucket stage writes them (else: as an older mtpipe did)."""
-    rng = np.random.default_rng(seed)
-    tokens, batches = root / "bpe", root / "bucket"
-    data = {"train": _pairs(rng, n_train), "valid": _pairs(rng, n_valid)}
-    if long_valid:
-        data["valid"][0].append([5] * long_valid)
-        data["valid"][1].append([6] * long_valid)
-    with writing.ArtifactWriter(tokens, "tokens", {"bpe": {"vocab_size": VOCAB}}) as w:
-        for split, (src, tgt) in data.items():
-            w.write_table(f"{split}.parquet", pa.table({"id": [id_base + i for i in range(len(src))], "src": src,
-                                                        "tgt": tgt}))
-        w.path("spm.model").write_bytes(b"not a real sentencepiece model")
-        w.extra.update(spm_sha256=spm, vocab_size=VOCAB)
-    with writing.ArtifactWriter(batches, "batches", {"bucket": {"max_tokens": max_tokens}},
-                                  upstream={"tokens": tokens}) as w:
-        for split, (src, tgt) in data.items():
-            bs = _pack(src, tgt, max_tokens)
-            w.write_table(f"{split}.parquet", pa.table({
-                "batch": list(range(len(bs))),
-                "ids": [[id_base + i for i in b] for b in bs],
-                "src_tokens": [sum(len(src[i]) + 1 for i in b) for b in bs],
-                "tgt_tokens": [sum(len(tgt[i]) + 1 for i in b) for b in bs],
-                "src_len": [max(len(src[i]) for i in b) + 1 for b in bs],
-                "tgt_len": [max(len(tgt[i]) for i in b) + 1 for b in bs],
-            }))
-            if split == "train" and arrow:
-                sides = [bucket.FlatSide.from_lengths(np.asarray([t for x in side for t in x], np.int32),
-                                                      np.asarray([len(x) for x in side])) for side in (src, tgt)]
-                w.rows[artifacts.TRAIN_ARROW] = bucket.write_batch_tokens(
-                    w.path(artifacts.TRAIN_ARROW), id_base + np.arange(len(src)), np.concatenate(bs),
-                    np.cumsum([0] + [len(b) for b in bs]), *sides)
-    return tokens, batches
+from mtpipe.training import checkpoints
+from testkit.runs import (
+    REPO,
+    RESUME_TRAIN,
+    SPM,
+    TINY,
+    VOCAB,
+    assert_same_run,
+    descendants,
+    kill_tree,
+    make_artifacts,
+    run_env,
+    tsv,
+    wait_for,
+    weights,
+    write_params,
+)
 
 
 def tcfg(**kw) -> TrainConfig:
@@ -106,23 +52,6 @@ def mcfg(**kw) -> ModelConfig:
     return ModelConfig(**{**TINY, **kw})
 
 
-def write_params(path: Path, model: dict, train: dict) -> Path:
-    import yaml
-
-    path.write_text(yaml.safe_dump({"model": model, "train": train}), encoding="utf-8")
-    return path
-
-
-def tsv(out: Path, name: str) -> list[tuple[int, str]]:
-    """(step, value as written) rows of a dvclive metric: the exact text, for bitwise comparisons."""
-    lines = (out / "live" / "plots" / "metrics" / f"{name}.tsv").read_text().splitlines()[1:]
-    return [(int(a), b) for a, b in (ln.split("\t") for ln in lines)]
-
-
-def weights(ck: Path) -> dict[str, torch.Tensor]:
-    return artifacts.load_checkpoint(ck).state_dict
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return make_artifacts(tmp_path_factory.mktemp("data"))
@@ -134,7 +63,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def test_learning_rate_schedule_is_section_5_3() -> None:
-    from mtpipe.training.train import learning_rate
+    from mtpipe.training.update import learning_rate
 
     d, w = 512, 4000
     assert learning_rate(1, d, w) == pytest.approx(d**-0.5 * 1 * w**-1.5, rel=1e-12)
@@ -187,9 +116,10 @@ def test_blockwise_loss_equals_autograd_of_the_formula(eps: float, bias: bool, p
     formula on the whole logits differentiated by autograd: loss, NLL, and the gradients of the states, the
     projection matrix and its bias, with several blocks and a short last one (bf16: under CPU autocast, as training
     runs it, against autograd of the same products under autocast; "fp32 onednn": every product of the blocks through
-    mtpipe.model.kernels' oneDNN route, whatever their size). Without gradients it gives the same values."""
-    import mtpipe.model.kernels as mk
+    mtpipe.model.ops' oneDNN route, whatever their size). Without gradients it gives the same values."""
+    import mtpipe.model.ops as mk
     import mtpipe.training.loss as ml
+    from oracles import reference_label_smoothed_nll
 
     products = []
     if precision == "fp32 onednn":
@@ -217,7 +147,7 @@ def test_blockwise_loss_equals_autograd_of_the_formula(eps: float, bias: bool, p
             if blockwise:
                 loss, nll = ml.projected_label_smoothed_nll(h, w, b, target, eps)
             else:
-                loss, nll = ml.reference_label_smoothed_nll(F.linear(h, w, b), target, eps)
+                loss, nll = reference_label_smoothed_nll(F.linear(h, w, b), target, eps)
         (0.7 * loss).backward()
         results.append((loss.detach(), nll.detach(), h.grad, w.grad, None if b is None else b.grad))
     assert bool(products) == (precision == "fp32 onednn")
@@ -305,7 +235,7 @@ def test_batches_map_ids_and_count_tokens(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def test_tiny_model_overfits_a_few_pairs(tmp_path: Path) -> None:
+def test_tiny_model_overfits_a_fewpairs(tmp_path: Path) -> None:
     from mtpipe.training.train import train_model
 
     tokens, batches = make_artifacts(tmp_path, n_train=8, n_valid=8, max_tokens=96)
@@ -328,7 +258,7 @@ def ws1_run(data: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -
 
 def test_outputs_checkpoints_and_metrics(ws1_run: Path) -> None:
     from mtpipe.model.transformer import build_model
-    from mtpipe.training.train import learning_rate
+    from mtpipe.training.update import learning_rate
 
     out = ws1_run
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000008", "step_00000012"]  # keep_last
@@ -442,8 +372,9 @@ def test_a_model_refused_on_resume_is_named_by_the_keys_the_user_changed(ws1_run
 def test_nonfinite_loss_skips_the_update_then_stops(data: tuple[Path, Path], tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     import mtpipe.training.train as mt
+    import mtpipe.training.update as mu
 
-    real = mt.projected_label_smoothed_nll
+    real = mu.projected_label_smoothed_nll
     calls = {"n": 0, "bad": set()}
 
     def flaky(h, weight, bias, target, eps):
@@ -453,7 +384,7 @@ def test_nonfinite_loss_skips_the_update_then_stops(data: tuple[Path, Path], tmp
             loss = loss * float("nan")
         return loss, nll
 
-    monkeypatch.setattr(mt, "projected_label_smoothed_nll", flaky)
+    monkeypatch.setattr(mu, "projected_label_smoothed_nll", flaky)
     calls["bad"] = {3}  # the first micro-batch of update 2 (2 micro-batches per update)
     s = mt.train_model(mcfg(), tcfg(max_steps=4, valid_every_steps=0, save_every_steps=0), *data, tmp_path / "a")
     assert s["steps"] == 4  # the skipped update does not count
@@ -467,11 +398,12 @@ def test_nonfinite_loss_skips_the_update_then_stops(data: tuple[Path, Path], tmp
 def test_out_of_memory_names_the_batch_and_the_fix(data: tuple[Path, Path], tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     import mtpipe.training.train as mt
+    import mtpipe.training.update as mu
 
     def oom(self, *args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(mt.LossModule, "forward", oom)
+    monkeypatch.setattr(mu.LossModule, "forward", oom)
     with pytest.raises(MtpipeError, match=r"out of memory .* sentences.*--max-tokens 24"):
         mt.train_model(mcfg(), tcfg(), *data, tmp_path / "out")
 
@@ -524,12 +456,12 @@ def test_bf16_autocast_and_epoch_stop(data: tuple[Path, Path], tmp_path: Path) -
 
 def test_training_forward_passes_choose_their_attention_kernels(data: tuple[Path, Path], tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every training and validation forward runs under :func:`mtpipe.model.kernels.attention_kernels` for the run's
+    """Every training and validation forward runs under :func:`mtpipe.model.ops.attention_kernels` for the run's
     device (on a GPU: no cuDNN attention, which sets itself up anew for each of the buckets' shapes; what the
     context switches is checked in test_decode), and the loss itself is computed inside it."""
     import contextlib
 
-    from mtpipe.training import train
+    from mtpipe.training import train, update, validation
 
     entered: list[str] = []
     inside = [False]
@@ -544,14 +476,15 @@ def test_training_forward_passes_choose_their_attention_kernels(data: tuple[Path
             inside[0] = False
 
     calls = {"in": 0, "out": 0}
-    forward = train.LossModule.forward
+    forward = update.LossModule.forward
 
     def checked(self, *args, **kw):
         calls["in" if inside[0] else "out"] += 1
         return forward(self, *args, **kw)
 
-    monkeypatch.setattr(train, "attention_kernels", recording)
-    monkeypatch.setattr(train.LossModule, "forward", checked)
+    monkeypatch.setattr(update, "attention_kernels", recording)  # training forwards
+    monkeypatch.setattr(validation, "attention_kernels", recording)  # validation forwards
+    monkeypatch.setattr(update.LossModule, "forward", checked)
     s = train.train_model(mcfg(), tcfg(max_steps=3, valid_every_steps=2), *data, tmp_path / "o")
     assert s["steps"] == 3 and math.isfinite(s["valid_loss"])
     assert calls["out"] == 0 and calls["in"] == len(entered) > 3 and set(entered) == {"cpu"}
@@ -575,7 +508,8 @@ def test_no_dvc_side_effects_inside_a_git_checkout(data: tuple[Path, Path], tmp_
 
 def test_time_limits_stop_and_checkpoint(data: tuple[Path, Path], tmp_path: Path) -> None:
     """max_time (minutes of training) stops the run; save_every_minutes writes checkpoints on rank 0's clock."""
-    from mtpipe.training.train import list_checkpoints, train_model
+    from mtpipe.artifacts import list_checkpoints
+    from mtpipe.training.train import train_model
 
     s = train_model(mcfg(), tcfg(max_steps=0, max_time=0.02, save_every_steps=0, save_every_minutes=0.0002,
                          valid_every_steps=0), *data, tmp_path / "out")
@@ -589,21 +523,22 @@ def test_the_training_time_resumes_from_the_run_clock_not_the_checkpoint(data: t
     """Wall time stays out of the checkpoints (their bytes depend on the weights and state alone) and in the run's
     clock.json, one entry per kept checkpoint; a resumed run's train.max_time counts the time before it from there,
     and a checkpoint moved away from its clock resumes with the time counted from 0 and a warning."""
-    from mtpipe.training.train import list_checkpoints, train_model
+    from mtpipe.artifacts import list_checkpoints
+    from mtpipe.training.train import train_model
 
     out = tmp_path / "out"
     s = train_model(mcfg(), tcfg(max_steps=4, save_every_steps=1, keep_last=2, valid_every_steps=0), *data, out)
-    clock = resume.read_clock_file(out)
+    clock = checkpoints.read_clock_file(out)
     assert sorted(clock) == [st for st, _ in list_checkpoints(out)] == [3, 4]  # pruned checkpoints' entries gone
     assert 0 < clock[4] <= s["train_minutes"] * 60 + 0.06  # train_minutes is rounded to 0.001 min
     ts = torch.load(artifacts.checkpoint_path(out, 4) / artifacts.TRAINER_STATE, weights_only=True)
     assert "train_seconds" not in ts
     train_model(mcfg(), tcfg(max_steps=5, save_every_steps=1, keep_last=2, valid_every_steps=0), *data, out)
-    assert resume.read_clock_file(out)[5] > clock[4]  # the time before the resume counted
-    (out / resume.CLOCK_FILE).write_text("{}")
+    assert checkpoints.read_clock_file(out)[5] > clock[4]  # the time before the resume counted
+    (out / checkpoints.CLOCK_FILE).write_text("{}")
     with pytest.raises(MtpipeError, match=r"clock.json: not a training clock"):
         train_model(mcfg(), tcfg(max_steps=6, valid_every_steps=0), *data, out)
-    (out / resume.CLOCK_FILE).unlink()
+    (out / checkpoints.CLOCK_FILE).unlink()
     s = train_model(mcfg(), tcfg(max_steps=6, save_every_steps=1, valid_every_steps=0), *data, out)
     assert s["steps"] == 6 and s["train_minutes"] * 60 < clock[4] + 60  # counted from 0 again (not an error)
 
@@ -709,16 +644,6 @@ def test_launcher_builds_the_torchrun_command() -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc to find workers")
-RESUME_TRAIN = dict(max_steps=16, warmup=10, lr_scale=2.0, precision="fp32", threads=1, save_every_minutes=0,
-                    save_every_steps=3, keep_last=20, valid_every_steps=5, log_every_steps=1, tokens_per_update=96)
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONFAULTHANDLER"] = "1"  # a hung worker killed with SIGABRT prints where it was
-    return env
 
 
 def _command(params: Path, data: tuple[Path, Path], out: Path, launcher: bool) -> list[str]:
@@ -729,62 +654,16 @@ def _command(params: Path, data: tuple[Path, Path], out: Path, launcher: bool) -
 
 def _run(cmd: list[str], log: Path) -> None:
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=log.parent).returncode
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=run_env(), cwd=log.parent).returncode
     if rc != 0:  # the first failing rank's own traceback, not only torchrun's summary of it
         text = log.read_text()
         rank0 = [ln for ln in text.splitlines() if ln.startswith("[rank0]")]
         raise AssertionError("\n".join(rank0[-40:]) + "\n...\n" + text[-3000:])
 
 
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        kids.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    return kids
-
-
-def _descendants(pid: int) -> list[int]:
-    kids, out, todo = _children(), [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += kids.get(p, [])
-    return out
-
-
-def _wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
-    t0 = time.monotonic()
-    while not path.exists():
-        assert proc.poll() is None, f"exited ({proc.returncode}) before {path.name}:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() - t0 < timeout, f"{path} did not appear in {timeout} s"
-        time.sleep(0.005)
-
-
-def _kill_tree(proc: subprocess.Popen, out: Path) -> None:
-    """SIGKILL a launch and every process under it, parents first (torchrun's workers live in their own sessions),
-    then any stray process of this test (its command line names the test's own ``out``)."""
-    pids = _descendants(proc.pid)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if str(out).encode() in cmdline.read_bytes():
-                os.kill(int(cmdline.parent.name), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            pass
-
-
 def _worker(proc: subprocess.Popen, rank: int) -> int:
     """The pid of torchrun worker ``rank`` under a launch."""
-    for pid in _descendants(proc.pid):
+    for pid in descendants(proc.pid):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
@@ -792,56 +671,6 @@ def _worker(proc: subprocess.Popen, rank: int) -> int:
         if f"RANK={rank}".encode() in env and b"LOCAL_RANK=" + str(rank).encode() in env:
             return pid
     raise AssertionError(f"no worker of rank {rank} found")
-
-
-def _assert_same_run(a: Path, b: Path, last: int) -> None:
-    """Bitwise: every logged train loss and valid loss, and the final weights."""
-    for name in ("train/loss", "train/grad_norm", "valid/loss"):
-        assert tsv(a, name) == tsv(b, name), name
-    assert [s for s, _ in tsv(b, "train/loss")] == list(range(1, last + 1))  # no step logged twice
-    wa, wb = weights(a / "checkpoints" / f"step_{last:08d}"), weights(b / "checkpoints" / f"step_{last:08d}")
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    common = {s for s, _ in artifacts.list_checkpoints(a)} & {s for s, _ in artifacts.list_checkpoints(b)}
-    assert last in common
-    for step in sorted(common):
-        _assert_same_checkpoint_files(artifacts.checkpoint_path(a, step), artifacts.checkpoint_path(b, step))
-
-
-def _assert_same_checkpoint_files(a: Path, b: Path) -> None:
-    """The same checkpoint written by an uninterrupted run and by a resumed one: every file byte for byte (weights
-    with their safetensors header, trainer.pt: its training time is in the run's clock.json, not here), so their
-    hashes agree wherever they are recorded; the manifests differ at most in the params of the launch (which may
-    differ between the two runs), and are equal bytes when those are equal."""
-    names = sorted(p.name for p in a.iterdir())
-    assert names == sorted(p.name for p in b.iterdir())
-    for name in names:
-        if name != artifacts.MANIFEST:
-            assert (a / name).read_bytes() == (b / name).read_bytes(), a / name
-    ma, mb = artifacts.read_manifest(a), artifacts.read_manifest(b)
-    assert ma.upstream == mb.upstream and ma.extra == mb.extra and ma.rows == mb.rows and ma.files == mb.files
-    if ma.params == mb.params:
-        assert (a / artifacts.MANIFEST).read_bytes() == (b / artifacts.MANIFEST).read_bytes()
-    ta, tb = (torch.load(d / artifacts.TRAINER_STATE, weights_only=True) for d in (a, b))
-    assert "train_seconds" not in ta
-    _assert_same_state(ta, tb, "trainer.pt")
-    # each run's clock has the checkpoint's training time (wall time: not compared)
-    assert a.name in {artifacts.checkpoint_path(".", s).name for s in resume.read_clock_file(a.parent.parent)}
-
-
-def _assert_same_state(x: object, y: object, where: str) -> None:
-    assert type(x) is type(y), where
-    if isinstance(x, dict):
-        assert list(x) == list(y), where  # the same keys in the same order: torch.save writes them in that order
-        for k in x:
-            _assert_same_state(x[k], y[k], f"{where}[{k!r}]")
-    elif isinstance(x, (list, tuple)):
-        assert len(x) == len(y), where
-        for i, (u, v) in enumerate(zip(x, y)):
-            _assert_same_state(u, v, f"{where}[{i}]")
-    elif isinstance(x, torch.Tensor):
-        assert x.dtype == y.dtype and torch.equal(x, y), where
-    else:
-        assert x == y, where
 
 
 @needs_proc
@@ -855,16 +684,16 @@ def test_sigkill_and_rerun_continues_bitwise_at_world_size_1(data: tuple[Path, P
     log = tmp_path / "killed.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(_command(params, data, killed, launcher=True), stdout=f, stderr=subprocess.STDOUT,
-                                env=_env(), cwd=tmp_path)
+                                env=run_env(), cwd=tmp_path)
     try:
-        _wait_for(killed / "checkpoints" / "step_00000006", proc, log)
+        wait_for(killed / "checkpoints" / "step_00000006", proc, log)
     finally:
-        _kill_tree(proc, killed)
+        kill_tree(proc, killed)
     assert proc.returncode == -signal.SIGKILL
     assert not (killed / "checkpoints" / "step_00000016").exists()
     _run(_command(params, data, killed, launcher=True), tmp_path / "resumed.log")
     assert "resuming from" in (tmp_path / "resumed.log").read_text()
-    _assert_same_run(ref, killed, 16)
+    assert_same_run(ref, killed, 16)
 
 
 @pytest.fixture(scope="module")
@@ -916,17 +745,17 @@ def test_sigkill_and_worker_crash_resume_bitwise_at_world_size_2(ws2_ref: tuple[
     out, log = tmp_path / "out", tmp_path / "run.log"
     cmd = _command(params, data, out, launcher=True) + ["--max-restarts", "1"]
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=tmp_path)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=run_env(), cwd=tmp_path)
     try:
-        _wait_for(out / "checkpoints" / "step_00000003", proc, log)
+        wait_for(out / "checkpoints" / "step_00000003", proc, log)
         os.kill(_worker(proc, 1), signal.SIGKILL)  # a crashed worker: torchrun restarts both, they resume
-        _wait_for(out / "checkpoints" / "step_00000009", proc, log)
+        wait_for(out / "checkpoints" / "step_00000009", proc, log)
     finally:
-        _kill_tree(proc, out)  # now the whole launch dies (or a failed test leaves nothing running)
+        kill_tree(proc, out)  # now the whole launch dies (or a failed test leaves nothing running)
     assert not (out / "checkpoints" / "step_00000016").exists()
     _run(cmd, tmp_path / "rerun.log")
     assert "resuming from" in (tmp_path / "rerun.log").read_text()
-    _assert_same_run(ref, out, 16)
+    assert_same_run(ref, out, 16)
     ts = torch.load(out / "checkpoints" / "step_00000016" / "trainer.pt", weights_only=True)
     assert len(ts["rng"]) == 2 and not torch.equal(ts["rng"][0]["torch"], ts["rng"][1]["torch"])
 
@@ -947,13 +776,13 @@ def test_a_killed_worker_ends_in_one_line_that_resumes_the_run_at_world_size_2(
     cmd = _command(params, data, out, launcher=False)  # python -m mtpipe train ...; nproc 2 from params.yaml
     err_path = tmp_path / "stderr.txt"
     with open(err_path, "w") as err, open(tmp_path / "stdout.txt", "w") as stdout:
-        proc = subprocess.Popen(cmd, stdout=stdout, stderr=err, env=_env(), cwd=tmp_path)
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=err, env=run_env(), cwd=tmp_path)
     try:
-        _wait_for(out / "checkpoints" / "step_00000003", proc, err_path)
+        wait_for(out / "checkpoints" / "step_00000003", proc, err_path)
         os.kill(_worker(proc, 1), signal.SIGKILL)
         proc.wait(timeout=120)
     finally:
-        _kill_tree(proc, out)
+        kill_tree(proc, out)
     assert proc.returncode == 1
     stderr = err_path.read_text()
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
@@ -975,7 +804,7 @@ def test_a_killed_worker_ends_in_one_line_that_resumes_the_run_at_world_size_2(
     assert os.path.samefile(shutil.which(words[0]) or words[0], sys.executable)
     _run(words, tmp_path / "rerun.log")
     assert f"resuming from {last}" in (tmp_path / "rerun.log").read_text()
-    _assert_same_run(ref, out, 16)
+    assert_same_run(ref, out, 16)
 
 
 @pytest.mark.slow
@@ -990,7 +819,7 @@ def test_a_refusal_in_the_workers_is_their_one_line_at_world_size_2(ws2_ref: tup
     out = tmp_path / "out"
     shutil.copytree(ref, out)
     r = subprocess.run(_command(params, data, out, launcher=False) + ["--d-model", "48"], capture_output=True,
-                       text=True, env=_env(), cwd=tmp_path)
+                       text=True, env=run_env(), cwd=tmp_path)
     assert r.returncode == 1
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr, r.stderr
@@ -1013,7 +842,7 @@ def _recorded(kind: str, message: str, at: float, code: int = 1) -> dict:
 
 
 def test_the_root_failure_is_the_killed_process_else_the_first_recorded_error(tmp_path: Path) -> None:
-    from mtpipe.training.launch import failure_summary, root_failure
+    from mtpipe.training.failures import failure_summary, root_failure
 
     lost_peer = _recorded("exception", "RuntimeError: Connection reset by peer", 100.9)
     killed = {0: _Failure(1, 100, lost_peer), 1: _Failure(-9, 101), 2: _Failure(-15, 100)}
@@ -1034,7 +863,8 @@ def test_the_root_failure_is_the_killed_process_else_the_first_recorded_error(tm
 def test_a_workers_error_is_recorded_where_torchrun_reads_it(tmp_path: Path) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from mtpipe.training.launch import REPORTS_ENV, _mine, worker_errors
+    from mtpipe.training.failures import REPORTS_ENV, recorded_error
+    from mtpipe.training.launch import worker_errors
 
     path = tmp_path / "attempt_0" / "1" / "error.json"
     env = {"TORCHELASTIC_ERROR_FILE": str(path), REPORTS_ENV: "1"}
@@ -1046,7 +876,7 @@ def test_a_workers_error_is_recorded_where_torchrun_reads_it(tmp_path: Path) -> 
                 raise error
         assert e.value.code == code
         failure = ProcessFailure(local_rank=1, pid=1, exitcode=code, error_file=str(path))
-        assert _mine(failure)["kind"] == kind and _mine(failure)["message"] == message
+        assert recorded_error(failure)["kind"] == kind and recorded_error(failure)["message"] == message
         assert "Traceback" in failure.message["extraInfo"]["py_callstack"]  # the traceback, for the report
     # Not a worker of mtpipe's launcher: errors pass through as usual.
     with pytest.raises(ValueError):
@@ -1055,7 +885,7 @@ def test_a_workers_error_is_recorded_where_torchrun_reads_it(tmp_path: Path) -> 
 
 
 def test_the_resume_command_is_the_launch_command() -> None:
-    from mtpipe.training.launch import rerun_command
+    from mtpipe.training.failures import rerun_command
 
     main = str(REPO / "mtpipe" / "__main__.py")
     assert rerun_command([main, "train", "--out", "my run"]).endswith(" -m mtpipe train --out 'my run'")

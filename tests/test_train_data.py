@@ -218,7 +218,8 @@ def test_a_compressed_train_arrow_is_a_one_line_error(tmp_path: Path, cache: Pat
 
 
 def test_training_is_bitwise_the_same_from_train_arrow_and_from_parquet(tmp_path: Path, cache: Path) -> None:
-    from test_train import make_artifacts, mcfg, tcfg, weights
+    from test_train import mcfg, tcfg
+    from testkit.runs import make_artifacts, weights
 
     from mtpipe.training import train
 

@@ -28,11 +28,13 @@ from mtpipe.config import (
     to_dict,
     with_model_defaults,
 )
-from mtpipe.stages.decode import translate
+from mtpipe.engine.translate import translate
 from mtpipe.errors import MtpipeError
-from mtpipe.model.transformer import ScaleNorm, Transformer, build_model, drop_heads
+from mtpipe.model.attention import drop_heads
+from mtpipe.model.layers import ScaleNorm
+from mtpipe.model.transformer import Transformer, build_model
 from mtpipe.engine.pruning import PrunePlan, every_other, prune, prune_plan, prune_state_dict
-from mtpipe.training.train import drophead_rate
+from mtpipe.training.update import drophead_rate
 
 V = 50
 BASE = dict(preset="tiny", encoder_layers=2, decoder_layers=2, d_model=32, d_ff=64, heads=4, max_positions=64)
@@ -202,10 +204,13 @@ def test_learned_positions_are_a_parameter_and_too_long_inputs_fail_clearly() ->
         assert (m(src, tgt) - before).abs().max() > 1e-3
     with pytest.raises(MtpipeError, match="max_positions=64"):
         m.encode(torch.full((1, 65), 5))
-    state = m.start(*m.encode(src))
+    from mtpipe.engine.variants import prepare
+
+    prepared = prepare(m, "fp32", torch.device("cpu"))
+    state = prepared.start(*prepared.encode(src))
     state.length = 64  # the 65th target position
     with pytest.raises(MtpipeError, match="max_positions=64"):
-        m.step(torch.tensor([5, 5, 5]), state)
+        prepared.step(torch.tensor([5, 5, 5]), state)
 
 
 def test_untied_embeddings_each_matrix_plays_only_its_role() -> None:
@@ -594,7 +599,7 @@ def test_prune_errors_are_one_line_and_write_nothing(run) -> None:
 
 
 def test_drophead_needs_a_known_last_step_and_compile_refuses_layerdrop(run, tmp_path) -> None:
-    from mtpipe.training import train
+    from mtpipe.training import train, update
 
     with pytest.raises(MtpipeError, match="drophead"):
         train.train_model(ModelConfig(**TRAINED), tcfg(max_steps=0, max_time=1.0), run["tokens"], run["batches"],
@@ -602,7 +607,7 @@ def test_drophead_needs_a_known_last_step_and_compile_refuses_layerdrop(run, tmp
     with pytest.raises(MtpipeError, match="train.drophead_start = 1.5 must be >= 0 and < 1"):
         train.train_model(ModelConfig(**TRAINED), tcfg(drophead_start=1.5), run["tokens"], run["batches"], tmp_path)
     with pytest.raises(MtpipeError, match="train.compile"):
-        train.Updater(make(layerdrop=0.1), tcfg(compile=True), torch.device("cpu"), "fp32")
+        update.Updater(make(layerdrop=0.1), tcfg(compile=True), torch.device("cpu"), "fp32")
 
 
 def test_export_maps_pre_norm_and_learned_positions_and_refuses_scalenorm(run, tmp_path) -> None:
@@ -610,7 +615,8 @@ def test_export_maps_pre_norm_and_learned_positions_and_refuses_scalenorm(run, t
     import sentencepiece as spm
 
     from mtpipe.engine.ct2 import load_ct2
-    from mtpipe.stages.export import export_ctranslate2, export_marian
+    from mtpipe.engine.ct2_convert import export_ctranslate2
+    from mtpipe.stages.export import export_marian
 
     sp = spm.SentencePieceProcessor(model_file=str(run["tokens"] / "spm.model"))
     vocab = {"spm_sha256": artifacts.file_hash(run["tokens"] / "spm.model"), "size": 90}

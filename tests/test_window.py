@@ -12,8 +12,9 @@ from conftest import assert_steps_match_forward
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID
 from mtpipe.config import ModelConfig, to_dict
 from mtpipe.errors import MtpipeError
-from mtpipe.model.kernels import banded_attention, banded_min_length, explicit_attention, window_mask
-from mtpipe.model.transformer import MultiHeadAttention, Transformer, build_model
+from mtpipe.model.ops import banded_attention, banded_min_length, explicit_attention, window_mask
+from mtpipe.model.attention import MultiHeadAttention
+from mtpipe.model.transformer import Transformer, build_model
 
 V = 40
 BASE = dict(preset="tiny", encoder_layers=2, decoder_layers=2, d_model=32, d_ff=64, heads=4, max_positions=512,
@@ -109,7 +110,7 @@ def test_banded_attention_equals_the_masked_full_matrix_values_and_gradients(cau
 def test_the_model_takes_the_banded_path_on_long_inputs_with_the_same_result(monkeypatch) -> None:
     """From banded_min_length(r) on the model computes the band only; forced off, the masked full matrix gives the
     same outputs."""
-    import mtpipe.model.transformer as model_module
+    import mtpipe.model.attention as model_module
 
     r = 2
     n = banded_min_length(r) + 5
@@ -164,9 +165,10 @@ def test_window_is_saved_in_the_config_and_bad_values_fail() -> None:
 
 
 def test_export_refuses_a_window_with_the_reason(tmp_path) -> None:
-    from mtpipe.stages.export import _unsupported, marian_mismatch
+    from mtpipe.engine.ct2_convert import unsupported
+    from mtpipe.stages.export import marian_mismatch
 
     cfg = ModelConfig(**{**BASE, "attention_window": 4}).resolved()
-    assert "restricted self-attention" in _unsupported(cfg)
+    assert "restricted self-attention" in unsupported(cfg)
     assert "attention_window=4" in marian_mismatch(cfg)
-    assert _unsupported(ModelConfig(**BASE).resolved()) is None
+    assert unsupported(ModelConfig(**BASE).resolved()) is None

@@ -6,7 +6,7 @@ measurement in its own process with 2 threads, the same allocator settings and `
 system, the parts interleaved in rounds (train, decode, data; again ...): only ratios within a round compare.
 
 * **train** (:mod:`.train`): source+target tokens/s, fairseq-train (fp32, its dims checked in its log) against
-  ``mtpipe.training.train.make_train_step`` in fp32 and bf16 (where native) on ``mtpipe bucket``'s batches, the median
+  ``bench.train_step.make_train_step`` in fp32 and bf16 (where native) on ``mtpipe bucket``'s batches, the median
   interval after the first, small and base dims. Targets: fp32 >= 1.5x fairseq, bf16 >= 3x.
 * **decode** (:mod:`.decode`): the same weights (fairseq's anchor model: fairseq, mtpipe after ``mtpipe import``,
   CTranslate2 after ``mtpipe export``; mtpipe's model: mtpipe and CTranslate2), the same search (beam 4, stop once 4

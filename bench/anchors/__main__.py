@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from typing import Any
 from bench import machine
 from bench.anchors import data, decode, quality, report, train
 from bench.anchors.common import DROPOUTS, REPO, Env, anchors_with_spm, m30k_artifacts, say
+from mtpipe import env as mtenv
 
 WORKERS = {"_mtpipe-train": train.worker_mtpipe_train, "_mtpipe-decode": decode.worker_mtpipe_decode,
            "_ct2-decode": decode.worker_ct2_decode}
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="logs (default bench/out/anchors/<UTC time>)")
     ap.add_argument("--workdir", default=str(REPO / "bench" / "out" / "anchors" / "work"),
                     help="prepared corpora, artifacts and fallback models, reused across runs")
-    ap.add_argument("--anchors", default=os.environ.get("ANCHORS", "/tmp/anchors"), help="setup_anchors.sh's dir")
+    ap.add_argument("--anchors", default=mtenv.get("ANCHORS", "/tmp/anchors"), help="setup_anchors.sh's dir")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--spm-model", help="this SentencePiece model for every system (the data re-encoded once); "
                     "default with --quality-run: --tokens' spm.model")

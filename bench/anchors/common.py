@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from bench import machine
+from mtpipe import env as mtenv
 
 REPO = machine.REPO
-DATA = Path(os.environ.get("MTPIPE_MULTI30K", REPO / "data" / "multi30k"))  # {train,val,test_2016_flickr}.{en,de}.gz
-SHARED_ANCHORS = Path(os.environ.get("MTPIPE_ANCHORS", REPO / "anchors"))  # the anchors' install scripts
+DATA = Path(mtenv.get("MTPIPE_MULTI30K") or REPO / "data" / "multi30k")  # {train,val,test_2016_flickr}.{en,de}.gz
+SHARED_ANCHORS = Path(mtenv.get("MTPIPE_ANCHORS") or REPO / "anchors")  # the anchors' install scripts
 PY = sys.executable  # the mtpipe venv
 DIMS = {"small": dict(layers=3, d_model=256, heads=4, d_ff=1024), "base": dict(layers=6, d_model=512, heads=8,
                                                                                  d_ff=2048)}

@@ -139,7 +139,7 @@ def worker_mtpipe_decode(argv: list[str]) -> None:
 
     from mtpipe import artifacts
     from mtpipe.config import DecodeConfig
-    from mtpipe.stages.decode import MtpipeEngine
+    from mtpipe.engine.translate import MtpipeEngine
     from mtpipe.model.transformer import build_model
     from mtpipe.engine.search import DecodeRules
     from mtpipe.engine.workers import DecodePool

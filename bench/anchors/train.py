@@ -94,9 +94,10 @@ def worker_mtpipe_train(argv: list[str]) -> None:
 
     from mtpipe.engine import runtime
     from mtpipe.training import batches as mbatches
-    from mtpipe.training import train as mtrain
     from mtpipe.config import ModelConfig, TrainConfig
     from mtpipe.model.transformer import Transformer
+
+    from bench.train_step import make_train_step
 
     torch.set_num_threads(a.threads)
     runtime.tune_cpu_allocator()  # as `mtpipe train` on CPU
@@ -106,8 +107,8 @@ def worker_mtpipe_train(argv: list[str]) -> None:
     p, pa, pr = DROPOUTS[a.dropout]
     torch.manual_seed(1)
     model = Transformer(ModelConfig(preset=a.dims, dropout=p, attention_dropout=pa, relu_dropout=pr), vocab).train()
-    step = mtrain.make_train_step(model, TrainConfig(precision=a.precision, threads=a.threads, warmup=4000,
-                                                     label_smoothing=0.1, tokens_per_update=4096))
+    step = make_train_step(model, TrainConfig(precision=a.precision, threads=a.threads, warmup=4000,
+                                              label_smoothing=0.1, tokens_per_update=4096))
     order = mbatches.epoch_order(len(table), 1, 0)
     intervals, src_n, tgt_n = [], 0, 0
     t0 = time.perf_counter()

@@ -4,8 +4,8 @@ on the fly, under mtpipe's :class:`~mtpipe.engine.search.DecodeRules`.
 :func:`ct2_translate` decodes through ``ctranslate2.Translator`` with mtpipe's decode settings; its docstring states
 exactly where CTranslate2's search and length penalty differ from :func:`mtpipe.engine.search.beam_search` (only at beam > 1:
 its stopping rule). :class:`Ct2Engine` is the :class:`~mtpipe.engine.search.Engine` that ``mtpipe decode`` runs: the same
-inputs and outputs as mtpipe's engine, scores by mtpipe's formula. The export itself (the model conversion) is
-:mod:`mtpipe.stages.export`.
+inputs and outputs as mtpipe's engine, scores by mtpipe's formula. The conversion of a checkpoint is
+:mod:`mtpipe.engine.ct2_convert`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mtpipe.config import DecodeConfig
 from mtpipe.errors import MtpipeError
 from mtpipe.engine.loading import artifact_spm, load_vocab, vocab_source
+from mtpipe.engine.protocol import Lane, blank_results
 from mtpipe.engine.search import DecodeRules, Hypothesis, LengthPenalty, max_source_len
 
 ENGINE_INPUTS = "a CTranslate2 export (`mtpipe export`) or an mtpipe checkpoint"
@@ -50,11 +51,12 @@ class Ct2Model:
     ids: dict[str, int]
     max_positions: int
     vocab: dict[str, Any]  # the checkpoint's {"spm_sha256", "size"}: check it against a tokens artifact
+    model_config: dict[str, Any] | None = None  # the exported model's config, as the manifest records it
 
 
 def load_ct2(model_dir: Path, *, device: str = "cpu", compute_type: str = "default", threads: int = 0) -> Ct2Model:
     """Open an exported model directory (``threads``: CTranslate2 intra-op threads, 0 = its default)."""
-    from mtpipe.stages.export import require_ctranslate2
+    from mtpipe.engine.ct2_convert import require_ctranslate2
 
     ct2 = require_ctranslate2()
     model_dir = Path(model_dir)
@@ -73,7 +75,7 @@ def load_ct2(model_dir: Path, *, device: str = "cpu", compute_type: str = "defau
     except (RuntimeError, ValueError) as e:
         raise MtpipeError(f"{model_dir}: CTranslate2 cannot load it ({str(e).splitlines()[0]})") from None
     return Ct2Model(model_dir, translator, pieces, {p: i for i, p in enumerate(pieces)},
-                    int(m.extra["max_positions"]), dict(m.extra.get("vocab", {})))
+                    int(m.extra["max_positions"]), dict(m.extra.get("vocab", {})), m.extra.get("model_config"))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -256,7 +258,7 @@ def open_for_decode(path: Path, manifest: artifacts.Manifest, tokens: Path | Non
     import dataclasses
     import tempfile
 
-    from mtpipe.stages.export import export_ctranslate2, require_ctranslate2
+    from mtpipe.engine.ct2_convert import export_ctranslate2, require_ctranslate2
 
     gpus = require_ctranslate2().get_cuda_device_count()
     if device == "cuda" and gpus == 0:
@@ -280,6 +282,7 @@ class Ct2Engine:
     model: Ct2Model
     compute_type: str
     max_tokens: int
+    compiled: bool = False  # CTranslate2 runs its own compiled code: nothing is built on first use
 
     @classmethod
     def open(cls, path: Path, manifest: artifacts.Manifest, tokens: Path | None, cfg: DecodeConfig) -> "Ct2Engine":
@@ -313,6 +316,29 @@ class Ct2Engine:
                 + (" (CTranslate2's own is |Y|^alpha: its finished hypotheses are re-ranked with GNMT)"
                    if rules.penalty.kind == "gnmt" else ""))
 
+    def facts(self, rules: DecodeRules) -> dict[str, Any]:
+        return {"device": self.describe(), "precision": f"CTranslate2 compute type {self.compute_type}",
+                "search": self.settings(rules), "max_positions": self.max_positions,
+                "model_config": self.model.model_config, "pruned": None,
+                **({"note": note} if (note := self.note(rules)) else {})}
+
+    def lane(self, continuous: bool = False) -> Lane:
+        """Batch by batch: CTranslate2 decodes whole batches (continuous batching is mtpipe's engine's)."""
+        from mtpipe.engine.lanes import BatchLane
+
+        if continuous:
+            raise MtpipeError("continuous batching needs decode.engine=mtpipe (ctranslate2 decodes batch by batch)")
+        return BatchLane(self.translate)
+
+    def warm_up(self, groups: Sequence[list[list[int]]], rules: DecodeRules, beams: Sequence[int] = (),
+                continuous: bool = False) -> float:
+        from mtpipe.engine.lanes import warm_lane
+
+        return warm_lane(self.lane(continuous), groups, rules, beams)
+
+    def close(self, wait: float = 30) -> None:
+        """Nothing to release: the translator goes with the engine."""
+
     def translate(self, sources: Sequence[Sequence[int]], rules: DecodeRules,
                   on_done: Callable[[int], None] | None = None) -> list[list[Hypothesis]]:
         """The same inputs and outputs as mtpipe's engine: each source's ``nbest`` hypotheses in input order with
@@ -322,10 +348,8 @@ class Ct2Engine:
         progress bar moves, and each block still fills CTranslate2's ``max_tokens`` batches with sentences of
         similar lengths.
         """
-        results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] if not s else [] for s in sources]
-        todo = sorted((i for i, s in enumerate(sources) if s), key=lambda i: (len(sources[i]), i))
-        if on_done is not None and len(todo) < len(sources):
-            on_done(len(sources) - len(todo))
+        results, todo = blank_results(sources, on_done)
+        todo.sort(key=lambda i: (len(sources[i]), i))
         for block in self._blocks(todo, sources):
             hyps = _translate(self.model, [sources[i] for i in block], rules, self.max_tokens)
             for i, hs in zip(block, hyps):

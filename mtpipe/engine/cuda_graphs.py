@@ -1,8 +1,7 @@
 """The decoding step as CUDA graphs over fixed shapes (``decode.cuda_graphs``).
 
-Why: on a GPU a decoding step of a few sentences is bound by the host, not the device. Measured on an H200 with the
-quickstart model, a step for ~8 sentences took 5.35 ms while its kernels ran 0.46 ms: the host launched ~200 kernels a
-step and paid ~25 us of dispatch around each operation (BENCHMARKS.md, "On one GPU, a third time"). A CUDA graph
+Why: on a GPU a decoding step of a few sentences is bound by the host, not the device: the host launches ~200 kernels
+a step and pays for dispatch around each operation, while the kernels themselves take a fraction of that. A CUDA graph
 records those launches once and replays them with one call, so the decoder stack, the pre-softmax projection and the
 log-softmax (section 3.4) of a step cost one launch instead of ~200.
 
@@ -27,9 +26,9 @@ time the bucket is met (a few milliseconds; ``mtpipe serve``'s warm-up meets the
 buffers or graph cannot be made (GPU memory, a driver or an operation that does not allow recording), decoding warns
 once and takes the eager step from then on.
 
-A graph reads the weights at the addresses they had when it was recorded: updates in place (``load_state_dict``)
-are seen, and weights that moved (``model.to(...)``) are noticed at the next batch (:meth:`GraphedStep.check`),
-which records new graphs. Batches of more than :data:`MAX_ROWS` rows, restricted self-attention (its window is the
+A graph reads the weights at the addresses they had when it was recorded: the graphs belong to the prepared variant
+they were recorded for (:func:`mtpipe.engine.variants.prepare`), a snapshot; weights that move (``model.to(...)``) need
+a new one. Batches of more than :data:`MAX_ROWS` rows, restricted self-attention (its window is the
 *last* r cached positions, which padding would move), attention recording and compiled steps keep the eager step.
 
 ``capture=False`` runs the same padded computation without recording a graph: how the tests check on a CPU that
@@ -38,7 +37,6 @@ bucketing, padding and masking leave every hypothesis as the eager step finds it
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -80,11 +78,13 @@ class _Bucket:
 
 
 class GraphedStep:
-    """:meth:`mtpipe.model.transformer.Transformer.step`'s layers, projection and log-softmax replayed from CUDA graphs, one per
-    bucket of shapes (module docstring). ``model`` is the decoding model itself (its bf16 copy for bf16)."""
+    """The decoding step (:meth:`mtpipe.model.transformer.Transformer.step`), its projection ``project`` and the
+    log-softmax replayed from CUDA graphs, one per bucket of shapes (module docstring). ``model`` is the decoding
+    variant (the bf16 copy for bf16)."""
 
-    def __init__(self, model: Any, capture: bool = True, max_rows: int | None = None):
-        self.model, self.capture = model, capture
+    def __init__(self, model: Any, project: Callable[[Tensor], Tensor], capture: bool = True,
+                 max_rows: int | None = None):
+        self.model, self.project, self.capture = model, project, capture
         self.max_rows = MAX_ROWS if max_rows is None else max_rows
         self.buckets: dict[tuple, _Bucket] = {}
         # Static buffers by what they hold and their sizes, shared by the buckets that need the same: memory grows
@@ -93,20 +93,6 @@ class GraphedStep:
         self.loaded: dict[tuple, Tensor] = {}  # cross / src_mask buffers -> the src_mask whose sentences they hold
         self.started: dict[tuple, bool] = {}  # start buffer -> whether it holds anything but zeros
         self.pool: Any = None  # the graphs' shared memory pool (one graph replays at a time)
-        self.weights = self._weights()
-
-    def _weights(self) -> list[int]:
-        """Where the model's weights and buffers are: what the graphs read."""
-        return [t.data_ptr() for t in itertools.chain(self.model.parameters(), self.model.buffers())]
-
-    def check(self) -> None:
-        """At each batch's start (:meth:`mtpipe.model.transformer.Transformer.start`): when the weights moved since the graphs
-        were recorded (``model.to(...)``, new tensors loaded), forget the graphs and their buffers; the next steps
-        record new ones."""
-        weights = self._weights()
-        if weights != self.weights:
-            self._forget()
-            self.weights = weights
 
     def _forget(self) -> None:
         self.buckets.clear()
@@ -115,19 +101,16 @@ class GraphedStep:
         self.started.clear()
         self.pool = None
 
-    def __deepcopy__(self, memo: dict) -> None:
-        return None  # a copy of the model (bf16_copy, prune) records its own graphs, of its own weights
-
     def takes(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows runs from a graph."""
         return rows <= self.max_rows
 
     def __call__(self, x: Tensor, state: Any) -> tuple[Tensor, Tensor, Tensor] | None:
         """The step for the new position's input ``x`` ``[R, 1, D]`` and ``state``
-        (:class:`mtpipe.model.transformer.DecoderState`): log-probabilities ``[R, V]`` (float32) and the new position's keys /
-        values ``[layers, R, h, d]``, views of buffers that the next call overwrites; or None where a bucket's buffers
-        or graph could not be made (GPU memory, a driver or an operation that does not allow recording): then a
-        warning, and the eager step from now on."""
+        (:class:`mtpipe.engine.cache.DecoderState`): log-probabilities ``[R, V]`` (float32) and the new position's
+        keys / values ``[layers, R, h, d]``, views of buffers that the next call overwrites; or None where a bucket's
+        buffers or graph could not be made (GPU memory, a driver or an operation that does not allow recording): then
+        a warning, and the eager step from now on."""
         rows, t = x.size(0), state.length
         n, source = state.src_mask.size(0), state.src_mask.size(-1)
         beams = rows // n
@@ -233,8 +216,8 @@ class GraphedStep:
         m = self.model
         # [R', 1] vs [T'] -> [R', T'] -> [R', 1, 1, T']: a row attends to its own slots start .. t-1 (and itself)
         prev_mask = ((b.slots >= b.start) & (b.slots < b.length))[:, None, None, :]
-        h, k_new, v_new = m.step_layers(b.x, b.keys, b.values, prev_mask, b.cross, b.src_mask)
-        torch.log_softmax(m.decoding_logits(h), dim=-1, dtype=torch.float32, out=b.logp)  # [R', V]
+        h, k_new, v_new = m.step(b.x, b.keys, b.values, prev_mask, b.cross, b.src_mask)
+        torch.log_softmax(self.project(h), dim=-1, dtype=torch.float32, out=b.logp)  # [R', V]
         b.k_new.copy_(k_new)
         b.v_new.copy_(v_new)
 

@@ -73,7 +73,7 @@ def build_checkpoint_model(ck: artifacts.Checkpoint) -> Any:
 def vocab_source(checkpoint: Path, own_spm: Path | None, tokens: Path | None) -> tuple[Path, str, Path | None]:
     """``(spm.model, its bare sha256, the bpe artifact it is from or None)`` for a checkpoint (or an export) whose
     own SentencePiece model is ``own_spm`` (None: it carries none), as the module docstring orders them."""
-    from mtpipe.config import PATHS
+    from mtpipe.params import PATHS
 
     if tokens is None:
         if own_spm is not None:

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from mtpipe import env
 from mtpipe.errors import MtpipeError
+from mtpipe.model.ops import cpu_supports_bf16
 
 
 
@@ -27,19 +28,19 @@ def separate_compile_cache() -> str | None:
     cache at a directory of that capability's own; returns the directory (None: nothing changed).
 
     Why: torch 2.13's inductor reused code that it had compiled and cached without the restriction in a process
-    with it, and that code decoded garbage (measured on a 2-core Zen 5: ``decode.compile`` gave empty outputs for
-    every sentence, with or without mtpipe's own kernels; with a separate cache, or restricted both times, the
-    outputs equal eager decoding). A cache per capability keeps the two apart; an explicit cache directory is the
+    with it, and that code decoded garbage (seen on an AVX-512 CPU: ``decode.compile`` gave empty outputs for every
+    sentence, with or without mtpipe's own kernels; with a separate cache, or restricted both times, the outputs
+    equal eager decoding). A cache per capability keeps the two apart; an explicit cache directory is the
     user's choice and left alone."""
-    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
-    if not capability or os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+    capability = env.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if not capability or env.get("TORCHINDUCTOR_CACHE_DIR"):
         return None
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     except ImportError:  # another torch's layout: leave its cache as it is
         return None
     path = os.path.join(default_cache_dir(), f"capability-{capability}")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    env.put("TORCHINDUCTOR_CACHE_DIR", path)
     return path
 
 
@@ -57,9 +58,9 @@ def tune_cpu_allocator() -> bool:
 
     Why: glibc serves every allocation above its mmap threshold (at most 32 MB: logits, their gradients, large
     activations) with a fresh ``mmap`` and unmaps it on free, so a CPU training step page-faults its large tensors in
-    again every time (~170k minor faults per step of the small model). With ``M_MMAP_MAX = 0`` and a huge
-    ``M_TRIM_THRESHOLD`` freed blocks are reused: +46-56 % tokens/s for bf16 training of the small model on 2 threads
-    (bench/train_throughput.py). GPU memory is not affected (CUDA has its own caching allocator).
+    again every time. With ``M_MMAP_MAX = 0`` and a huge ``M_TRIM_THRESHOLD`` freed blocks are reused instead, and
+    CPU training runs markedly faster (measured with bench/train_throughput.py). GPU memory is not affected (CUDA has
+    its own caching allocator).
     """
     import ctypes
     import ctypes.util
@@ -90,33 +91,6 @@ def trim_cpu_memory() -> None:
 # --------------------------------------------------------------------------------------------------------------------
 # Precision
 # --------------------------------------------------------------------------------------------------------------------
-
-
-# ONEDNN_MAX_CPU_ISA values below the first with bf16 instructions (AVX512_CORE_BF16): oneDNN then runs bf16
-# matmuls through slow conversions, as on a CPU without native bf16.
-_ONEDNN_ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
-
-
-def cpu_supports_bf16() -> bool:
-    """Whether this CPU has native bf16 matmuls (AMX-BF16 or AVX512-BF16) that torch may use; without them bf16
-    autocast is slower than fp32 on CPU. A restriction of the instruction set (``ATEN_CPU_CAPABILITY=avx2``,
-    ``ONEDNN_MAX_CPU_ISA=AVX2``: how an AVX2-only CPU is emulated, or a user's choice) counts as their absence."""
-    capability = torch.backends.cpu.get_cpu_capability().upper()  # honours ATEN_CPU_CAPABILITY
-    if "AMX" in capability:
-        return True
-    if "AVX512" not in capability:
-        return False
-    if os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").strip().upper() in _ONEDNN_ISAS_WITHOUT_BF16:
-        return False
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return False
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[-1].split())
-            return "amx_bf16" in flags or "avx512_bf16" in flags
-    return False
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

@@ -10,7 +10,7 @@ from tensor2tensor, whose length penalty is GNMT's (Wu et al. 2016, section 7)::
 and a finished hypothesis is ranked by ``log P(Y | X) / lp(Y)`` (:meth:`LengthPenalty.score`). ``|Y|`` counts the
 generated tokens including the final EOS (as tensor2tensor and fairseq both count). :class:`DecodeRules` holds
 these rules once -- the penalty and its score, the maximum output length, the stopping rule -- for
-:mod:`mtpipe.stages.decode` (mtpipe's engine) and :mod:`mtpipe.engine.ct2` (CTranslate2) alike.
+:mod:`mtpipe.engine.translate` (mtpipe's engine) and :mod:`mtpipe.engine.ct2` (CTranslate2) alike.
 
 The search (:func:`beam_search`), per sentence:
 
@@ -30,16 +30,15 @@ The search (:func:`beam_search`), per sentence:
   ones that do not, and a sentence stops once ``round(beam x patience)`` of its hypotheses have finished (patience
   1 by default; as in fairseq, no more than that many finish: the lower-ranked EOS extensions of the last step are
   dropped). It takes fewer decoder steps and keeps no empty beam slots, but can miss a better, longer
-  hypothesis under a length penalty: the opt-in fast mode, and the rule to compare those tools under
-  (BENCHMARKS.md gives speed and BLEU of both rules on the same model).
+  hypothesis under a length penalty: the opt-in fast mode, and the rule to compare those tools under.
 * ``decode.min_len`` (0 by default): the fewest tokens before EOS. fairseq and CTranslate2 use 1 by default (an
   output is never empty); under ``stop=finished`` an empty output that finishes at the first step fills one of the
   finished places, so the two tools' output needs ``min_len`` 1 to be reproduced exactly.
 * **beam 1 is greedy search**: the single best extension is taken each step, and when it is EOS the beam is empty.
 
 The search works on any ``step(tokens [N], state) -> (log_probs [N, V], state)`` whose state has
-``select(index, beams)`` (:class:`mtpipe.model.transformer.DecoderState`, :class:`mtpipe.stages.decode.PrefixState`, or a hand-made
-one in the tests).
+``select(index, beams)`` (:class:`mtpipe.model.transformer.DecoderState`, or the tests' own: the uncached
+reference step of ``tests/oracles.py``).
 """
 
 from __future__ import annotations
@@ -162,31 +161,6 @@ class DecodeRules:
         return max(self.nbest, int(math.floor(self.beam * self.patience + 0.5)))
 
 
-class Engine(Protocol):
-    """A decoder of token-id sources under :class:`DecodeRules` (:class:`mtpipe.stages.decode.MtpipeEngine`,
-    :class:`mtpipe.engine.ct2.Ct2Engine`)."""
-
-    max_positions: int  # the model's positions: sources are cut to max_positions - 1 tokens, outputs capped
-
-    def describe(self) -> str:
-        """Where it runs (the log line and the hypotheses manifest's ``device``)."""
-        ...
-
-    def settings(self, rules: DecodeRules) -> str:
-        """How it searches under ``rules``, for the log line."""
-        ...
-
-    def note(self, rules: DecodeRules) -> str | None:
-        """Where its search differs from ``rules`` (logged before decoding), or None."""
-        ...
-
-    def translate(self, sources: Sequence[Sequence[int]], rules: DecodeRules,
-                  on_done: Callable[[int], None] | None = None) -> list[list[Hypothesis]]:
-        """Each source's ``rules.nbest`` hypotheses, best first, in input order; an empty source gives the empty
-        output with score 0 (a blank line stays blank). ``on_done(n)`` as n sentences finish."""
-        ...
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # Beam search over any step function
 # --------------------------------------------------------------------------------------------------------------------
@@ -203,9 +177,9 @@ StepFn = Callable[[Tensor, Any], "tuple[Tensor | Callable[[int, int], Tensor], A
 # Rows of log-probabilities ranked at a time (:func:`beam_search`): 256 x 8k vocabulary x 4 bytes = 8 MB, which stays
 # in a server CPU's cache between the projection, the softmax and the ranking.
 _BLOCK_ROWS = 256
-# Vocabulary entries per chunk in :func:`top_candidates`: contiguous runs whose maxima torch reduces at ~0.1 ns per
-# entry on one AVX2 core (64 and 128 were the fastest widths on 8k-37k vocabularies), while a top-k over a
-# sentence's k x V entries took ~1.4 ns per entry.
+# Vocabulary entries per chunk in :func:`top_candidates`: contiguous runs whose maxima torch reduces in vectorised
+# passes, far cheaper per entry than a top-k over a sentence's k x V entries (the width is bench/decode_speed.py's
+# "ranking" row's to measure).
 _CHUNK = 128
 
 
@@ -214,7 +188,7 @@ def top_candidates(logp: Tensor, scores: Tensor, m: int) -> tuple[Tensor, Tensor
     sentence in consecutive rows), ``scores`` ``[n, k]`` the beams' log-probabilities so far -> values ``[n, m]``
     (score + log-probability) and indices into each sentence's ``k * V`` extensions (``beam * V + token``).
 
-    Exact, and ~10x cheaper than a top-k over all ``k * V`` sums, which read every entry in scalar code: the
+    Exact, and much cheaper than a top-k over all ``k * V`` sums, which read every entry in scalar code: the
     vocabulary is cut into chunks of ``_CHUNK`` entries, each chunk's maximum (one vectorised pass) plus its beam's
     score ranks the chunks, and only the best ``m`` chunks are searched. That is exact because each of the ``m``
     best extensions lies in a chunk whose maximum is at least as high, and at most ``m`` chunks can have a higher
@@ -466,5 +440,5 @@ def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, 
     return results
 
 
-__all__ = ["BeamSearch", "DecodeRules", "Engine", "Hypothesis", "LengthPenalty", "PENALTIES", "STOPS", "State", "StepFn",
+__all__ = ["BeamSearch", "DecodeRules", "Hypothesis", "LengthPenalty", "PENALTIES", "STOPS", "State", "StepFn",
            "beam_search", "max_source_len", "top_candidates"]

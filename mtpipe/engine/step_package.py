@@ -1,13 +1,11 @@
 """``decode.compile`` on CPU in float32: the decoder's step compiled ahead of time and kept on disk.
 
-:meth:`mtpipe.model.transformer.Transformer.compile_step` freezes the weights into the compiled step (inductor's ``freezing``:
-constants packed once for oneDNN). ``torch.compile`` builds such a graph again in every process (~25 s on a 2-vCPU
-CPU: tracing, lowering, the C++ wrapper), and its on-disk caches skip frozen graphs. Here the same step is exported
-(``torch.export``, every per-call dimension dynamic) and compiled by AOTInductor into a package, one file per model,
-step variant and environment, under :func:`cache_dir`; a later process loads it in ~3 s. The packaged step also runs
-without torch.compile's guards and Python wrapper: 1.11-1.12x torch.compile's step for 8 sentences a call, 1.05x
-in 8,000-token batches (the quickstart model, 2 threads; BENCHMARKS.md, "The compiled step kept on disk" and "Where
-the d-128 model's compiled fp32 decoding time goes").
+``decode.compile=aot`` (:mod:`mtpipe.engine.runners`): ``torch.compile`` freezes the weights into the compiled step
+(inductor's ``freezing``: constants packed once for oneDNN) and builds such a graph again in every process (tens of
+seconds on a small CPU: tracing, lowering, the C++ wrapper), and its on-disk caches skip frozen graphs. Here the same
+step is exported (``torch.export``, every per-call dimension dynamic) and compiled by AOTInductor into a package, one
+file per model, step variant and environment, under :func:`cache_dir`; a later process loads it in seconds. The
+packaged step also runs without torch.compile's guards and Python wrapper, a little faster than torch.compile's.
 
 The package's key (:func:`package_key`) covers everything its code depends on: the weights' bytes, the input
 variant (which optional inputs there are, their ranks and dtypes), the torch version, the CPU code torch
@@ -45,16 +43,18 @@ import torch
 import xxhash
 from torch import Tensor
 
+from mtpipe import env as mtenv
 from mtpipe.console import info, warn
 from mtpipe.errors import MtpipeError
+from mtpipe.model import ops
 
 
 def cache_dir() -> Path:
     """Where packages are kept: ``$MTPIPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mtpipe`` (``~/.cache/mtpipe``); in
     ``decode-step/`` below it. mtpipe writes nothing else there. A package holds a copy of the model's weights:
     :func:`prune` keeps them under ``$MTPIPE_CACHE_MAX_GB``; deleting the directory is safe."""
-    root = os.environ.get("MTPIPE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mtpipe")
+    root = mtenv.get("MTPIPE_CACHE_DIR") or os.path.join(
+        mtenv.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mtpipe")
     return Path(root) / "decode-step"
 
 
@@ -70,7 +70,7 @@ _DEFAULT_MAX_GB = 5.0
 
 def cache_limit_bytes() -> int:
     """``$MTPIPE_CACHE_MAX_GB`` (default 5) in bytes: what the packages in :func:`cache_dir` may take together."""
-    raw = os.environ.get("MTPIPE_CACHE_MAX_GB", "").strip()
+    raw = mtenv.get("MTPIPE_CACHE_MAX_GB", "").strip()
     try:
         gb = float(raw) if raw else _DEFAULT_MAX_GB
     except ValueError:
@@ -152,12 +152,6 @@ def _locked(path: Path, wait: bool):
                 return
 
 
-def packaging_enabled() -> bool:
-    """False when ``MTPIPE_STEP_PACKAGE=0``: every process builds its step with torch.compile, as before packages
-    (nothing is written to the cache; for comparison, or a machine where the cache cannot be kept)."""
-    return os.environ.get("MTPIPE_STEP_PACKAGE", "1").strip() != "0"
-
-
 def weights_digest(module: torch.nn.Module) -> str:
     """sha256 of every parameter's and buffer's name, dtype, shape and bytes (~0.3 s for the base model's 60M)."""
     h = hashlib.sha256()
@@ -183,7 +177,7 @@ def package_key(weights: str, variant: tuple) -> str:
     """The package's file name: a digest of the weights, the input variant, the example sizes it is exported on
     (:data:`_SIZES`: they shape the generated code) and the environment its code was built for (torch's version and
     dispatched CPU code, oneDNN's ISA limit)."""
-    env = (torch.__version__, torch.backends.cpu.get_cpu_capability(), os.environ.get("ONEDNN_MAX_CPU_ISA", ""))
+    env = (torch.__version__, ops.cpu_capability(), mtenv.get("ONEDNN_MAX_CPU_ISA", ""))
     return hashlib.sha256(repr((weights, variant, sorted(_SIZES.items()), env, _source_digest())).encode()
                           ).hexdigest()[:32]
 
@@ -191,10 +185,10 @@ def package_key(weights: str, variant: tuple) -> str:
 # The example sizes a package is exported with (:meth:`PackagedStep._build`): distinct from each other and from
 # any rows count (a multiple of the sentences), so that the export gives each a symbol of its own; and of a real
 # batch's order, since inductor's C++ code generator reads them as the sizes to expect and splits a loop between
-# threads only where that much work is worth it. Exported on 3 sentences of 7 source pieces, the encoder-decoder
-# softmax ran on one thread while the other waited (3 % of the first thread's time in 8,000-token batches); these sizes
-# give every loop of the step to both threads (1.05x torch.compile's step in those batches against 1.00x, the same
-# at 8 sentences a call; BENCHMARKS.md, "Where the d-128 model's compiled fp32 decoding time goes").
+# threads only where that much work is worth it. Exported on a toy batch (a few sentences of a few source pieces),
+# the encoder-decoder softmax ran on one thread while the other waited; these sizes give every loop of the step to
+# both threads, which made the packaged step faster than torch.compile's in large batches and no slower in small ones
+# (measured: docs/journal/2026-11-benchmarks.md, "Where the d-128 model's compiled fp32 decoding time goes").
 _SIZES = {"sentences": 61, "positions": 17, "source": 23, "cache": 1031}
 
 
@@ -206,7 +200,8 @@ def _variant(flat: list[Tensor], has_mask: bool, has_index: bool, rows: int, sen
 
 
 class _Step(torch.nn.Module):
-    """:meth:`~mtpipe.model.transformer.Transformer.step_layers` with its optional inputs fixed by the variant, for export."""
+    """:meth:`~mtpipe.model.transformer.Transformer.step` with its optional inputs fixed by the variant, for
+    export."""
 
     def __init__(self, model: torch.nn.Module, has_mask: bool, has_index: bool) -> None:
         super().__init__()
@@ -216,14 +211,14 @@ class _Step(torch.nn.Module):
                 extra: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         prev_mask = extra[0] if self.has_mask else None
         index = extra[-1] if self.has_index else None
-        return self.model.step_layers(x, k_prev, v_prev, prev_mask, cross, src_mask, index)
+        return self.model.step(x, k_prev, v_prev, prev_mask, cross, src_mask, index)
 
 
 class PackagedStep:
-    """A callable with :meth:`~mtpipe.model.transformer.Transformer.step_layers`' signature that runs each input variant's
+    """A callable with :meth:`~mtpipe.model.transformer.Transformer.step`'s signature that runs each input variant's
     package (built on first use, or loaded from :func:`cache_dir`) and ``fallback`` where no package applies.
     ``dynamic_dims(x, k_prev, v_prev, index, prev_mask, cross, src_mask)`` lists the ``(tensor, dim, size)`` that
-    vary from call to call, ``size`` naming which (:func:`mtpipe.model.transformer.step_dynamic_dims`)."""
+    vary from call to call, ``size`` naming which (:func:`mtpipe.engine.runners.step_dynamic_dims`)."""
 
     def __init__(self, model: torch.nn.Module, fallback: Callable[..., Any],
                  dynamic_dims: Callable[..., list[tuple[Tensor, int, str]]]) -> None:
@@ -233,11 +228,6 @@ class PackagedStep:
         self.runners: dict[tuple, Any] = {}
         self.lock = threading.Lock()
         self.built = 0  # packages this object built (not loaded)
-
-    def __deepcopy__(self, memo: dict) -> PackagedStep:
-        # A copy of the model (bf16_copy, prune) never runs its original's step (Transformer._compiled): sharing
-        # this one, rather than copying its lock and loaded packages, is enough
-        return self
 
     def __call__(self, x: Tensor, k_prev: Tensor, v_prev: Tensor, prev_mask: Tensor | None,
                  cross: list[tuple[Tensor, Tensor]], src_mask: Tensor,
@@ -277,7 +267,7 @@ class PackagedStep:
             with _locked(path.with_suffix(".lock"), wait=True):
                 # The package checks its inputs too (a call outside its shapes raises rather than computing
                 # wrongly); the variable is read once, when the first package runs
-                os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")
+                mtenv.put("AOTI_RUNTIME_CHECK_INPUTS", "1", replace=False)
                 if path.is_file():
                     try:
                         return self._load(path)
@@ -421,5 +411,5 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["PackagedStep", "cache_dir", "cache_limit_bytes", "package_key", "packaging_enabled", "prune",
+__all__ = ["PackagedStep", "cache_dir", "cache_limit_bytes", "package_key", "prune",
            "weights_digest"]

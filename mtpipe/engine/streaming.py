@@ -1,6 +1,6 @@
 """Continuous batching: mtpipe's engine decoding a stream of sentences, new ones joining between decoder steps.
 
-A batch decoded to its end (:func:`mtpipe.stages.decode.translate_batches`) is right for a file: sorted by length, its
+A batch decoded to its end (:func:`mtpipe.engine.translate.translate_batches`) is right for a file: sorted by length, its
 sentences finish together. A server's sentences arrive one by one with any length; decoded batch by batch, a short
 sentence waits for the longest of its batch, and the batch shrinks to a few rows (slow steps) before the next one
 can start. Here (iteration-level batching, Yu et al. 2022, "Orca: A Distributed Serving System for
@@ -21,6 +21,7 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 
 from mtpipe.artifacts import EOS_ID, PAD_ID
+from mtpipe.engine.protocol import empty_output
 from mtpipe.engine.search import BeamSearch, DecodeRules, Hypothesis
 
 
@@ -48,9 +49,9 @@ class ServedRules(DecodeRules):
 
 
 class StreamDecoder:
-    """One stream of sentences decoded under one set of :class:`~mtpipe.engine.search.DecodeRules` by ``model`` (an
-    :class:`mtpipe.model.transformer.Transformer`, already in its decoding precision; the caller enters the precision context
-    and ``torch.inference_mode``).
+    """One stream of sentences decoded under one set of :class:`~mtpipe.engine.search.DecodeRules` by ``model`` (a
+    :class:`mtpipe.engine.variants.Prepared` model, already in its decoding precision; the caller enters the precision
+    context and ``torch.inference_mode``).
 
     :meth:`add` queues a sentence under a key; :meth:`step` lets queued sentences in while the batch holds fewer than
     ``max_tokens`` source tokens (at least one sentence), runs one decoder step, and returns the sentences that are
@@ -71,7 +72,7 @@ class StreamDecoder:
         """Queue ``source`` (token ids without EOS, at most ``max_positions - 1``) under ``key``. An empty source
         translates to the empty output with score 0, as in ``mtpipe decode``."""
         if not source:
-            self.ready.append((key, [Hypothesis([], 0.0, 0.0)]))
+            self.ready.append((key, empty_output()))
         else:
             self.waiting.append((key, list(source)))
 
@@ -88,11 +89,6 @@ class StreamDecoder:
         self.waiting = collections.deque(item for item in self.waiting if not unwanted(item[0]))
         self.ready = [item for item in self.ready if not unwanted(item[0])]
         return before - len(self.waiting) - len(self.ready)
-
-    @property
-    def batch_sentences(self) -> int:
-        """Sentences in the running batch."""
-        return len(self.tokens)
 
     def step(self) -> list[tuple[Hashable, list[Hypothesis]]]:
         """Admit what fits, run one decoder step; the sentences done, each with its hypotheses, best first."""

@@ -6,10 +6,10 @@ hands it, :class:`WorkerProcess` as one of the server's lanes) and ``mtpipe deco
 
 Why processes and not threads: the small matrix products of a decoding step (one new position per row, d_model
 128-1,024) use several cores poorly when split, while separate batches use them fully, and torch's CPU thread pool
-serves the process's main thread best (a decode driven from another thread ran 3x slower on a 2-core CPU). Each
-process is spawned (a fresh interpreter: no fork of a process that already runs torch's threads), opens the model as
-``mtpipe decode`` opens it (:func:`mtpipe.serve.app.open_model`), decodes a few sentences to warm up, and then decodes
-what comes down its pipe with ``decode.threads`` threads, or this process's CPUs split evenly.
+serves the process's main thread best (a decode driven from another thread is much slower). Each process is spawned
+(a fresh interpreter: no fork of a process that already runs torch's threads), opens the model as ``mtpipe decode``
+opens it (:func:`mtpipe.engine.opening.open_model`), decodes a few sentences to warm up, and then decodes what comes
+down its pipe with ``decode.threads`` threads, or this process's CPUs split evenly.
 """
 
 from __future__ import annotations
@@ -24,37 +24,35 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from mtpipe.config import DecodeConfig
+from mtpipe.engine.lanes import first_line
+from mtpipe.engine.protocol import Lane, blank_results
+from mtpipe.engine.search import DecodeRules, Hypothesis
 from mtpipe.errors import MtpipeError
-
-
-def first_line(e: BaseException) -> str:
-    """An exception's first line of text (its type's name when it has none): what travels between processes."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _worker_main(conn: Any, index: int, cfg: DecodeConfig, checkpoint: str, tokens: str | None, batching: str,
                  beams: tuple[int, ...] = ()) -> None:
     """Worker process ``index``: on a machine with several GPUs, pick its own (:func:`worker_gpu`); open the model as
-    the server does, warm it up (also at ``beams``: :func:`warm_beams`),
-    then run a lane: lists of ``(key, sources, rules)`` in (what the server took at once; a ``(key,)`` alone cancels
+    the server does, warm it up (also at ``beams``: :meth:`mtpipe.engine.opening.OpenModel.warm_up`), then run a
+    lane: lists of ``(key, sources, rules)`` in (what the server took at once; a ``(key,)`` alone cancels
     that key: its client has gone), lists of ``(key, result)`` out (what one poll of the lane finished; an exception
     travels as its one-line reason), until the server closes the pipe."""
     # The server drains and stops on SIGTERM / Ctrl-C (which a terminal sends to the whole process group): a worker
     # must go on decoding what the server still hands it, and ends when the server closes its pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from mtpipe.stages.decode import validate
-    from mtpipe.serve.app import open_model
+    from mtpipe.engine.opening import open_model
 
+    continuous = batching == "continuous"
     try:
         gpu = worker_gpu(index, cfg)
         if gpu is not None:
             import torch
 
             torch.cuda.set_device(gpu)  # "cuda" below means this GPU in this process
-        model = open_model(cfg, Path(checkpoint), Path(tokens) if tokens is not None else None, batching)
-        model.warm_up(validate(cfg), beams)
+        model = open_model(cfg, Path(checkpoint), Path(tokens) if tokens is not None else None)
+        # decode's rules, checked by the process that started this one
+        model.warm_up(DecodeRules.from_config(cfg), beams, continuous)
     except Exception as e:  # noqa: BLE001 - reported to the server, which stops with it
         with contextlib.suppress(OSError):
             conn.send(("error", first_line(e)))
@@ -63,7 +61,11 @@ def _worker_main(conn: Any, index: int, cfg: DecodeConfig, checkpoint: str, toke
         conn.send(("ready", model.description()))
     except OSError:
         return
-    lane = model.lane()
+    _run_lane(conn, model.lane(continuous))
+
+
+def _run_lane(conn: Any, lane: Lane) -> None:
+    """Drive ``lane`` from the pipe (:func:`_worker_main`) until the other end closes it."""
     with lane.decoding():
         while True:
             try:
@@ -87,7 +89,7 @@ def _worker_main(conn: Any, index: int, cfg: DecodeConfig, checkpoint: str, toke
 
 class WorkerProcess:
     """One decoding process (spawned: a fresh interpreter, its model in its own main thread, ``cfg.threads`` CPU
-    threads), as a :class:`~mtpipe.serve.app.Lane`: requests go down its pipe as they are taken and come back as they
+    threads), as a :class:`~mtpipe.engine.protocol.Lane`: requests go down its pipe as they are taken and come back as they
     finish. Driven by one thread. A worker that dies (e.g. killed for memory) fails the requests it held; with
     ``restart`` (a server's) the next request starts a new one. ``role`` names the setting in error messages."""
 
@@ -114,8 +116,8 @@ class WorkerProcess:
         self._dead = False
 
     def ready(self) -> dict[str, Any]:
-        """Wait until the model is loaded and warm: its :meth:`ServedModel.description`; its start-up error as a
-        :class:`MtpipeError`."""
+        """Wait until the model is loaded and warm: its :meth:`~mtpipe.engine.opening.OpenModel.description`; its
+        start-up error as a :class:`MtpipeError`."""
         try:
             status, payload = self._conn.recv()
         except (EOFError, OSError):
@@ -239,7 +241,7 @@ def deal(lengths: Sequence[int], max_tokens: int, processes: int) -> list[list[i
 
 
 class DecodePool:
-    """``decode.processes`` > 1: an :class:`~mtpipe.engine.search.Engine` whose translations are made by N
+    """``decode.processes`` > 1: an :class:`~mtpipe.engine.protocol.Engine` whose translations are made by N
     :class:`WorkerProcess` es, each with its own copy of the model (the engine ``decode.engine`` names: mtpipe's or
     CTranslate2's) and ``threads`` CPU threads. The sources are dealt out in shares of about one batch each
     (:func:`deal`); one thread per process hands it the next share as soon as it returns one, so a slower process
@@ -264,6 +266,7 @@ class DecodePool:
             raise
         self.info: dict[str, Any] = description["info"]
         self.max_positions = int(description["max_positions"])
+        self.compiled = False  # the processes built their compiled steps when they warmed up
 
     def describe(self) -> str:
         return f"{self.info['device']}, {self.processes} processes x {self.threads} thread(s)"
@@ -274,14 +277,20 @@ class DecodePool:
     def note(self, rules: Any) -> str | None:
         return self.info.get("note")
 
-    def translate(self, sources: Sequence[Sequence[int]], rules: Any,
-                  on_done: Callable[[int], None] | None = None) -> list[list[Any]]:
-        from mtpipe.engine.search import Hypothesis
+    def facts(self, rules: Any) -> dict[str, Any]:
+        return {**self.info, "device": self.describe()}
 
-        results: list[list[Any]] = [[Hypothesis([], 0.0, 0.0)] if not s else [] for s in sources]
-        todo = [i for i, s in enumerate(sources) if s]
-        if on_done is not None and len(todo) < len(sources):
-            on_done(len(sources) - len(todo))
+    def lane(self, continuous: bool = False) -> Lane:
+        raise MtpipeError("decode.processes: a pool shares out whole files; a server's lanes are serve.workers")
+
+    def warm_up(self, groups: Sequence[list[list[int]]], rules: Any, beams: Sequence[int] = (),
+                continuous: bool = False) -> float:
+        """Nothing to do: each process warmed up when it started (outside the timed decoding)."""
+        return 0.0
+
+    def translate(self, sources: Sequence[Sequence[int]], rules: Any,
+                  on_done: Callable[[int], None] | None = None) -> list[list[Hypothesis]]:
+        results, todo = blank_results(sources, on_done)
         shares = collections.deque([todo[j] for j in share]
                                    for share in deal([len(sources[i]) + 1 for i in todo], self.max_tokens,
                                                      len(self.procs)))

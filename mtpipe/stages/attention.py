@@ -74,7 +74,7 @@ class AttentionMaps:
 
 def record_attention(model: Any, src_ids: list[int], out_ids: list[int]) -> dict[str, list[Any]]:
     """Every layer's attention weights while ``model`` encodes ``src_ids`` (EOS appended) and decodes ``out_ids``
-    (EOS last) step by step, as decoding does (:meth:`Transformer.start` / :meth:`Transformer.step`, the
+    (EOS last) step by step, as decoding does (:func:`mtpipe.engine.variants.prepare`'s ``start`` / ``step``, the
     self-attention cache included), under :meth:`Transformer.recording`.
 
     Returns ``{kind: [layer weights [h, Lq, Lk] (torch float32)]}``. Each step's rows (``[1, h, 1, Lk]``) are stacked
@@ -88,11 +88,13 @@ def record_attention(model: Any, src_ids: list[int], out_ids: list[int]) -> dict
     src = torch.tensor([[*src_ids, EOS_ID]], dtype=torch.long)  # [1, S]
     tgt_in = [model.start_id, *out_ids[:-1]]  # the input of each step: what the step before produced
     steps = len(tgt_in)
-    model.eval()
-    with torch.inference_mode(), model.recording() as kept:
-        state = model.start(*model.encode(src))
+    from mtpipe.engine.variants import prepare
+
+    prepared = prepare(model, "fp32", torch.device("cpu"))  # as decoding runs it: the eager step, on the CPU
+    with torch.inference_mode(), prepared.recording() as kept:
+        state = prepared.start(*prepared.encode(src))
         for token in tgt_in:
-            _, state = model.step(torch.tensor([token], dtype=torch.long), state)
+            _, state = prepared.step(torch.tensor([token], dtype=torch.long), state)
 
     encoder = [calls[0][0] for calls in kept["encoder"]]  # one call per layer: [1, h, S, S] -> [h, S, S]
     cross = [torch.cat([c[0] for c in calls], dim=1) for calls in kept["cross"]]  # T x [h, 1, S] -> [h, T, S]
@@ -112,7 +114,7 @@ def attention_maps(model: Any, sp: Any, text: str, beam: int = 1, alpha: float =
     """Encode ``text`` as ``decode --input`` does, translate it (greedy, or beam search with ``beam``), and record
     the attention of decoding that translation (:func:`record_attention`)."""
     from mtpipe.artifacts import EOS_ID
-    from mtpipe.stages.decode import translate_batches
+    from mtpipe.engine.translate import translate_batches
     from mtpipe.engine.search import DecodeRules, LengthPenalty, max_source_len
 
     text = unicodedata.normalize("NFC", text).strip()  # as decode's read_lines cleans a line

@@ -94,22 +94,19 @@ def checkpoint_metric(d: Path, m: artifacts.Manifest) -> tuple[str, float | None
     """``(train.stop_metric, its value)`` of a training checkpoint: the run's metric from the manifest's train params,
     and the validation at the checkpoint's step that training recorded (``extra["valid"]``), or None when the
     checkpoint was written without one (or before mtpipe recorded them)."""
-    from mtpipe.training.resume import STOP_METRICS
-
     metric = ((m.params or {}).get("train") or {}).get("stop_metric", "valid_ppl")
-    if metric not in STOP_METRICS:
+    if metric not in artifacts.STOP_METRICS:
         raise MtpipeError(f"{d}: checkpoint manifest names an unknown train.stop_metric {metric!r}")
-    value = (m.extra.get("valid") or {}).get(STOP_METRICS[metric][0])
+    curve = artifacts.STOP_METRICS[metric][0]
+    value = (m.extra.get("valid") or {}).get(curve)
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise MtpipeError(f"{d}: checkpoint manifest has a non-numeric {STOP_METRICS[metric][0]} ({value!r})")
+        raise MtpipeError(f"{d}: checkpoint manifest has a non-numeric {curve} ({value!r})")
     return metric, None if value is None else float(value)
 
 
 def rank_best(measured: list[tuple[int, Path, float]], metric: str, n: int) -> list[tuple[int, Path]]:
     """The ``n`` best of ``(step, directory, value)`` by ``metric`` (ties: the newer first), sorted by step."""
-    from mtpipe.training.resume import STOP_METRICS
-
-    higher = STOP_METRICS[metric][1]
+    higher = artifacts.STOP_METRICS[metric][1]
     ranked = sorted(measured, key=lambda sdv: ((-sdv[2] if higher else sdv[2]), -sdv[0]))
     return sorted(((s, d) for s, d, _ in ranked[:n]), key=lambda sd: sd[0])
 

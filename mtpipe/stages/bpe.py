@@ -41,10 +41,12 @@ from mtpipe.artifacts import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
+    SPECIALS,
     TOKENS_SCHEMA,
     UNK_ID,
     file_hash,
     from_numpy,
+    load_spm,
     open_parquet,
     read_manifest,
     splits_of,
@@ -54,7 +56,6 @@ from mtpipe.errors import MtpipeError
 from mtpipe.writing import ArtifactWriter, prepare_output
 
 ENCODE_ROWS = 32768  # pairs per encode call: enough work per call for every thread, bounded memory
-SPECIALS = {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID}
 
 
 def nproc() -> int:
@@ -63,14 +64,6 @@ def nproc() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-def _check_cfg(cfg: BpeConfig) -> None:
-    if cfg.vocab_size <= len(SPECIALS):
-        raise MtpipeError(f"bpe.vocab_size={cfg.vocab_size}: must be larger than the {len(SPECIALS)} special tokens")
-    if (cfg.dropout > 0) != (cfg.dropout_copies > 0):
-        raise MtpipeError(f"bpe.dropout={cfg.dropout} with bpe.dropout_copies={cfg.dropout_copies}: BPE-dropout needs "
-                          "both (a probability > 0 and at least one extra copy of train), or neither")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -154,24 +147,6 @@ def _explain(msg: str, cfg: BpeConfig, corpus: Path, n: int) -> str:
                 "--character-coverage")
     first = msg.strip().splitlines()[0] if msg.strip() else "unknown error"
     return f"SentencePiece training on {where} failed: {first}"
-
-
-def load_spm(path: Path) -> Any:
-    """A SentencePiece processor, after checking that its special ids are mtpipe's."""
-    import sentencepiece as spm
-
-    sp = spm.SentencePieceProcessor()
-    try:
-        sp.Load(str(path))
-    except (OSError, RuntimeError) as e:
-        raise MtpipeError(f"{path}: not a SentencePiece model ({str(e).splitlines()[0] if str(e) else e})") from None
-    got = {"pad": sp.pad_id(), "unk": sp.unk_id(), "bos": sp.bos_id(), "eos": sp.eos_id()}
-    if got != SPECIALS:
-        raise MtpipeError(
-            f"{path}: special ids {got} differ from mtpipe's {SPECIALS}; train it with --pad_id=0 --unk_id=1 "
-            "--bos_id=2 --eos_id=3 (or let `mtpipe bpe` train one)"
-        )
-    return sp
 
 
 def write_vocab(sp: Any, path: Path) -> None:
@@ -318,7 +293,6 @@ def id_stride(pf: Any) -> int:
 def tokenize_corpus(cfg: BpeConfig, corpus: Path, out: Path, spm_model: Optional[Path] = None, *,
         force: bool = False) -> dict[str, SplitTokens]:
     """Train (or take ``spm_model``) a joint BPE model and encode every split of the ``corpus`` artifact."""
-    _check_cfg(cfg)
     corpus, out = Path(corpus), Path(out)
     read_manifest(corpus, "corpus")
     prepare_output(out, "tokens", inputs=[corpus, spm_model], force=force)

@@ -264,17 +264,8 @@ def _spilled(path: Path) -> np.ndarray:
     return np.memmap(path, dtype=np.int32, mode="r")
 
 
-def _check_cfg(cfg: BucketConfig) -> None:
-    if cfg.max_tokens < cfg.max_len:
-        raise MtpipeError(
-            f"bucket.max_tokens={cfg.max_tokens} is smaller than bucket.max_len={cfg.max_len}: the longest allowed "
-            f"pair would not fit in any batch; raise --max-tokens to at least {cfg.max_len} or lower --max-len"
-        )
-
-
 def bucket_tokens(cfg: BucketConfig, tokens: Path, out: Path, *, force: bool = False) -> dict[str, SplitBatches]:
     """Batch the train and valid splits of the ``tokens`` artifact into the ``batches`` artifact ``out``."""
-    _check_cfg(cfg)
     tokens, out = Path(tokens), Path(out)
     read_manifest(tokens, "tokens")
     prepare_output(out, "batches", inputs=[tokens], force=force)

@@ -235,16 +235,8 @@ class Cleaner:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _check_cfg(cfg: FetchConfig) -> None:
-    if cfg.src_lang == cfg.tgt_lang:
-        raise MtpipeError(f"fetch.src_lang and fetch.tgt_lang are both '{cfg.src_lang}'")
-    if cfg.min_len < 0 or cfg.max_len < max(cfg.min_len, 1):
-        raise MtpipeError(f"fetch.min_len={cfg.min_len} / fetch.max_len={cfg.max_len}: need 0 <= min_len <= max_len")
-
-
 def fetch_corpus(cfg: FetchConfig, out: Path, *, force: bool = False) -> dict[str, SplitStats]:
     """Read ``cfg.source``, clean train, write the ``corpus`` artifact to ``out``; returns per-split statistics."""
-    _check_cfg(cfg)
     out = Path(out)
     prepare_output(out, "corpus", inputs=[local_source(cfg.source)], force=force)
     source = open_source(cfg)

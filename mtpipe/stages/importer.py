@@ -37,8 +37,6 @@ model options) as the one allowed class: no other pickled object runs.
 
 from __future__ import annotations
 
-import argparse
-import math
 import re
 import shutil
 import tempfile
@@ -47,11 +45,19 @@ from pathlib import Path
 from typing import Any
 
 from mtpipe import console, writing
-from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID, file_hash
+from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, SPECIALS, UNK_ID, file_hash
 from mtpipe.config import ModelConfig, to_dict
 from mtpipe.errors import MtpipeError
+from mtpipe.stages.fairseq_files import (
+    FAIRSEQ_SPECIALS,
+    FairseqDictionary,
+    fairseq_sinusoids,
+    find_dictionaries,
+    load_fairseq_checkpoint,
+    model_config,
+    read_dictionary,
+)
 
-FAIRSEQ_SPECIALS = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}  # fairseq.data.Dictionary's fixed ids
 # mtpipe's special id -> fairseq's: <s> is fairseq's unused bos, whose row stays in fairseq's softmax.
 SPECIAL_ROWS = {PAD_ID: 1, UNK_ID: 3, BOS_ID: 0, EOS_ID: 2}
 PADDING_SYMBOL = re.compile(r"madeupword\d+")  # fairseq's --padding-factor fillers
@@ -62,178 +68,6 @@ _FUSED_COPIES = ("in_proj_weight", "in_proj_bias", "out_proj_weight", "out_proj_
 
 # SentencePiece piece types (sentencepiece_model.proto)
 _NORMAL, _UNKNOWN, _CONTROL, _UNUSED = 1, 2, 3, 5
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Reading fairseq's files
-# --------------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class FairseqDictionary:
-    """A fairseq dictionary: symbols by index (the four specials first, then ``dict.txt``'s lines)."""
-
-    path: Path
-    symbols: list[str]
-
-    @property
-    def index(self) -> dict[str, int]:
-        return {s: i for i, s in enumerate(self.symbols)}
-
-
-def read_dictionary(path: Path) -> FairseqDictionary:
-    """``dict.txt``: one ``symbol count [#fairseq:overwrite]`` per line, after fairseq's four specials."""
-    symbols = list(FAIRSEQ_SPECIALS)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise MtpipeError(f"{path}: not a UTF-8 fairseq dictionary") from None
-    for n, line in enumerate(lines, 1):
-        fields = line.rstrip().split(" ")
-        overwrite = fields[-1] == "#fairseq:overwrite"
-        if overwrite:
-            fields = fields[:-1]
-        if len(fields) < 2 or not fields[-1].isdigit():
-            raise MtpipeError(f"{path}:{n}: not a fairseq dictionary line ('symbol count'): {line[:60]!r}")
-        symbol = " ".join(fields[:-1])
-        if symbol in FAIRSEQ_SPECIALS and overwrite:
-            continue  # an explicit entry for a special: fairseq keeps the special's fixed id
-        if symbol in symbols:
-            raise MtpipeError(f"{path}:{n}: duplicate symbol {symbol!r}")
-        symbols.append(symbol)
-    return FairseqDictionary(path, symbols)
-
-
-def find_dictionaries(where: Path, src_lang: str | None, tgt_lang: str | None) -> tuple[Path, Path]:
-    """The source and target ``dict.{lang}.txt`` in the directory ``where`` (or ``where`` itself, a file, for both)."""
-    if where.is_file():
-        return where, where
-    if not where.is_dir():
-        raise MtpipeError(f"{where}: fairseq dictionary directory not found")
-    if src_lang and tgt_lang:
-        paths = where / f"dict.{src_lang}.txt", where / f"dict.{tgt_lang}.txt"
-        for p in paths:
-            if not p.is_file():
-                raise MtpipeError(f"{p}: not found (the checkpoint's task is {src_lang}-{tgt_lang})")
-        return paths
-    found = sorted(where.glob("dict.*.txt"))
-    if len(found) == 1:
-        return found[0], found[0]
-    raise MtpipeError(f"{where}: the checkpoint names no source/target languages and the directory holds "
-                      f"{len(found)} dict.*.txt files; pass --dict FILE")
-
-
-def load_fairseq_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """``(state_dict, model options, task options)`` of a fairseq checkpoint, loaded without running pickled code."""
-    import torch
-
-    if not path.is_file():
-        raise MtpipeError(f"{path}: fairseq checkpoint not found")
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            ck = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 -- torch raises many types for a foreign or corrupt file
-        text = str(e)
-        m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
-        why = (f"it holds a pickled {m[1]}, which mtpipe does not load (only tensors, plain values and "
-               "argparse.Namespace)" if m else (text.strip().splitlines() or [type(e).__name__])[0])
-        raise MtpipeError(f"{path}: not a loadable fairseq checkpoint: {why}") from None
-    if not isinstance(ck, dict) or not isinstance(ck.get("model"), dict):
-        raise MtpipeError(f"{path}: not a fairseq checkpoint (no 'model' state dict)")
-
-    def options(x: Any) -> dict[str, Any]:
-        return vars(x) if isinstance(x, argparse.Namespace) else dict(x) if isinstance(x, dict) else {}
-
-    cfg = ck.get("cfg") or {}
-    model = options(cfg.get("model")) if isinstance(cfg, dict) else {}
-    task = options(cfg.get("task")) if isinstance(cfg, dict) else {}
-    if not model and ck.get("args") is not None:  # checkpoints from before fairseq's dataclass configs
-        model = task = options(ck["args"])
-    if not model:
-        raise MtpipeError(f"{path}: the checkpoint records no model options (cfg.model or args)")
-    return dict(ck["model"]), model, task
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Model options
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def model_config(opts: dict[str, Any], state: dict[str, Any], where: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The mtpipe model config equivalent to fairseq's options, and facts the weight mapping needs."""
-
-    def opt(name: str, default: Any = None) -> Any:
-        return opts.get(name, default)
-
-    arch = opt("arch") or opt("_name") or "transformer"
-    if not str(arch).startswith("transformer"):
-        raise MtpipeError(f"{where}: architecture {arch!r} is not a fairseq transformer")
-    refuse = {
-        "layernorm_embedding": "layernorm_embedding (mtpipe's embeddings have no LayerNorm)",
-        "no_scale_embedding": "no_scale_embedding (mtpipe scales embeddings by sqrt(d_model), section 3.4)",
-        "cross_self_attention": "cross_self_attention",
-        "no_cross_attention": "no_cross_attention",
-        "no_token_positional_embeddings": "no_token_positional_embeddings",
-        "adaptive_softmax_cutoff": "an adaptive softmax",
-        "adaptive_input": "adaptive input embeddings",
-        "tie_adaptive_weights": "adaptive weights",
-        "quant_noise_pq": "quant-noise",
-    }
-    for key, what in refuse.items():
-        if opt(key):
-            raise MtpipeError(f"{where}: uses {what}; mtpipe's Transformer has no such option")
-    if (opt("activation_fn") or "relu") != "relu":
-        raise MtpipeError(f"{where}: activation_fn={opt('activation_fn')}; mtpipe's feed-forward layers use ReLU "
-                          "(section 3.3)")
-    d, d_ff, heads = opt("encoder_embed_dim"), opt("encoder_ffn_embed_dim"), opt("encoder_attention_heads")
-    for enc, dec in (("encoder_embed_dim", "decoder_embed_dim"), ("encoder_ffn_embed_dim", "decoder_ffn_embed_dim"),
-                     ("encoder_attention_heads", "decoder_attention_heads"),
-                     ("encoder_embed_dim", "decoder_output_dim"), ("encoder_embed_dim", "decoder_input_dim")):
-        if opt(dec) is not None and opt(dec) != opt(enc):
-            raise MtpipeError(f"{where}: {enc}={opt(enc)} but {dec}={opt(dec)}; mtpipe's encoder and decoder have "
-                              "one d_model, d_ff and head count")
-    if None in (d, d_ff, heads, opt("encoder_layers"), opt("decoder_layers")):
-        raise MtpipeError(f"{where}: the model options lack the layer sizes (encoder_embed_dim, encoder_layers, ...)")
-    if d % heads:
-        raise MtpipeError(f"{where}: encoder_embed_dim={d} is not divisible by {heads} heads")
-    pre_enc, pre_dec = bool(opt("encoder_normalize_before")), bool(opt("decoder_normalize_before"))
-    if pre_enc != pre_dec:
-        raise MtpipeError(f"{where}: encoder_normalize_before={pre_enc} but decoder_normalize_before={pre_dec}; "
-                          "mtpipe's model.norm_position applies to both stacks")
-    if pre_dec and "decoder.layer_norm.weight" not in state:
-        raise MtpipeError(f"{where}: a pre-norm decoder without its final LayerNorm (no_decoder_final_norm)")
-    learned = {s: f"{s}.embed_positions.weight" in state for s in ("encoder", "decoder")}
-    max_src = int(opt("max_source_positions") or 1024)
-    max_tgt = int(opt("max_target_positions") or 1024)
-    share_all = bool(opt("share_all_embeddings"))
-    share_dec = share_all or bool(opt("share_decoder_input_output_embed"))
-    cfg = dict(
-        preset="base", encoder_layers=int(opt("encoder_layers")), decoder_layers=int(opt("decoder_layers")),
-        d_model=int(d), d_ff=int(d_ff), heads=int(heads), d_k=int(d) // int(heads), d_v=int(d) // int(heads),
-        dropout=float(opt("dropout") or 0.0), attention_dropout=float(opt("attention_dropout") or 0.0),
-        relu_dropout=float(opt("activation_dropout") or opt("relu_dropout") or 0.0),
-        max_positions=min(max_src, max_tgt), norm_position="pre" if pre_enc else "post", norm="layer",
-        fixnorm=False, positions="learned-per-stack" if any(learned.values()) else "learned", layerdrop=0.0,
-        share_embeddings="all" if share_all else "decoder" if share_dec else "none",
-        output_bias=False, decoder_start="eos",
-    )
-    return cfg, {"learned": learned, "padding_idx": FAIRSEQ_SPECIALS["<pad>"]}
-
-
-def fairseq_sinusoids(rows: int, dim: int, padding_idx: int) -> Any:
-    """fairseq's ``SinusoidalPositionalEmbedding.get_embedding``: ``[rows, dim]``, sines then cosines, frequencies
-    ``exp(-i log(10000) / (dim/2 - 1))``, the padding row zero; float32 throughout, as fairseq computes it."""
-    import torch
-
-    half = dim // 2
-    step = math.log(10000) / (half - 1)
-    freq = torch.exp(torch.arange(half, dtype=torch.float) * -step)  # [half]
-    angles = torch.arange(rows, dtype=torch.float).unsqueeze(1) * freq.unsqueeze(0)  # [rows, half]
-    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1).view(rows, -1)  # [rows, 2 * half]
-    if dim % 2:
-        table = torch.cat([table, torch.zeros(rows, 1)], dim=1)  # [rows, dim]
-    table[padding_idx, :] = 0
-    return table
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -257,6 +91,33 @@ class Vocabulary:
 def build_vocabulary(spm_model: Path, src: FairseqDictionary, tgt: FairseqDictionary) -> Vocabulary:
     """Map every SentencePiece piece to its fairseq rows (module docstring), rewriting the SentencePiece model when
     its special ids are not mtpipe's or fairseq padding symbols must be appended."""
+    proto, raw = _read_spm_proto(spm_model)
+    ts = proto.trainer_spec
+    have = {"pad": ts.pad_id, "unk": ts.unk_id, "bos": ts.bos_id, "eos": ts.eos_id}
+    pieces_set = {p.piece for p in proto.pieces}
+    for name, table in (("target", tgt), ("source", src)):
+        foreign = [s for s in table.symbols[len(FAIRSEQ_SPECIALS):]
+                   if s not in pieces_set and not PADDING_SYMBOL.fullmatch(s)]
+        if foreign:
+            raise MtpipeError(f"{table.path}: {len(foreign)} {name} dictionary entries are not pieces of {spm_model} "
+                              f"(e.g. {', '.join(repr(s) for s in foreign[:3])}): mtpipe would encode them as <unk> "
+                              "where fairseq had rows of their own; import with the SentencePiece model that "
+                              "produced the dictionary")
+    appended = [s for s in tgt.symbols[len(FAIRSEQ_SPECIALS):] if s not in pieces_set]
+    rewritten = have != SPECIALS or bool(appended)
+    if rewritten:
+        proto = _rewritten(proto, have, appended, spm_model)
+        raw = proto.SerializeToString()
+    pieces = [p.piece for p in proto.pieces]
+    src_rows, tgt_rows, never = _rows(pieces, src, tgt)
+    return Vocabulary(raw, pieces, src_rows, tgt_rows, never, appended, rewritten)
+
+
+_DEFAULT_PIECE = {"pad": "<pad>", "unk": "<unk>", "bos": "<s>", "eos": "</s>"}
+
+
+def _read_spm_proto(spm_model: Path) -> tuple[Any, bytes]:
+    """The SentencePiece model's protobuf and its bytes; a missing or broken file is one error line."""
     from sentencepiece import sentencepiece_model_pb2 as pb
 
     proto = pb.ModelProto()
@@ -269,49 +130,44 @@ def build_vocabulary(spm_model: Path, src: FairseqDictionary, tgt: FairseqDictio
         raise MtpipeError(f"{spm_model}: not a SentencePiece model") from None
     if not proto.pieces:
         raise MtpipeError(f"{spm_model}: not a SentencePiece model (no pieces)")
-    ts = proto.trainer_spec
-    want = {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID}
-    have = {"pad": ts.pad_id, "unk": ts.unk_id, "bos": ts.bos_id, "eos": ts.eos_id}
-    default_piece = {"pad": "<pad>", "unk": "<unk>", "bos": "<s>", "eos": "</s>"}
+    return proto, raw
+
+
+def _rewritten(proto: Any, have: dict[str, int], appended: list[str], spm_model: Path) -> Any:
+    """``proto`` with mtpipe's special ids (pad, unk, bos, eos first) and the fairseq padding symbols ``appended``
+    as UNUSED pieces at the end."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    if proto.trainer_spec.unk_id < 0 or proto.trainer_spec.unk_id >= len(proto.pieces):
+        raise MtpipeError(f"{spm_model}: has no <unk> piece")
     pieces_set = {p.piece for p in proto.pieces}
-    for name, table in (("target", tgt), ("source", src)):
-        foreign = [s for s in table.symbols[len(FAIRSEQ_SPECIALS):]
-                   if s not in pieces_set and not PADDING_SYMBOL.fullmatch(s)]
-        if foreign:
-            raise MtpipeError(f"{table.path}: {len(foreign)} {name} dictionary entries are not pieces of {spm_model} "
-                              f"(e.g. {', '.join(repr(s) for s in foreign[:3])}): mtpipe would encode them as <unk> "
-                              "where fairseq had rows of their own; import with the SentencePiece model that "
-                              "produced the dictionary")
-    appended = [s for s in tgt.symbols[len(FAIRSEQ_SPECIALS):] if s not in pieces_set]
-    rewritten = have != want or bool(appended)
-    if rewritten:
-        if ts.unk_id < 0 or ts.unk_id >= len(proto.pieces):
-            raise MtpipeError(f"{spm_model}: has no <unk> piece")
-        order = sorted(want, key=want.get)  # pad, unk, bos, eos
-        specials = []
-        for name in order:
-            i = have[name]
-            if 0 <= i < len(proto.pieces):
-                specials.append(proto.pieces[i])
-            else:
-                if default_piece[name] in pieces_set:
-                    raise MtpipeError(f"{spm_model}: has no {name} id but a piece named {default_piece[name]!r}")
-                specials.append(pb.ModelProto.SentencePiece(piece=default_piece[name], score=0.0, type=_CONTROL))
-        taken = {i for i in have.values() if i >= 0}
-        rest = [p for i, p in enumerate(proto.pieces) if i not in taken]
-        extra = [pb.ModelProto.SentencePiece(piece=s, score=0.0, type=_UNUSED) for s in appended]
-        new = pb.ModelProto()
-        new.CopyFrom(proto)
-        del new.pieces[:]
-        new.pieces.extend([*specials, *rest, *extra])
-        new.trainer_spec.pad_id, new.trainer_spec.unk_id = PAD_ID, UNK_ID
-        new.trainer_spec.bos_id, new.trainer_spec.eos_id = BOS_ID, EOS_ID
-        for name in order:
-            setattr(new.trainer_spec, f"{name}_piece", specials[want[name]].piece)
-        new.trainer_spec.vocab_size = len(new.pieces)
-        raw = new.SerializeToString()
-        proto = new
-    pieces = [p.piece for p in proto.pieces]
+    order = sorted(SPECIALS, key=SPECIALS.get)  # pad, unk, bos, eos
+    specials = []
+    for name in order:
+        i = have[name]
+        if 0 <= i < len(proto.pieces):
+            specials.append(proto.pieces[i])
+        else:
+            if _DEFAULT_PIECE[name] in pieces_set:
+                raise MtpipeError(f"{spm_model}: has no {name} id but a piece named {_DEFAULT_PIECE[name]!r}")
+            specials.append(pb.ModelProto.SentencePiece(piece=_DEFAULT_PIECE[name], score=0.0, type=_CONTROL))
+    taken = {i for i in have.values() if i >= 0}
+    rest = [p for i, p in enumerate(proto.pieces) if i not in taken]
+    extra = [pb.ModelProto.SentencePiece(piece=s, score=0.0, type=_UNUSED) for s in appended]
+    new = pb.ModelProto()
+    new.CopyFrom(proto)
+    del new.pieces[:]
+    new.pieces.extend([*specials, *rest, *extra])
+    new.trainer_spec.pad_id, new.trainer_spec.unk_id = PAD_ID, UNK_ID
+    new.trainer_spec.bos_id, new.trainer_spec.eos_id = BOS_ID, EOS_ID
+    for name in order:
+        setattr(new.trainer_spec, f"{name}_piece", specials[SPECIALS[name]].piece)
+    new.trainer_spec.vocab_size = len(new.pieces)
+    return new
+
+
+def _rows(pieces: list[str], src: FairseqDictionary, tgt: FairseqDictionary) -> tuple[list[int], list[int], list[int]]:
+    """Each mtpipe id's source and target fairseq rows, and the ids fairseq's softmax did not have."""
     si, ti = src.index, tgt.index
     src_rows, tgt_rows, never = [], [], []
     for i, piece in enumerate(pieces):
@@ -330,7 +186,7 @@ def build_vocabulary(spm_model: Path, src: FairseqDictionary, tgt: FairseqDictio
         lost = [table.symbols[r] for r in sorted(missing) if r != FAIRSEQ_SPECIALS["<unk>"]]
         if name == "target" and lost:  # cannot happen by construction; a guard on the mapping itself
             raise MtpipeError(f"{table.path}: target entries {lost[:3]} got no mtpipe id")
-    return Vocabulary(raw, pieces, src_rows, tgt_rows, never, appended, rewritten)
+    return src_rows, tgt_rows, never
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -366,14 +222,25 @@ class _Taker:
 def convert_weights(state: dict[str, Any], cfg: dict[str, Any], facts: dict[str, Any], vocab: Vocabulary,
                     where: Path) -> dict[str, Any]:
     """mtpipe's state dict for the model ``cfg`` from fairseq's ``state`` (mapping in the module docstring)."""
-    import torch
-
     take = _Taker(state, where)
     for key in state:
         if key.endswith(".version") or key.endswith("embed_positions._float_tensor"):
             take.ignore(key)
         if re.fullmatch(r"encoder\.layers\.\d+\.(" + "|".join(_FUSED_COPIES) + ")", key):
             take.ignore(key)
+    out = _embeddings(take, state, cfg, vocab, where)
+    out.update(_positions(take, cfg, facts, where))
+    _layers(take, cfg, out)
+    take.done()
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _embeddings(take: _Taker, state: dict[str, Any], cfg: dict[str, Any], vocab: Vocabulary,
+                where: Path) -> dict[str, Any]:
+    """The embedding tables and the output projection, rows in mtpipe's id order, tied as far as fairseq's really
+    are (``cfg``'s share_embeddings and output_bias set to match)."""
+    import torch
+
     out: dict[str, Any] = {}
     src_rows, tgt_rows = torch.tensor(vocab.src_rows), torch.tensor(vocab.tgt_rows)
     enc_e, dec_e = take("encoder.embed_tokens.weight"), take("decoder.embed_tokens.weight")
@@ -400,7 +267,13 @@ def convert_weights(state: dict[str, Any], cfg: dict[str, Any], facts: dict[str,
         bias = torch.zeros(len(vocab.pieces))
         bias[vocab.never] = NEVER
         out["out_bias"] = bias
-    pad, n_pos = facts["padding_idx"], cfg["max_positions"]
+    return out
+
+
+def _positions(take: _Taker, cfg: dict[str, Any], facts: dict[str, Any], where: Path) -> dict[str, Any]:
+    """The position tables: fairseq's learned rows or its sinusoids, past its padding offset."""
+    out: dict[str, Any] = {}
+    d, pad, n_pos = cfg["d_model"], facts["padding_idx"], cfg["max_positions"]
     tables = {}
     for stack in ("encoder", "decoder"):
         if facts["learned"][stack]:
@@ -414,6 +287,12 @@ def convert_weights(state: dict[str, Any], cfg: dict[str, Any], facts: dict[str,
     out["positions"] = tables["encoder"]
     if cfg["positions"] == "learned-per-stack":
         out["tgt_positions"] = tables["decoder"]
+    return out
+
+
+def _layers(take: _Taker, cfg: dict[str, Any], out: dict[str, Any]) -> None:
+    """Every layer's projections and norms into ``out`` (fairseq's q, k, v fused as mtpipe's qkv)."""
+    import torch
 
     def linear(dst: str, src: str) -> None:
         out[f"{dst}.weight"], out[f"{dst}.bias"] = take(f"{src}.weight"), take(f"{src}.bias")
@@ -445,8 +324,6 @@ def convert_weights(state: dict[str, Any], cfg: dict[str, Any], facts: dict[str,
     if cfg["norm_position"] == "pre":
         linear("encoder_norm", "encoder.layer_norm")
         linear("decoder_norm", "decoder.layer_norm")
-    take.done()
-    return {k: v.contiguous() for k, v in out.items()}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -460,7 +337,6 @@ def import_fairseq(checkpoint: Path, dictionary: Path, spm_model: Path, out: Pat
     SentencePiece model that made its data) into the mtpipe checkpoint ``out`` (which carries the SentencePiece
     model, remapped to mtpipe's ids) and, when ``tokens_out`` is given, also a bpe artifact there. Returns a
     summary."""
-    from mtpipe.stages.bpe import SPECIALS, write_vocab
     from mtpipe.model.transformer import build_model
 
     checkpoint, dictionary, spm_model = Path(checkpoint), Path(dictionary), Path(spm_model)
@@ -470,12 +346,7 @@ def import_fairseq(checkpoint: Path, dictionary: Path, spm_model: Path, out: Pat
     src_path, tgt_path = find_dictionaries(dictionary, task.get("source_lang"), task.get("target_lang"))
     src_dict, tgt_dict = read_dictionary(src_path), read_dictionary(tgt_path)
     cfg, facts = model_config(opts, state, checkpoint)
-    for side, table in (("encoder", src_dict), ("decoder", tgt_dict)):
-        rows = state.get(f"{side}.embed_tokens.weight")
-        if rows is not None and rows.shape[0] != len(table.symbols):
-            raise MtpipeError(f"{table.path}: {len(table.symbols)} symbols (with fairseq's 4 specials), but the "
-                              f"checkpoint's {side} embeddings have {rows.shape[0]} rows: not the dictionary it was "
-                              "trained with")
+    _check_dictionary_sizes(state, src_dict, tgt_dict)
     vocab = build_vocabulary(spm_model, src_dict, tgt_dict)
     weights = convert_weights(state, cfg, facts, vocab, checkpoint)
     model_cfg = to_dict(ModelConfig(**cfg).resolved())
@@ -484,9 +355,33 @@ def import_fairseq(checkpoint: Path, dictionary: Path, spm_model: Path, out: Pat
     if missing or unexpected:  # a programming error in the mapping above, named rather than silently wrong
         raise MtpipeError(f"{checkpoint}: converted weights do not fit mtpipe's model (missing {missing[:3]}, "
                           f"unexpected {unexpected[:3]})")
+    imported = {"format": "fairseq", "checkpoint": str(checkpoint), "dictionary": str(tgt_path)}
+    _write_outputs(out, tokens_out, model, model_cfg, vocab, opts, imported, spm_model, force=force)
+    summary = _summary(cfg, facts, vocab)
+    console.table(f"import: {checkpoint} -> {out}" + (f" (+ {tokens_out})" if tokens_out else ""), ["", "value"],
+                  [[k, v] for k, v in summary.items()])
+    return summary
 
+
+def _check_dictionary_sizes(state: dict[str, Any], src: FairseqDictionary, tgt: FairseqDictionary) -> None:
+    """Each dictionary has exactly as many symbols as its side's embedding rows: else it is not the one the
+    checkpoint was trained with."""
+    for side, table in (("encoder", src), ("decoder", tgt)):
+        rows = state.get(f"{side}.embed_tokens.weight")
+        if rows is not None and rows.shape[0] != len(table.symbols):
+            raise MtpipeError(f"{table.path}: {len(table.symbols)} symbols (with fairseq's 4 specials), but the "
+                              f"checkpoint's {side} embeddings have {rows.shape[0]} rows: not the dictionary it was "
+                              "trained with")
+
+
+def _write_outputs(out: Path, tokens_out: Path | None, model: Any, model_cfg: dict[str, Any], vocab: Vocabulary,
+                   opts: dict[str, Any], imported: dict[str, str], spm_model: Path, *, force: bool) -> None:
+    """The checkpoint ``out`` and, with ``tokens_out``, a bpe artifact there too: both or neither."""
     import sentencepiece as spm
 
+    from mtpipe.stages.bpe import write_vocab
+
+    checkpoint = Path(imported["checkpoint"])
     sp = spm.SentencePieceProcessor(model_proto=vocab.spm_bytes)
     if tokens_out is None:  # the checkpoint alone: its SentencePiece files are staged in a temporary directory
         with tempfile.TemporaryDirectory(prefix="mtpipe-import-") as tmp:
@@ -501,8 +396,7 @@ def import_fairseq(checkpoint: Path, dictionary: Path, spm_model: Path, out: Pat
             w.extra.update({
                 "vocab_size": len(vocab.pieces), "spm_sha256": file_hash(w.path("spm.model")),
                 "special_ids": SPECIALS, "eos_stored": False, "spm_model_source": str(spm_model),
-                "imported_from": {"format": "fairseq", "checkpoint": str(checkpoint), "dictionary": str(tgt_path)},
-                "pairs": {}, "tokens": {},
+                "imported_from": imported, "pairs": {}, "tokens": {},
             })
         try:
             _write_imported(out, model, model_cfg, vocab, checkpoint, opts, tokens_out, force=force)
@@ -510,7 +404,11 @@ def import_fairseq(checkpoint: Path, dictionary: Path, spm_model: Path, out: Pat
             if not existed:  # the pair is one result: do not leave half of it
                 shutil.rmtree(tokens_out, ignore_errors=True)
             raise
-    summary = {
+
+
+def _summary(cfg: dict[str, Any], facts: dict[str, Any], vocab: Vocabulary) -> dict[str, Any]:
+    """What the import made, as the summary table shows it."""
+    return {
         "layers": f"{cfg['encoder_layers']} + {cfg['decoder_layers']}",
         "d_model / heads / d_ff": f"{cfg['d_model']} / {cfg['heads']} / {cfg['d_ff']}",
         "norm": cfg["norm_position"],
@@ -522,9 +420,6 @@ def import_fairseq(checkpoint: Path, dictionary: Path, spm_model: Path, out: Pat
         "fairseq padding symbols appended": len(vocab.appended),
         "SentencePiece model": "rewritten (ids reordered or symbols appended)" if vocab.rewritten else "unchanged",
     }
-    console.table(f"import: {checkpoint} -> {out}" + (f" (+ {tokens_out})" if tokens_out else ""), ["", "value"],
-                  [[k, v] for k, v in summary.items()])
-    return summary
 
 
 def _write_imported(out: Path, model: Any, model_cfg: dict[str, Any], vocab: Any, checkpoint: Path,
@@ -543,5 +438,4 @@ def _plain(v: Any) -> bool:
     return v is None or isinstance(v, (bool, int, float, str))
 
 
-__all__ = ["FairseqDictionary", "Vocabulary", "build_vocabulary", "convert_weights", "fairseq_sinusoids",
-           "find_dictionaries", "import_fairseq", "load_fairseq_checkpoint", "model_config", "read_dictionary"]
+__all__ = ["Vocabulary", "build_vocabulary", "convert_weights", "import_fairseq"]

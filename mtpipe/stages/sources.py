@@ -25,7 +25,6 @@ output split's own name is tried before them (``valid.en.gz`` needs no entry), u
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import sys
@@ -39,7 +38,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from mtpipe import console
+from mtpipe import console, env
 from mtpipe.config import FetchConfig
 from mtpipe.errors import MtpipeError
 
@@ -292,11 +291,11 @@ def _hub_unreachable(timeout: float = 3.0) -> Optional[str]:
     or TCP connect here switches the Hub libraries to offline mode instead, so a cached copy still loads and a
     missing one fails at once. Skipped when the user already chose offline mode or routes through a proxy.
     """
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+    if env.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
         return None
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+    if any(env.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return None
-    url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    url = urllib.parse.urlparse(env.get("HF_ENDPOINT", "https://huggingface.co"))
     host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
     try:
         socket.create_connection((host, port), timeout=timeout).close()
@@ -313,8 +312,8 @@ def _hf_source(spec: str, cfg: FetchConfig) -> Source:
         # The Hub libraries read HF_HUB_OFFLINE when imported: decide before importing them.
         offline_reason = _hub_unreachable()
         if offline_reason:
-            os.environ["HF_HUB_OFFLINE"] = "1"
-            os.environ["HF_DATASETS_OFFLINE"] = "1"
+            env.put("HF_HUB_OFFLINE", "1")
+            env.put("HF_DATASETS_OFFLINE", "1")
     import datasets
 
     try:

@@ -7,7 +7,8 @@ same functions either way and never branches on the world size itself.
 * NCCL between GPUs (one process per GPU, ``cuda:LOCAL_RANK``), gloo between CPU processes.
 * Side effects (checkpoint writes, dvclive, summary files) happen on rank 0 only, behind :func:`rank0_only`.
   (Terminal output is already rank-0 only: :mod:`mtpipe.console` stays silent when ``RANK`` is not 0.)
-* Starting the N processes is :mod:`mtpipe.training.launch`'s job; CPU and precision settings are :mod:`mtpipe.engine.runtime`'s.
+* Starting the N processes is :mod:`mtpipe.training.launch`'s job (torchrun's agent: :mod:`mtpipe.training.torchrun`);
+  CPU and precision settings are :mod:`mtpipe.engine.runtime`'s.
 * Waiting for one another is bounded by ``train.dist_timeout`` (:func:`init`'s ``timeout``): every process watches
   the others' heartbeats in torchrun's store (:class:`Watch`), so a rank or node that dies, freezes or drops off the
   network ends the others within that time with one line naming it, instead of a hang (a gloo collective waits for
@@ -22,10 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
+from mtpipe import env
 from mtpipe.errors import MtpipeError
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ _watch: Watch | None = None
 
 
 def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
+    value = env.get(name)
     if value is None or value == "":
         return default
     try:
@@ -69,15 +70,15 @@ def _attempt_store(rank: int, world: int, timeout: float) -> dist.Store | None:
     predecessors' addresses, connect to nothing and hang. A prefix per attempt (``TORCHELASTIC_RESTART_COUNT``)
     keeps attempts apart. ``None`` (plain ``env://`` rendezvous) outside torchrun.
     """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT")
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
     if attempt is None or not addr or not port:
         return None
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts it (as env:// does)
+    agent_hosts = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts it (as env:// does)
     store = dist.TCPStore(addr, int(port), world, is_master=not agent_hosts and rank == 0,
                           timeout=timedelta(seconds=timeout), multi_tenant=not agent_hosts)
     return dist.PrefixStore(f"mtpipe/attempt_{attempt}/", store)
@@ -285,8 +286,8 @@ class Watch:
     a rank whose count has not moved for ``train.dist_timeout`` (its process is gone or frozen, its node died or
     dropped off the network), or a store that has not answered for that long (node 0 is gone),
     ends this process with one line naming it (:meth:`verdict`, recorded for the launcher,
-    :func:`mtpipe.training.launch.fail_now`). The threads do not wait on the training: a rank busy for minutes (a checkpoint
-    write, torch.compile) still beats; a rank that is alive but stuck is the collectives' timeout's to catch
+    :func:`mtpipe.training.failures.fail_now`). The threads do not wait on the training: a rank busy for minutes (a
+    checkpoint write, torch.compile) still beats; a rank that is alive but stuck is the collectives' timeout's to catch
     (:func:`group_timeout`). A rank that leaves (:func:`cleanup`) says so, and nobody waits for it any more.
 
     Ranks are named with their node (torchrun's ``GROUP_RANK``) and host, which each rank writes as ``who/RANK``."""
@@ -314,10 +315,10 @@ class Watch:
         """Start the threads (None: no store address in the environment, nothing to watch with)."""
         import threading
 
-        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
         if not addr or not port:
             return None
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
         w = cls(rank, world, timeout, (addr, int(port)), f"mtpipe/watch/attempt_{attempt}/")
         w._beats = threading.Thread(target=w._beat, name="mtpipe-heartbeat", daemon=True)
         w._beats.start()
@@ -341,7 +342,7 @@ class Watch:
             store = dist.PrefixStore(self.prefix, dist.TCPStore(
                 self.address[0], self.address[1], is_master=False, timeout=timedelta(seconds=self.timeout),
                 wait_for_workers=False))
-            store.set(f"who/{self.rank}", json.dumps([os.environ.get("GROUP_RANK", ""), socket.gethostname()]))
+            store.set(f"who/{self.rank}", json.dumps([env.get("GROUP_RANK", ""), socket.gethostname()]))
             beats = [f"hb/{r}" for r in range(self.world)]
             ready = False
             while True:
@@ -438,7 +439,7 @@ def _died(ranks: list[int]) -> str:
 def _exit_lost(message: str) -> None:
     """The watch's verdict: record it for the launcher (or print it) and end this process now: the main thread may
     be blocked in a collective that would wait longer, or that has no timeout (NCCL's wait on the GPU)."""
-    from mtpipe.training.launch import fail_now
+    from mtpipe.training.failures import fail_now
 
     fail_now("peer", message, 1)
 

@@ -15,9 +15,8 @@ instead spread eps / (V - 1) over the non-target entries only; the two differ by
 the smoothing term, immaterial at V = 37000 but a different number, so it is named here.)
 
 :func:`projected_label_smoothed_nll` is what training runs: the logits ``h W^T + b`` of the decoder states are made,
-turned into the loss and its gradient, and dropped, one block of rows at a time. :func:`reference_label_smoothed_nll`
-(the textbook formula on whole logits, differentiated by autograd) is its definition in the tests and the plain
-formulation ``bench/train_throughput.py --plain loss`` times it against.
+turned into the loss and its gradient, and dropped, one block of rows at a time. The tests hold it to the textbook
+formula on whole logits, differentiated by autograd (``tests/oracles.py``).
 """
 
 from __future__ import annotations
@@ -27,30 +26,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mtpipe.model import kernels
-from mtpipe.model.kernels import _ROW_BLOCK
-
-
-def reference_label_smoothed_nll(logits: Tensor, target: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """The textbook formula on the whole ``[N, V]`` logits, differentiated by autograd: the definition that
-    :func:`projected_label_smoothed_nll` is tested against. Returns ``(loss_sum, nll_sum)``, float32."""
-    lprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
-    nll = -lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # [N, 1] -> [N]
-    if eps == 0.0:
-        nll_sum = nll.sum()
-        return nll_sum, nll_sum
-    smooth = -lprobs.mean(dim=-1)  # [N]: eps is spread uniformly, eps / V on every entry
-    loss = (1.0 - eps) * nll + eps * smooth
-    return loss.sum(), nll.sum()
+from mtpipe.model import ops
+from mtpipe.model.ops import _ROW_BLOCK
 
 
 # The float32 logits of one block stay below this many bytes. On CPU the block size barely matters for speed
-# (2-32 MiB measured within a few % of the whole logits on a 2-core Zen 3, 32 MiB the best: 1,024 rows of an 8k
-# vocabulary); what the blocks save is memory, there and on a GPU (the paper's 25k-token batches over 37k pieces
-# would take 3.7 GB per float32 copy of the whole logits).
+# (``bench/train_throughput.py --plain loss`` times the blocks against the whole logits); what the blocks save is
+# memory, there and on a GPU (the paper's 25k-token batches over 37k pieces would take 3.7 GB per float32 copy of
+# the whole logits).
 _BLOCK_BYTES = {"cpu": 32 << 20, "other": 1 << 30}
-# CPU rows per block are a multiple of mtpipe.model.kernels' row block, and the last block is padded up to one: under CPU
-# bf16 autocast the products run in oneDNN, which compiles a kernel per shape (mtpipe.model.kernels.linear), so the shapes
+# CPU rows per block are a multiple of mtpipe.model.ops' row block, and the last block is padded up to one: under CPU
+# bf16 autocast the products run in oneDNN, which compiles a kernel per shape (mtpipe.model.ops.linear), so the shapes
 # must repeat.
 _ROW_MULTIPLE = _ROW_BLOCK
 
@@ -92,16 +78,9 @@ def _blocks(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, eps:
     b = bias.float() if bias is not None else None
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
     nll = torch.zeros((), dtype=torch.float32, device=h.device)
-    grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if want_grad else None
-    # dW accumulates transposed, [D, V], in float32 products on CPU: oneDNN (mtpipe.model.kernels.mm) makes X^T G in that
-    # layout at full speed and G^T X (a tall product of a transposed view) at half speed
-    wide = cdtype == torch.float32 and h.device.type == "cpu"
-    grad_w = (torch.zeros(weight.shape[::-1] if wide else weight.shape, dtype=torch.float32, device=h.device)
-              if want_grad else None)
-    grad_b = torch.zeros(vocab, dtype=torch.float32, device=h.device) if want_grad and bias is not None else None
-    h_sum = torch.zeros(h.size(1), dtype=torch.float32, device=h.device) if want_grad else None  # colsum(h), [D]
-    # float32 training products through oneDNN only where mtpipe.model.kernels allows it for training (AVX-512)
-    mm = kernels.mm if not want_grad or kernels.ONEDNN_FP32_TRAINING else torch.mm
+    grads = _Grads(h, weight, bias, cdtype) if want_grad else None
+    # float32 training products through oneDNN only where mtpipe.model.ops allows it for training (AVX-512)
+    mm = ops.mm if not want_grad or ops.ONEDNN_FP32_TRAINING else torch.mm
     rows = _block_rows(h.device, vocab)
     pad_to = _ROW_MULTIPLE if h.device.type == "cpu" and cdtype != torch.float32 else 1
     for lo in range(0, n, rows):
@@ -118,32 +97,59 @@ def _blocks(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, eps:
         block_nll = -lprobs.gather(1, y).sum()
         nll += block_nll
         loss += (1.0 - eps) * block_nll - eps * lprobs.sum() / vocab
-        if not want_grad:
-            continue
-        if cdtype == torch.float32:
+        if grads is not None:
+            grads.add_block(z, lprobs, x, target[lo:hi], w, eps, lo, extra, mm)
+    if grads is None:
+        return loss, nll, None, None, None
+    return (loss, nll, *grads.finish(w, eps, n))
+
+
+class _Grads:
+    """The gradients of the loss that :func:`_blocks` accumulates block by block, in float32: ``dh`` (``[N, D]``),
+    ``dW`` and ``db`` (``[V]``), and ``colsum(h)`` for the smoothing's share (:meth:`finish`)."""
+
+    def __init__(self, h: Tensor, weight: Tensor, bias: Tensor | None, cdtype: torch.dtype):
+        self.vocab, self.cdtype = weight.size(0), cdtype
+        self.h = torch.empty(h.shape, dtype=torch.float32, device=h.device)
+        # dW accumulates transposed, [D, V], in float32 products on CPU: oneDNN (mtpipe.model.ops.mm) makes X^T G
+        # in that layout at full speed and G^T X (a tall product of a transposed view) at half speed
+        self.wide = cdtype == torch.float32 and h.device.type == "cpu"
+        self.w = torch.zeros(weight.shape[::-1] if self.wide else weight.shape, dtype=torch.float32, device=h.device)
+        self.b = torch.zeros(self.vocab, dtype=torch.float32, device=h.device) if bias is not None else None
+        self.h_sum = torch.zeros(h.size(1), dtype=torch.float32, device=h.device)  # colsum(h), [D]
+
+    def add_block(self, z: Tensor, lprobs: Tensor, x: Tensor, target: Tensor, w: Tensor, eps: float, lo: int,
+                  extra: int, mm: Any) -> None:
+        """The block of rows ``lo:lo + c``: its logits ``z`` ``[c, V]``, their float32 log-probabilities
+        ``lprobs`` (consumed: exponentiated in place in float32), its inputs ``x`` ``[c + extra, D]`` (``extra``
+        zero rows) and targets ``[c]``."""
+        vocab, c = self.vocab, z.size(0)
+        if self.cdtype == torch.float32:
             gc = lprobs.exp_()  # in place: softmax(z), [c, V]
         else:
-            gc = torch.softmax(z, dim=-1).to(cdtype)  # [c, V] in bf16 from the logits (a no-op .to without bias)
-        at_target = torch.arange(hi - lo, device=h.device) * vocab + target[lo:hi]  # [c]: flat index of z[i, y_i]
-        gc.view(-1).index_add_(0, at_target, gc.new_full((hi - lo,), -(1.0 - eps)))  # [c, V] -> [c V]
-        if grad_b is not None:
-            grad_b += gc.sum(0, dtype=torch.float32)
-        h_sum += x.sum(0, dtype=torch.float32)
+            gc = torch.softmax(z, dim=-1).to(self.cdtype)  # [c, V] in bf16 from the logits (a no-op .to without bias)
+        at_target = torch.arange(c, device=x.device) * vocab + target  # [c]: flat index of z[i, y_i]
+        gc.view(-1).index_add_(0, at_target, gc.new_full((c,), -(1.0 - eps)))  # [c, V] -> [c V]
+        if self.b is not None:
+            self.b += gc.sum(0, dtype=torch.float32)
+        self.h_sum += x.sum(0, dtype=torch.float32)
         if extra:
             gc = torch.cat([gc, gc.new_zeros(extra, vocab)])  # [c + extra, V]: the zero rows add nothing to dW
-        grad_h[lo:hi] = mm(gc, w)[: hi - lo]  # [c, V] x [V, D] -> [c, D]
-        if wide:
-            grad_w += mm(x.t(), gc)  # [D, c] x [c, V] -> [D, V]
+        self.h[lo : lo + c] = mm(gc, w)[:c]  # [c, V] x [V, D] -> [c, D]
+        if self.wide:
+            self.w += mm(x.t(), gc)  # [D, c] x [c, V] -> [D, V]
         else:
-            grad_w += torch.mm(gc.t(), x)
-    if want_grad and eps:  # the smoothing's - eps / V on every entry of every block, in one exact float32 step
-        grad_h -= (eps / vocab) * w.sum(0, dtype=torch.float32)  # [D], on every row
-        grad_w -= (eps / vocab) * (h_sum[:, None] if wide else h_sum)  # [D], on every row of dW
-        if grad_b is not None:
-            grad_b -= eps * n / vocab
-    if wide and grad_w is not None:
-        grad_w = grad_w.t()  # [D, V] -> [V, D] (a view)
-    return loss, nll, grad_h, grad_w, grad_b
+            self.w += torch.mm(gc.t(), x)
+
+    def finish(self, w: Tensor, eps: float, n: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``(dh, dW, db)``, with the smoothing's ``- eps / V`` on every entry of every block added in one exact
+        float32 step."""
+        if eps:
+            self.h -= (eps / self.vocab) * w.sum(0, dtype=torch.float32)  # [D], on every row
+            self.w -= (eps / self.vocab) * (self.h_sum[:, None] if self.wide else self.h_sum)  # [D], on every row of dW
+            if self.b is not None:
+                self.b -= eps * n / self.vocab
+        return self.h, self.w.t() if self.wide else self.w, self.b  # dW [D, V] -> [V, D] (a view) when wide
 
 
 class _ProjectedSmoothedNLL(torch.autograd.Function):

@@ -1,143 +1,30 @@
-"""Exact resume of ``mtpipe train``: what a checkpoint's ``trainer.pt`` holds beyond the weights, which checkpoint a
-run resumes from, and whether it may.
+"""Exact resume of ``mtpipe train``: which checkpoint a run resumes from, whether it may, and the trainer state it
+continues (:mod:`mtpipe.training.state`).
 
-``trainer.pt`` (:data:`TRAINER_STATE_VERSION` 1) is plain tensors, numbers, lists and dicts, so that
-``torch.load(weights_only=True)`` reads it without unpickling code: the :class:`TrainState` keys, ``optimizer``
-(Adam's moments and step count, so section 5.3's schedule continues), ``scaler`` (fp16's grad scaler, else empty),
-``rng`` (every rank's torch CPU/CUDA RNG state, so dropout continues), ``world_size``, ``accum``, ``seed`` and
-``version``. With the same world size and accumulation a resumed run equals the uninterrupted one (bitwise on CPU),
-and so do its checkpoints, byte for byte: the one wall-clock figure a resume needs, the training time so far
-(``train.max_time`` counts it across invocations), is kept beside them in the run directory's ``clock.json``
-(:func:`write_clock`), not in a checkpoint, whose hashes would otherwise differ on every rerun that changed nothing.
+The same command on the same ``OUT`` continues from the latest checkpoint; with the same world size and
+accumulation the run equals the uninterrupted one (bitwise on CPU), and so do its checkpoints, byte for byte.
+Another world size keeps the global batch (:func:`same_global_batch`) but not the dropout streams (:func:`restore`).
+A checkpoint of another vocabulary or model shape is refused, naming the key the user changed
+(:func:`check_resumable`).
 """
 
 from __future__ import annotations
 
-import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
-from mtpipe import artifacts, writing
-
-from mtpipe.training import distributed
+from mtpipe import artifacts
 from mtpipe.config import MODEL_PRESETS, TrainConfig, to_dict, with_model_defaults
 from mtpipe.console import warn
-from mtpipe.training.distributed import rank0_only
 from mtpipe.errors import MtpipeError
-from mtpipe.training.metrics import Window
+from mtpipe.training import distributed
+from mtpipe.training.checkpoints import CLOCK_FILE, latest_checkpoint, read_clock
+from mtpipe.training.state import TRAINER_STATE_VERSION, TrainState, seed_for_rank, set_rng_state
 
 if TYPE_CHECKING:
     from mtpipe.training.batches import TrainData
-
-TRAINER_STATE_VERSION = 1
-
-# train.stop_metric -> (the valid/* curve it reads, whether higher is better)
-STOP_METRICS = {"valid_ppl": ("valid/ppl", False), "valid_bleu": ("valid/bleu", True)}
-
-
-def improves(metric: str, value: float, best: float | None) -> bool:
-    """Whether ``value`` of ``train.stop_metric`` beats ``best`` (``None``: nothing measured yet); strictly, so a
-    plateau counts against the patience."""
-    higher = STOP_METRICS[metric][1]
-    return best is None or (value > best if higher else value < best)
-
-
-@dataclass
-class Best:
-    """Early stopping's record (part of ``trainer.pt``, so a resume in the middle of a patience count continues it):
-    the best scheduled validation of ``train.stop_metric`` so far, its step (whose checkpoint is never pruned), and
-    the validations since then that did not improve on it."""
-
-    metric: str = ""  # the train.stop_metric the record is about ("": none yet)
-    value: float | None = None
-    step: int = -1
-    bad: int = 0  # validations in a row without improvement
-
-    def update(self, metric: str, value: float, step: int) -> bool:
-        """Book one validation; True when it improved on the best (it is the new best). A record about another
-        metric (train.stop_metric changed between invocations) starts over."""
-        if metric != self.metric:
-            self.metric, self.value, self.step, self.bad = metric, None, -1, 0
-        if improves(metric, value, self.value):
-            self.value, self.step, self.bad = float(value), step, 0
-            return True
-        self.bad += 1
-        return False
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"metric": self.metric, "value": self.value, "step": self.step, "bad": self.bad}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Best:
-        value = d.get("value")
-        return cls(metric=str(d.get("metric", "")), value=None if value is None else float(value),
-                   step=int(d.get("step", -1)), bad=int(d.get("bad", 0)))
-
-
-@dataclass
-class TrainState:
-    """Where training stands: the part of ``trainer.pt`` that the trainer itself advances, update by update."""
-
-    step: int = 0  # updates applied (skipped and fp16-overflowed ones not counted): the schedule's step (5.3)
-    epoch: int = 0  # epochs completed
-    position: int = 0  # batches of this epoch's order consumed (all ranks together)
-    bad_steps: int = 0  # updates skipped in a row for a non-finite loss or gradient norm
-    overflows: int = 0  # fp16 updates the grad scaler skipped (it lowered its scale, as designed)
-    train_seconds: float = 0.0  # training time of every invocation so far (train.max_time counts it; clock.json)
-    tgt_seen: int = 0  # real target tokens of the applied updates
-    src_seen: int = 0
-    window: Window = field(default_factory=Window)  # sums since the last logged point: that point resumes exact
-    last_valid_step: int = -1  # the step of the last validation (-1: none yet)
-    last_valid: dict[str, float] = field(default_factory=dict)  # its valid/* values
-    last_bleu_step: int = -1  # the step of the last validation BLEU (-1: none yet)
-    last_bleu: float | None = None  # its valid/bleu
-    best: Best = field(default_factory=lambda: Best())  # early stopping: the best validation so far
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain numbers and dicts, under the keys every version-1 ``trainer.pt`` has (``train_seconds`` aside: wall
-        time, kept in the run directory's ``clock.json``)."""
-        return {
-            "step": self.step, "epoch": self.epoch, "position": self.position,
-            "bad_steps": self.bad_steps, "overflows": self.overflows,
-            "tgt_seen": self.tgt_seen, "src_seen": self.src_seen,
-            "window": self.window.to_dict(),
-            "last_valid_step": self.last_valid_step, "last_valid": dict(self.last_valid),
-            "last_bleu_step": self.last_bleu_step, "last_bleu": self.last_bleu, "best": self.best.to_dict(),
-        }
-
-    @classmethod
-    def from_dict(cls, ts: dict[str, Any]) -> TrainState:
-        """The state of a loaded ``trainer.pt`` (its other keys are ignored here)."""
-        return cls(
-            step=int(ts["step"]), epoch=int(ts["epoch"]), position=int(ts["position"]),
-            bad_steps=int(ts["bad_steps"]), overflows=int(ts["overflows"]),
-            # Checkpoints written before clock.json carry their training time here.
-            train_seconds=float(ts.get("train_seconds", 0.0)), tgt_seen=int(ts["tgt_seen"]),
-            src_seen=int(ts["src_seen"]),
-            window=Window.from_dict(dict(ts["window"])),
-            last_valid_step=int(ts["last_valid_step"]), last_valid=dict(ts["last_valid"]),
-            # Checkpoints written before validation BLEU and early stopping existed lack these keys.
-            last_bleu_step=int(ts.get("last_bleu_step", -1)),
-            last_bleu=None if ts.get("last_bleu") is None else float(ts["last_bleu"]),
-            best=Best.from_dict(dict(ts.get("best") or {})),
-        )
-
-
-def trainer_state(state: TrainState, optimizer: torch.optim.Optimizer, scaler: Any, rngs: list[dict[str, Any]],
-                  world_size: int, accum: int, seed: int) -> dict[str, Any]:
-    """``trainer.pt``'s content: everything an exact resume needs besides the weights."""
-    return {
-        "version": TRAINER_STATE_VERSION, **state.to_dict(),
-        "world_size": world_size, "accum": accum,
-        "optimizer": optimizer.state_dict(),
-        "scaler": scaler.state_dict() if scaler is not None else {},
-        "rng": rngs,
-        "seed": seed,
-    }
 
 
 def restore(ck: artifacts.Checkpoint, optimizer: torch.optim.Optimizer, scaler: Any, *, accum: int, seed: int,
@@ -201,103 +88,6 @@ def same_global_batch(ck: artifacts.Checkpoint, data: TrainData, world: int, tok
     if usable == 0:
         return data
     return dataclasses.replace(data, accum=accum, per_update=per_update, usable=usable)
-
-
-@rank0_only
-def write(out: Path, model: torch.nn.Module, model_config: dict[str, Any], vocab: dict[str, Any],
-          trainer_state: dict[str, Any], cfg: TrainConfig, upstream: dict[str, Path], extra: dict[str, Any],
-          spm: tuple[Path | None, Path | None] = (None, None), seconds: float = 0.0) -> None:
-    """Write checkpoint ``out/checkpoints/step_{step:08d}`` (:func:`mtpipe.writing.write_checkpoint`: atomic, so a
-    kill leaves the previous ones intact; ``spm``: the SentencePiece model and its vocab listing it carries), its
-    training time so far (``seconds``) in ``out/clock.json`` first, record the best one in ``out/best.json``, and
-    remove all but the last ``train.keep_last`` and the best (:func:`prunable`)."""
-    step = int(trainer_state["step"])
-    write_clock(out, {**read_clock_file(out), step: seconds})
-    writing.write_checkpoint(
-        artifacts.checkpoint_path(out, step), state_dict=model.state_dict(), model_config=model_config, vocab=vocab,
-        step=step, trainer_state=trainer_state, params={"model": model_config, "train": to_dict(cfg)},
-        upstream=upstream, extra=extra, spm=spm[0], spm_vocab=spm[1],
-    )
-    best = Best.from_dict(dict(trainer_state.get("best") or {}))
-    if best.step >= 0:
-        write_best(out, best)
-    pruned = prunable(list_checkpoints(out), cfg.keep_last, protect={best.step})
-    for _, old in pruned:
-        shutil.rmtree(old, ignore_errors=True)
-    if pruned:
-        kept = {s for s, _ in list_checkpoints(out)}
-        write_clock(out, {s: v for s, v in read_clock_file(out).items() if s in kept})
-
-
-BEST_FILE = "best.json"  # in the run directory: the best checkpoint by train.stop_metric
-CLOCK_FILE = "clock.json"  # in the run directory: each checkpoint's training time so far
-
-
-def write_clock(out: Path, seconds: dict[int, float]) -> None:
-    """``out/clock.json``: each checkpoint's training time so far, by step. :func:`write` records a checkpoint's
-    before writing it (so that every checkpoint has its entry) and drops those of the checkpoints it prunes."""
-    import json
-
-    record = {str(s): round(float(v), 3) for s, v in sorted(seconds.items())}
-    writing.atomic_write_text(out / CLOCK_FILE, json.dumps({"train_seconds": record}, indent=1) + "\n")
-
-
-def read_clock_file(out: Path) -> dict[int, float]:
-    """``out/clock.json``'s step -> training seconds ({} when absent; a damaged file is an error naming it)."""
-    import json
-
-    path = Path(out) / CLOCK_FILE
-    if not path.is_file():
-        return {}
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))["train_seconds"]
-        return {int(s): float(v) for s, v in record.items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise MtpipeError(f"{path}: not a training clock written by mtpipe train ({e}); move it aside to resume "
-                          "with train.max_time counted from 0") from None
-
-
-def read_clock(out: Path, step: int) -> float | None:
-    """The training time recorded for checkpoint ``step`` in ``out/clock.json``, or None."""
-    return read_clock_file(out).get(step)
-
-
-def prunable(found: list[tuple[int, Path]], keep_last: int, protect: set[int]) -> list[tuple[int, Path]]:
-    """The checkpoints (``found`` sorted by step) that ``train.keep_last`` lets go: all but the newest ``keep_last``,
-    never one at a ``protect``ed step (the best checkpoint survives however many newer ones follow it)."""
-    return [(s, d) for s, d in found[: max(len(found) - keep_last, 0)] if s not in protect]
-
-
-def write_best(out: Path, best: Best) -> None:
-    """``out/best.json``: which checkpoint is the best by ``train.stop_metric``, and the early-stopping count."""
-    import json
-
-    record = {"metric": best.metric, "value": best.value, "step": best.step,
-              "checkpoint": str(artifacts.checkpoint_path(".", best.step)),
-              "validations_without_improvement": best.bad}
-    writing.atomic_write_text(out / BEST_FILE, json.dumps(record, indent=2) + "\n")
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# RNG streams
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def rng_state(device: torch.device) -> dict[str, Any]:
-    """This process's torch RNG states (CPU, and the device's on CUDA): dropout's (and LayerDrop's) draws."""
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-
-
-def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and state.get("cuda") is not None:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def seed_for_rank(seed: int, rank: int) -> int:
-    """A distinct dropout stream per rank, derived from the seed (same masks on every rank would be correlated)."""
-    return int(np.random.SeedSequence([seed, rank, 0x6D74]).generate_state(1, np.uint64)[0] >> 1)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -374,23 +164,6 @@ def check_resumable(ck: artifacts.Checkpoint, model_config: dict[str, Any], voca
                           f"{ts.get('version') if isinstance(ts, dict) else None}, expected {TRAINER_STATE_VERSION})")
 
 
-def list_checkpoints(out: Path) -> list[tuple[int, Path]]:
-    """``(step, dir)`` of the training checkpoints under ``out/checkpoints``, by step
-    (:func:`mtpipe.artifacts.list_checkpoints`, the rule averaging uses too)."""
-    return artifacts.list_checkpoints(out)
-
-
-@rank0_only
-def _latest_checkpoint(out: Path) -> str | None:
-    ck_dir = out / "checkpoints"
-    if ck_dir.is_dir():
-        for d in ck_dir.iterdir():  # leftovers of a checkpoint write that was killed (see ArtifactWriter)
-            if d.name.startswith(".step_") and (".tmp-" in d.name or ".old-" in d.name):
-                shutil.rmtree(d, ignore_errors=True)
-    found = list_checkpoints(out)
-    return str(found[-1][1]) if found else None
-
-
 def find_resume(out: Path, cfg: TrainConfig, model_config: dict[str, Any], vocab: dict[str, Any],
                 device: torch.device, given: dict[str, Any] | None = None) -> artifacts.Checkpoint | None:
     """The checkpoint this run continues from, loaded with its trainer state, or None for a fresh start; ``given``:
@@ -398,7 +171,7 @@ def find_resume(out: Path, cfg: TrainConfig, model_config: dict[str, Any], vocab
 
     Rank 0 picks the latest complete checkpoint (and removes half-written ones a kill left behind); every rank loads
     that one (the output directory must be shared between nodes)."""
-    latest = distributed.broadcast_object(_latest_checkpoint(out))
+    latest = distributed.broadcast_object(latest_checkpoint(out))
     if latest is None:
         return None
     path = Path(latest)

@@ -2,7 +2,8 @@
 
 ``fairseq-train --user-dir bench/anchors/fs_budget --lr-scheduler budget_linear --lr P --warmup-updates W
 --budget-hours H --stop-time-hours H`` (or ``--budget-updates N --max-update N``) runs
-``mtpipe.training.train.linear_learning_rate`` in fairseq: update ``n`` (from 1) at ``P * max(0, min(n / W, 1 - progress))``,
+``mtpipe.training.update.linear_learning_rate`` in fairseq: update ``n`` (from 1) at
+``P * max(0, min(n / W, 1 - progress))``,
 ``progress`` the larger share spent of the time budget (from the scheduler's construction, right after fairseq
 starts its own stop clock) and of the update budget. So the decay reaches 0 as fairseq's budget runs out, whatever
 its speed meanwhile, as mtpipe's does. The rule needs no fairseq; the scheduler is registered where fairseq is

@@ -1,6 +1,7 @@
-"""``python -m bench.anchors.fs_budget --self-check``: the rule equals ``mtpipe.training.train.linear_learning_rate`` at every
-share of a time or an update budget, and the quality part hands fairseq this scheduler for a ``linear`` run and
-fs_train.sh's own for ``inverse_sqrt`` (fairseq itself is not needed)."""
+"""``python -m bench.anchors.fs_budget --self-check``: the rule equals
+``mtpipe.training.update.linear_learning_rate`` at every share of a time or an update budget, and the quality
+part hands fairseq this scheduler for a ``linear`` run and fs_train.sh's own for ``inverse_sqrt`` (fairseq itself
+is not needed)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import math
 def self_check() -> None:
     from bench.anchors.fs_budget import budget_linear_rate
     from bench.anchors.quality import FS_BUDGET, fairseq_settings
-    from mtpipe.training.train import linear_learning_rate
+    from mtpipe.training.update import linear_learning_rate
 
     def close(a: float, b: float) -> bool:
         return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15)

@@ -1,24 +1,25 @@
-"""Speed choices behind :mod:`mtpipe.model.transformer` (CPU tricks, and one GPU kernel choice for decoding): how its operations
-are computed, never what they compute.
+"""Speed choices behind :mod:`mtpipe.model.transformer` (CPU tricks, and one GPU kernel choice for decoding): how its
+operations are computed, never what they compute.
 
 Each CPU function here is a drop-in for a plain torch formulation (named in its docstring) that was measurably slow on
-CPU for this model's shapes; the measurements are in BENCHMARKS.md (``bench/train_throughput.py``,
-``bench/decode_speed.py``). On GPUs, under ``torch.compile`` and wherever the trick does not apply, each falls back
-to the plain formulation. The float32 products through oneDNN (:func:`linear`, :func:`mm`, :class:`Linear`'s packed
-weights when decoding, :class:`DecodingProjection`) differ from torch's own by float rounding only, as does
-:func:`explicit_attention` from the fused kernel with gradients on; everything else is bit-identical to its plain
-formulation in fp32 eval under ``no_grad``.
+CPU for this model's shapes; the measurements are in docs/performance.md and docs/journal/2026-11-benchmarks.md
+(``bench/train_throughput.py``, ``bench/decode_speed.py``). On GPUs, under ``torch.compile`` and wherever the trick
+does not apply, each falls back to the plain formulation. The float32 products through oneDNN (:func:`linear`,
+:func:`mm`, :class:`Linear`'s packed weights when decoding, :class:`DecodingProjection`) differ from torch's own by
+float rounding only, as does :func:`explicit_attention` from the fused kernel with gradients on; everything else is
+bit-identical to its plain formulation in fp32 eval under ``no_grad``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
-from typing import Any, Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from mtpipe import env
 
 # --------------------------------------------------------------------------------------------------------------------
 # Dropout (section 5.4) from cheap random bits
@@ -83,23 +84,63 @@ def residual(x: Tensor, sublayer_out: Tensor, p: float, training: bool) -> Tenso
 # float32 matrix products through oneDNN on CPU
 # --------------------------------------------------------------------------------------------------------------------
 
-# Whether torch dispatches AVX-512 kernels on this CPU (ATEN_CPU_CAPABILITY can lower it): the products' thresholds
-# and training's route below depend on it.
-_AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+# --------------------------------------------------------------------------------------------------------------------
+# The CPU's features, decided here once: the operators below, the engine's packed layers, its precision choice
+# (``precision: auto``) and its compiled-package key all read them from this module
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def cpu_capability() -> str:
+    """The kernels torch dispatches on this CPU (``DEFAULT``, ``AVX2``, ``AVX512``, ...; ``ATEN_CPU_CAPABILITY`` can
+    lower it: how an AVX2-only CPU is emulated, or a user's choice)."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+# Whether torch dispatches AVX-512 kernels: the products' thresholds and training's route below depend on it.
+AVX512 = cpu_capability() == "AVX512"
+
+# ONEDNN_MAX_CPU_ISA values below the first with bf16 instructions (AVX512_CORE_BF16): oneDNN then runs bf16
+# matmuls through slow conversions, as on a CPU without native bf16.
+_ONEDNN_ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
+def cpu_supports_bf16() -> bool:
+    """Whether this CPU has native bf16 matmuls (AMX-BF16 or AVX512-BF16) that torch may use; without them bf16
+    autocast is slower than fp32 on CPU. A restriction of the instruction set (``ATEN_CPU_CAPABILITY=avx2``,
+    ``ONEDNN_MAX_CPU_ISA=AVX2``: how an AVX2-only CPU is emulated, or a user's choice) counts as their absence."""
+    capability = cpu_capability().upper()
+    if "AMX" in capability:
+        return True
+    if "AVX512" not in capability:
+        return False
+    if env.get("ONEDNN_MAX_CPU_ISA", "ALL").strip().upper() in _ONEDNN_ISAS_WITHOUT_BF16:
+        return False
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[-1].split())
+            return "amx_bf16" in flags or "avx512_bf16" in flags
+    return False
+
+
 # Whether float32 products may run in oneDNN (bench/train_throughput.py and bench/decode_speed.py --plain onednn set it
 # False, to time torch's own route).
 ONEDNN_FP32 = True
 # Whether training's float32 products (those autograd differentiates) take the route too: only where torch dispatches
-# AVX-512. With AVX2 only, on a real AMD Zen 3, a training step ran 0.83x (d 256) and 0.87x (d 128) as fast with the
-# route as with torch's own products (the route's 1.08x on a Zen 5 restricted to AVX2 did not carry over), while
-# decoding's products stayed within 0.93-1.09x (BENCHMARKS.md, "Decoding and training on a real AVX2-only CPU").
-ONEDNN_FP32_TRAINING = _AVX512
-# Products of fewer multiply-adds than this stay on torch's route: oneDNN's call costs ~10-13 us more (its kernel
+# AVX-512. On a real AVX2-only CPU a training step ran slower with the route than with torch's own products (an
+# AVX-512 CPU restricted to AVX2 had suggested the opposite, which did not carry over), while decoding's products
+# came out about even; hence the ISA check (measured: docs/journal/2026-11-benchmarks.md, "Decoding and training on a
+# real AVX2-only CPU").
+ONEDNN_FP32_TRAINING = AVX512
+# Products of fewer multiply-adds than this stay on torch's route: oneDNN's call has a larger fixed cost (its kernel
 # and the weights' blocked layout are made per call), so small products, e.g. a server's few-sentence decoding step
-# at d 128, ran slower through it. Break-even measured on a 2-core AMD EPYC Zen 5 (1 and 2 threads, d 128-1,024): ~1M
-# multiply-adds with AVX-512, ~6-8M with the CPU restricted to AVX2 (BENCHMARKS.md, "float32 products through
-# oneDNN"). A training step's products and a decoding step's of a full batch are hundreds of times larger.
-_ONEDNN_MIN_MACS = 1 << 20 if _AVX512 else 1 << 23
+# at d 128, ran slower through it. The break-even lies lower where oneDNN runs AVX-512 than with AVX2 only, hence
+# two settings (measured on 1 and 2 threads, d 128-1,024: docs/journal/2026-11-benchmarks.md, "float32 products
+# through oneDNN"). A training step's products and a decoding step's of a full batch are far above either.
+_ONEDNN_MIN_MACS = 1 << 20 if AVX512 else 1 << 23
 
 
 def _probe_onednn() -> bool:
@@ -121,14 +162,14 @@ def _onednn_worth(a: Tensor, macs: int) -> bool:
     """Whether a float32 CPU product of ``macs`` multiply-adds should run in oneDNN rather than torch's ``mm``.
 
     Why: torch's float32 ``mm`` / ``addmm`` on x86 is MKL's, and MKL runs its AVX2 code on AMD CPUs even where they
-    have AVX-512: on a 2-core AMD EPYC Zen 5 a 1,024^3 product ran ~205 GFLOP/s through torch and ~460 through oneDNN's
-    linear kernel (which dispatches AVX-512 there), and 1.1-1.3x faster through oneDNN with the CPU restricted to AVX2
-    (BENCHMARKS.md, "float32 products through oneDNN"); a training step on a real AVX2-only CPU was not, hence
+    have AVX-512, while oneDNN's linear kernel dispatches AVX-512 there: large products ran much faster through
+    oneDNN, and still somewhat faster with the CPU restricted to AVX2 (measured: docs/journal/2026-11-benchmarks.md,
+    "float32 products through oneDNN"); a training step on a real AVX2-only CPU did not gain, hence
     :data:`ONEDNN_FP32_TRAINING`. Small products stay on torch's (:data:`_ONEDNN_MIN_MACS`).
     Not under autocast (its bf16 products already run in oneDNN), nor while ``torch.compile`` traces: inductor's own
-    oneDNN lowering takes only frozen, pre-packed weights, and the product as an opaque custom op cost ~8 us more per
-    call in the compiled graph (24 products of 16 rows x 128 x 384: 0.71x inductor's own), which is what a compiled
-    step for a server's few sentences is made of (BENCHMARKS.md)."""
+    oneDNN lowering takes only frozen, pre-packed weights, and the product as an opaque custom op added a fixed cost
+    per call in the compiled graph, which made the small products a compiled step for a server's few sentences is
+    made of slower than inductor's own."""
     return macs >= _ONEDNN_MIN_MACS and not torch.compiler.is_compiling() and _onednn_open(a)
 
 
@@ -148,10 +189,10 @@ def mm(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` for 2-D ``a [M, K]`` and ``b [K, N]``, as ``torch.mm``; through oneDNN where :func:`_onednn_worth`
     says so (float32 on CPU), the result then equal to ``torch.mm``'s up to float rounding.
 
-    oneDNN's kernel reads both operands with any strides, but ran at half speed when ``a`` is a transposed view
-    (column-major, as in the ``dW = dY^T X`` of a backward pass) and the output has more rows than columns (146
-    against 420 GFLOP/s for a 4,096-row ``dY^T X`` with 256 x 8,000 outputs); then ``(b^T a^T)^T`` is computed
-    instead, the same product, returned as a transposed view."""
+    oneDNN's kernel reads both operands with any strides, but ran much slower when ``a`` is a transposed view
+    (column-major, as in the ``dW = dY^T X`` of a backward pass) and the output has more rows than columns (e.g. the
+    output projection's ``dW``); then ``(b^T a^T)^T`` is computed instead, the same product, returned as a
+    transposed view."""
     if not _onednn_worth(a, a.size(0) * a.size(1) * b.size(1)):
         return torch.mm(a, b)
     if a.stride(0) == 1 and a.size(0) > b.size(1):  # column-major a, tall output
@@ -186,7 +227,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``x W^T + b`` over the last dimension of ``x``, as ``F.linear``.
 
     Why, in float32 on CPU: the products (forward, and with gradients both backward ones) run in oneDNN where
-    :func:`_onednn_worth` says so, ~2.2x torch's own on an AVX-512 AMD CPU; with gradients only where
+    :func:`_onednn_worth` says so (where MKL leaves AVX-512 unused, oneDNN does not); with gradients only where
     :data:`ONEDNN_FP32_TRAINING` (AVX-512).
 
     Why, under CPU bf16 autocast in training: the products run in oneDNN, which JIT-compiles a kernel for every new
@@ -218,150 +259,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return y.view(*x.shape[:-1], y.size(-1))  # [rows, out] -> [..., out]
 
 
-# Whether decoding's linear layers may use oneDNN-packed copies of their weights (bench/decode_speed.py --plain
-# layer-packing sets it False, to time the unpacked route).
-PACK_DECODING_LINEARS = True
-# Inference products of at least this many multiply-adds use the packed copy (:class:`Linear`). Break-even against
-# torch's product on one thread of a 2-core AMD EPYC Zen 5, d 128-512, 4-256 rows: ~0.8M multiply-adds with AVX-512,
-# ~2M with the CPU restricted to AVX2 (BENCHMARKS.md, "Decoding's linear layers on packed weights").
-_PACKED_MIN_MACS = 1 << 20 if _AVX512 else 1 << 21
-
-
-def _pack(w: Tensor) -> Tensor | None:
-    """``w [out, in]`` (float32, CPU) in oneDNN's pre-packed, blocked layout for :func:`_dnn`, or None where this
-    torch build cannot make it."""
-    if not _ONEDNN_AVAILABLE:
-        return None
-    try:
-        # the row count is a hint for the blocking; any count works with the packed matrix
-        return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 256)
-    except (RuntimeError, AttributeError, NotImplementedError):  # an op this build lacks
-        return None
-
-
-class PackedWeight:
-    """A copy of a weight in oneDNN's packed layout (:func:`_pack`), made again only when the weight changes (another
-    tensor, other storage, or an in-place update: its version counter). A deep copy (the model's, for bf16 / int8 /
-    pruning) starts empty: oneDNN's packed tensors are opaque and cannot be copied, and the copy's weights may differ
-    anyway."""
-
-    def __init__(self) -> None:
-        self._source: weakref.ref | None = None
-        self._key: tuple = ()
-        self._packed: Tensor | None = None
-
-    def __deepcopy__(self, memo: dict) -> "PackedWeight":
-        return PackedWeight()
-
-    def clear(self) -> None:
-        self._source, self._key, self._packed = None, (), None
-
-    def get(self, w: Tensor) -> Tensor | None:
-        """The packed copy of ``w`` (None where oneDNN cannot pack it, or for an inference tensor, which has no
-        version counter to tell an in-place update by)."""
-        if w.is_inference():
-            return None
-        key = (w.data_ptr(), w._version, w.shape)
-        if self._source is None or self._source() is not w or self._key != key:
-            self._packed = None  # free the old copy first
-            with torch.inference_mode(False), torch.no_grad():
-                self._packed = _pack(w)
-            self._source, self._key = weakref.ref(w), key
-        return self._packed
-
-
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same state-dict names) computed by :func:`linear`.
-
-    Why, in inference mode (decoding) in float32 on CPU: products of at least :data:`_PACKED_MIN_MACS` run in oneDNN
-    on a kept, pre-packed copy of the weight (:class:`PackedWeight`), which skips the per-call packing of
-    :func:`linear`'s oneDNN route: for a decoding step's few rows (64 down to 4 rows x 512 x 2,048) 1.1-2.2x that
-    route with AVX-512 and 1.1-2.0x with AVX2 only, 1.0-1.1x for hundreds of rows (BENCHMARKS.md, "Decoding's linear
-    layers on packed weights"). Training, validation loss and compiled steps keep :func:`linear`.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.packed = PackedWeight()
+    """``nn.Linear`` (same parameters, same state-dict names) computed by :func:`linear`."""
 
     def forward(self, x: Tensor) -> Tensor:
-        weight, bias = self.weight, self.bias
-        # is_compiling first: the compiler cannot trace is_inference_mode_enabled (a graph break in every layer)
-        if (not torch.compiler.is_compiling() and torch.is_inference_mode_enabled() and weight.dtype == x.dtype
-                and _onednn_open(x)):
-            # Decoding: the route decided here once, since a step makes ~25 of these calls for a few rows each,
-            # where :func:`linear`'s general checks cost ~2 us a call.
-            macs = x.numel() * self.out_features
-            if PACK_DECODING_LINEARS and macs >= _PACKED_MIN_MACS:
-                packed = self.packed.get(weight)
-                if packed is not None:
-                    return _dnn(x, packed, bias)  # [..., in] -> [..., out]
-            return _dnn(x, weight, bias) if macs >= _ONEDNN_MIN_MACS else F.linear(x, weight, bias)
-        return linear(x, weight, bias)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# The pre-softmax projection (section 3.4) of a decoding step
-# --------------------------------------------------------------------------------------------------------------------
-
-# Whether DecodingProjection may use oneDNN's pre-packed layout (bench/decode_speed.py --plain packing sets it False).
-PACK_DECODING_PROJECTION = True
-
-
-class DecodingProjection:
-    """``h W^T + b`` for a decoding step's rows ``h [R, D] -> [R, V]`` (CPU, float32), with a copy of the ``[V, D]``
-    matrix kept in the layout fastest for it, made again only when the weights change (``key``).
-
-    Why: a step projects a few hundred rows at most, and then the product's cost is streaming the whole ``V x D``
-    matrix. Where torch has oneDNN (x86 and aarch64 builds), the copy is oneDNN's pre-packed, blocked layout and the
-    product oneDNN's linear kernel (the one ``torch.compile`` uses for frozen weights): for 4-256 rows x 128 x 8k on
-    one AVX2 core it ran 1.1-2.1x faster than ``addmm`` on a ``[D, V]`` copy, which in turn ran 1.2-1.6x faster than
-    ``F.linear`` on the ``[V, D]`` matrix for 4-16 rows; whole decoding 1.06x (BENCHMARKS.md, "The output projection
-    through oneDNN"). Without oneDNN the ``[D, V]`` copy is used. Results equal ``F.linear``'s up to float rounding
-    (the same hypotheses on every sentence measured).
-
-    A deep copy (the model's, for bf16 / int8 / pruning) starts empty: oneDNN's packed tensors are opaque and cannot
-    be copied, and the copy's weights may differ anyway.
-    """
-
-    def __init__(self) -> None:
-        self._key: tuple | None = None
-        self._matrix: Tensor | None = None  # oneDNN-packed [V, D], or [D, V]
-        self._packed = False
-
-    def __deepcopy__(self, memo: dict) -> "DecodingProjection":
-        return DecodingProjection()
-
-    def clear(self) -> None:
-        self._key, self._matrix, self._packed = None, None, False
-
-    def __call__(self, h: Tensor, key: tuple, weight: Callable[[], Tensor], bias: Tensor | None) -> Tensor:
-        """``h [R, D]`` times ``weight() [V, D]`` (transposed) plus ``bias``; ``key`` names the weights' version, and
-        ``weight`` is called only when it changes."""
-        key = (*key, PACK_DECODING_PROJECTION)
-        if self._key != key:
-            self._matrix, self._packed = None, False  # free the old copy first: it may be large (V x D)
-            with torch.no_grad():
-                w = weight().detach()
-                if PACK_DECODING_PROJECTION:
-                    self._matrix = _pack(w)
-                    self._packed = self._matrix is not None
-                if self._matrix is None:
-                    self._matrix = w.t().contiguous()  # [V, D] -> [D, V]
-            self._key = key
-        if self._packed:
-            return torch.ops.mkldnn._linear_pointwise(h, self._matrix, bias, "none", [], "")  # [R, D] -> [R, V]
-        return h @ self._matrix if bias is None else torch.addmm(bias, h, self._matrix)  # [R, D] x [D, V]
-
-
-def drop_decoding_copies(model: nn.Module) -> None:
-    """Free the weight copies decoding keeps (:class:`PackedWeight`, :class:`DecodingProjection`) in ``model``: for
-    training's valid BLEU, whose copies would be stale at the next validation and would hold another copy of the
-    weights in memory until then."""
-    for module in model.modules():
-        for kept in vars(module).values():
-            if isinstance(kept, (PackedWeight, DecodingProjection)):
-                kept.clear()
+        return linear(x, self.weight, self.bias)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -393,12 +295,11 @@ def attention_kernels(device: torch.device) -> contextlib.AbstractContextManager
 
     Why: for bf16 and fp16 on recent GPUs torch may pick cuDNN's attention, which builds an execution graph for every
     new input shape; the other kernels need no per-shape set-up. A decoding step's keys grow by one position each
-    step and its batch shrinks as sentences finish, so nearly every call is a new shape. Seen on an H200 (torch
-    2.11, CUDA 13): bf16 beam search of the quickstart model ran at 66-76 sentences/s against fp32's 860-940, with
-    10.4 of its 13.7 s inside ``scaled_dot_product_attention`` (1,516 calls); with cuDNN's kernel left out, 366-372
-    against fp32's 422-546 on an H100. Training meets every bucket's shape once an epoch, and a large corpus has
-    thousands of them: on an H100, bf16, 300 updates of the quickstart (2.3 epochs of its 133 batches) took 0.79 min
-    with cuDNN's kernel (20k target tokens/s) and 0.15 min without (106k). fp32 never uses cuDNN's kernel.
+    step and its batch shrinks as sentences finish, so nearly every call is a new shape: with cuDNN's kernel, bf16
+    beam search spent most of its time inside ``scaled_dot_product_attention`` and ran far slower than fp32; without
+    it, close to fp32. Training meets every bucket's shape once an epoch, and a large corpus has thousands of them:
+    bf16 training with cuDNN's kernel was several times slower through its first epoch than without (measured:
+    docs/journal/2026-11-benchmarks.md, "On one GPU, again: bf16 decoding mended"). fp32 never uses cuDNN's kernel.
     """
     if device.type != "cuda":
         return contextlib.nullcontext()
@@ -407,11 +308,11 @@ def attention_kernels(device: torch.device) -> contextlib.AbstractContextManager
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
-# Queries up to which inference attention on CPU is two matmuls rather than torch's fused kernel. Measured on a 2-core
-# AMD EPYC Zen 5 (an encoder layer's attention, d_k 32-64, 4-16 heads, padding mask, warm allocator): 18-60
-# positions, two matmuls 1.05-1.3x the fused kernel on 1 thread and 1.6-3.4x on 2; at 128 positions 0.86x / 1.29x;
-# at 256, 0.83x / 1.0x. On whole decodes at 2 threads 1.01-1.02x, the same fp32 translations (bf16 and int8 round
-# differently: BENCHMARKS.md, "Decoding on two threads").
+# Queries up to which inference attention on CPU is two matmuls rather than torch's fused kernel. For an encoder
+# layer's attention at this model's sizes, two matmuls beat the fused kernel for sentences up to about this many
+# positions (more clearly on 2 threads than on 1), and lose to it on longer ones on 1 thread (at best tie on 2); whole
+# decodes give the same fp32 translations either way (bf16 and int8 round differently). Measured:
+# docs/journal/2026-11-benchmarks.md, "Decoding on two threads".
 _EXPLICIT_MAX_QUERIES = 64
 
 
@@ -435,7 +336,8 @@ def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -
     ``q`` ``[B, h, Lq, d_k]``, ``k`` ``[B, h, Lk, d_k]``; ``mask`` broadcasts to ``[B, h, Lq, Lk]`` (True = may attend);
     ``causal``: query i sees keys j <= i (section 3.2.3). The scale and the bias are applied in one ``add`` pass over
     the scores. Every row keeps at least one key (a source has its EOS, a causal or windowed row its own position),
-    so no row is all -inf. Also what ``mtpipe attention`` plots (:meth:`mtpipe.model.transformer.Transformer.recording`).
+    so no row is all -inf. Also what ``mtpipe attention`` plots
+    (:meth:`mtpipe.model.transformer.Transformer.recording`).
     """
     scores = torch.matmul(q, k.transpose(-1, -2))  # [B, h, Lq, d_k] x [B, h, d_k, Lk] -> [B, h, Lq, Lk]
     lq, lk = scores.shape[-2:]
@@ -464,8 +366,9 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, k_prev: Tensor, v_prev: Te
 
     Two forms of the same sums. Eagerly, batched matmuls (one small product per row and head). Under
     ``torch.compile`` (``decode.compile``), element-wise products summed over ``d`` and over ``t``: the compiler
-    fuses each into one pass over the cache, which ran 2.7-3.5x faster than the matmuls (32 and 1,260 rows, an AVX2
-    core), while eagerly the same products, materialised, ran 2.5x slower than the matmuls for 1,260 rows."""
+    fuses each into one pass over the cache, which ran several times faster than the matmuls, while eagerly the same
+    products, materialised, ran slower than the matmuls (measured: docs/journal/2026-11-benchmarks.md, "Compiled
+    decoding step")."""
     t = k_prev.size(2)
     fused = torch.compiler.is_compiling()
     q = q * q.size(-1) ** -0.5  # scaled once, for both scores
@@ -512,10 +415,10 @@ def banded_min_length(window: int) -> int:
     """From this length on :func:`banded_attention` is used (shorter inputs take the masked full score matrix).
 
     Why this rule: the banded form scores about ``L (block + 2r)`` query-key pairs against the full form's ``L^2``,
-    but pays for padding, the unfolded views and more, smaller matmuls. A benchmark (``bench/complexity.py``, in git
-    history at a632779: one layer, fp32, forward + backward, d = 512, 2 CPU threads, the banded form forced at every
-    length) measured where it starts to win: for r = 16 between n = 128 and 256, r = 64 between 256 and 512 (about
-    even at 384), r = 256 between 512 and 1,024 (BENCHMARKS.md). ``max(256, 4r + 128)`` lies inside or just above each interval."""
+    but pays for padding, the unfolded views and more, smaller matmuls, so it wins only from some length on, which
+    grows with r. ``max(256, 4r + 128)`` lies inside or just above the crossover measured for each r tried (one
+    layer, forward + backward, the banded form forced at every length; ``bench/complexity.py``, in git history at
+    a632779; measured: docs/journal/2026-11-benchmarks.md, "The paper's Table 1, measured")."""
     return max(256, 4 * window + 128)
 
 

@@ -1,0 +1,161 @@
+"""Opening a model to translate with: a checkpoint (or, with ``decode.engine=ctranslate2``, also an ``mtpipe export``
+directory) and its SentencePiece model, as the engine ``decode.engine`` names. ``mtpipe decode``, ``mtpipe serve``
+and their decoding processes (:mod:`mtpipe.engine.workers`) all open it here, so that a sentence is read, translated
+and written the same way by each:
+
+* :func:`locate`: the model checked, with its vocabulary (:func:`mtpipe.engine.loading.vocab_source`), before any
+  slow work; :meth:`ModelSource.open` then starts the engine (:class:`~mtpipe.engine.translate.MtpipeEngine` or
+  :class:`~mtpipe.engine.ct2.Ct2Engine`).
+* :func:`clean_line` (how a line of raw text is cleaned before it is encoded) and :func:`detokenise` (pieces ->
+  one line of text).
+* :func:`open_model`: an :class:`OpenModel`, the engine with what a server needs besides (its vocabulary, the facts
+  ``/info`` shows, the warm-up), which a server's process can also rebuild without weights from a worker
+  process's :meth:`~OpenModel.description`.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from mtpipe import artifacts
+from mtpipe.config import DecodeConfig
+from mtpipe.engine.protocol import Engine, Lane
+from mtpipe.engine.search import DecodeRules
+from mtpipe.errors import MtpipeError
+
+# What a process decodes before its first real input (a server's warm-up, stdin with decode.compile): one sentence,
+# then several of different lengths; any vocabulary encodes them (SentencePiece falls back to pieces).
+WARM_UP_TEXTS = ("Warm up.", "Warm up a batch.", "Of sentences of several lengths, together.", "One more.")
+
+
+def clean_line(text: str) -> str:
+    """A line of raw text as it is translated: NFC-normalised and stripped, as ``fetch`` cleans text (a trailing
+    ``\\r`` included)."""
+    return unicodedata.normalize("NFC", text).strip()
+
+
+def detokenise(sp: Any, hyp_tokens: list[list[int]]) -> list[str]:
+    """Hypotheses as text, one line each no matter what the model emits."""
+    return [s.replace("\r", " ").replace("\n", " ") for s in sp.decode(hyp_tokens)]
+
+
+def refuse_export(checkpoint: Path, command: str) -> None:
+    """An ``mtpipe export`` directory is CTranslate2's model, not mtpipe's: one line saying how to use it."""
+    if (checkpoint / artifacts.MANIFEST).is_file() and artifacts.read_manifest(checkpoint).kind == "export":
+        raise MtpipeError(f"{checkpoint}: is an `mtpipe export` model; {command} it with --engine ctranslate2 (or "
+                          "give the checkpoint it was exported from)")
+
+
+@dataclass
+class ModelSource:
+    """A checkpoint (or, with engine ctranslate2, an export) with its vocabulary checked; :meth:`open` starts the
+    engine, the slow part, once the sources have been read and checked."""
+
+    cfg: DecodeConfig
+    checkpoint: Path
+    sp: Any  # the SentencePiece model (sentencepiece.SentencePieceProcessor)
+    step: int  # the checkpoint's training step
+    tokens: Path | None  # the bpe artifact the vocabulary came from; None: the model's own
+    manifest: Any = field(default=None, repr=False)  # engine ctranslate2: the export's or checkpoint's manifest
+    loaded: Any = field(default=None, repr=False)  # engine mtpipe: the mtpipe.engine.loading.ModelAndVocab
+
+    @property
+    def upstream(self) -> dict[str, Path]:
+        """The lineage a hypotheses manifest records."""
+        return {"checkpoint": self.checkpoint, **({"tokens": self.tokens} if self.tokens is not None else {})}
+
+    def open(self, lone_graph: bool = False) -> Engine:
+        """The engine (``lone_graph``: see :meth:`mtpipe.engine.translate.MtpipeEngine.open`)."""
+        if self.cfg.engine == "ctranslate2":
+            from mtpipe.engine.ct2 import Ct2Engine
+
+            return Ct2Engine.open(self.checkpoint, self.manifest, self.tokens, self.cfg)
+        from mtpipe.engine.translate import MtpipeEngine
+
+        return MtpipeEngine.open(self.loaded.model, self.cfg, lone_graph=lone_graph)
+
+    def facts(self, engine: Engine) -> dict[str, Any]:
+        """What a server's ``/info`` shows and a decoding process reports: the model, its engine's facts under the
+        decode section's rules."""
+        model = (artifacts.manifest_hash(self.checkpoint)
+                 if (self.checkpoint / artifacts.MANIFEST).is_file() else None)
+        return {"checkpoint": str(self.checkpoint), "model": model, "step": self.step, "engine": self.cfg.engine,
+                "vocab_size": self.sp.get_piece_size(), **engine.facts(DecodeRules.from_config(self.cfg))}
+
+
+def locate(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, command: str = "decode") -> ModelSource:
+    """The model and its SentencePiece model: that of ``tokens``, else the checkpoint's (or export's) own
+    (:func:`mtpipe.engine.loading.vocab_source`), checked against the vocabulary it was trained with. ``command``
+    names what refuses an export for engine mtpipe."""
+    checkpoint = Path(checkpoint)
+    tokens = Path(tokens) if tokens is not None else None
+    if cfg.engine == "ctranslate2":
+        from mtpipe.engine import ct2
+
+        manifest = ct2.decode_source(checkpoint)  # a CTranslate2 export or a checkpoint, else one error line
+        sp, step, used = ct2.source_vocab(checkpoint, manifest, tokens)
+        return ModelSource(cfg, checkpoint, sp, step, used, manifest=manifest)
+    from mtpipe.engine.loading import load_model_and_vocab
+
+    refuse_export(checkpoint, command)
+    loaded = load_model_and_vocab(checkpoint, tokens)
+    return ModelSource(cfg, checkpoint, loaded.sp, loaded.ck.step, loaded.tokens, loaded=loaded)
+
+
+@dataclass
+class OpenModel:
+    """A model opened to serve: its engine (None where the weights live in worker processes only), the
+    SentencePiece model, and what ``/info`` shows."""
+
+    engine: Engine | None
+    sp: Any  # sentencepiece.SentencePieceProcessor
+    max_positions: int
+    info: dict[str, Any]
+
+    def lane(self, continuous: bool = False) -> Lane:
+        """A lane over the engine (:meth:`mtpipe.engine.protocol.Engine.lane`)."""
+        if self.engine is None:
+            raise MtpipeError("this process holds no copy of the model (serve.workers > 1)")
+        return self.engine.lane(continuous)
+
+    def detokenise(self, tokens: list[list[int]]) -> list[str]:
+        """Pieces -> text as ``mtpipe decode`` writes it (:func:`detokenise`)."""
+        return detokenise(self.sp, tokens)
+
+    def warm_up(self, rules: DecodeRules, beams: Sequence[int] = (), continuous: bool = False) -> float:
+        """The engine's warm-up (:meth:`mtpipe.engine.protocol.Engine.warm_up`) on :data:`WARM_UP_TEXTS`: one
+        sentence, then the others together, at ``rules.beam`` and at each of ``beams``."""
+        if self.engine is None:
+            raise MtpipeError("this process holds no copy of the model (serve.workers > 1)")
+        texts = [self.sp.encode(t, out_type=int)[: self.max_positions - 1] for t in WARM_UP_TEXTS]
+        return self.engine.warm_up([texts[:1], texts[1:]], rules, beams, continuous)
+
+    def description(self) -> dict[str, Any]:
+        """What a server process needs of a model that its worker processes run: the vocabulary (the SentencePiece
+        model's bytes), the positions, the ``/info`` facts (:meth:`described` rebuilds it)."""
+        return {"spm": self.sp.serialized_model_proto(), "max_positions": self.max_positions, "info": self.info}
+
+    @classmethod
+    def described(cls, description: dict[str, Any]) -> "OpenModel":
+        """The model as :meth:`description` describes it, without its weights: encoding and detokenising only
+        (with ``serve.workers`` > 1 the weights live in the worker processes alone)."""
+        import sentencepiece as spm
+
+        return cls(None, spm.SentencePieceProcessor(model_proto=description["spm"]),
+                   int(description["max_positions"]), dict(description["info"]))
+
+
+def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, command: str = "serve") -> OpenModel:
+    """The checkpoint (or export) and its vocabulary (that of ``tokens``, None: the model's own), located
+    (:func:`locate`) and its engine opened. Requests often come one sentence at a time: with ``decode.compile`` a
+    lone sentence gets a graph of its own, built in the warm-up."""
+    source = locate(cfg, checkpoint, tokens, command)
+    engine = source.open(lone_graph=True)
+    return OpenModel(engine, source.sp, engine.max_positions, source.facts(engine))
+
+
+__all__ = ["ModelSource", "OpenModel", "WARM_UP_TEXTS", "clean_line", "detokenise", "locate", "open_model",
+           "refuse_export"]

@@ -1,0 +1,380 @@
+"""The training run of one process (rank) of a launch: the loop of ``mtpipe train`` (:class:`Trainer`).
+
+Each update reads update -> log -> maybe validate -> maybe save: :mod:`mtpipe.training.update` makes the update,
+:mod:`mtpipe.training.metrics` logs it, :mod:`mtpipe.training.validation` validates, :mod:`mtpipe.training.checkpoints`
+writes the checkpoints, :mod:`mtpipe.training.budget` says when to stop, and :mod:`mtpipe.training.resume` picks up a
+run where its last checkpoint left it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from mtpipe import artifacts
+from mtpipe.config import ModelConfig, TrainConfig, to_dict
+from mtpipe.console import console, info, progress, warn
+from mtpipe.engine import runtime
+from mtpipe.errors import MtpipeError
+from mtpipe.training import distributed, metrics, resume
+from mtpipe.training.batches import collate, epoch_order, load_train_data, rank_batches, to_device
+from mtpipe.training.budget import Budget
+from mtpipe.training.checkpoints import Checkpointer, spm_files
+from mtpipe.training.metrics import Metrics, TextLog, Throughput, Window
+from mtpipe.training.state import TrainState, seed_for_rank
+from mtpipe.training.update import Updater, drophead_on, drophead_rate, is_oom, learning_rate, linear_learning_rate
+from mtpipe.training.validation import Validator, book
+
+# Updates between glibc heap trims on CPU (runtime.trim_cpu_memory): often enough that resident memory stays flat
+# over a long run instead of creeping up, rarely enough that the trims cost nothing measurable.
+_TRIM_EVERY_STEPS = 100
+
+
+@dataclass
+class UpdateResult:
+    """One update as every rank sees it after the update's all-reduce (the same values on all ranks)."""
+
+    loss: float  # label-smoothed loss summed over the update's target tokens, all ranks (section 5.4)
+    nll: float  # the unsmoothed negative log-likelihood, summed likewise
+    grad_norm: float  # before clipping
+    status: str  # Updater.finish's: "ok" (applied), "skipped" (non-finite loss or gradient), "overflow" (fp16)
+    tgt_tokens: int  # real target tokens of the update (all ranks)
+    src_tokens: int
+    # Control flags decided on rank 0's clock and summed into the update's all-reduce, so that every rank saves
+    # and stops at the same update without a collective of their own.
+    save_due: bool  # train.save_every_minutes elapsed since the last checkpoint
+    time_up: bool  # train.max_time reached
+
+    @property
+    def applied(self) -> bool:
+        return self.status == "ok"
+
+
+class Trainer:
+    """The training run of one process (rank) of a launch: each update reads update -> log -> maybe validate ->
+    maybe save (:meth:`train_loop`)."""
+
+    def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig, tokens: Path, batches: Path, out: Path,
+                 decode: dict[str, Any] | None = None):
+        self.cfg, self.tokens, self.batches, self.out = cfg, Path(tokens), Path(batches), Path(out)
+        self.ctx = distributed.context()
+        self.rank, self.world = self.ctx.rank, self.ctx.world_size
+        self.device = self.ctx.device
+        self._set_up_device()
+        self.precision = runtime.resolve_precision(cfg.precision, self.device)
+        self.data = load_train_data(self.tokens, self.batches, cfg.tokens_per_update, self.world)
+        spm = spm_files(self.tokens, self.data.vocab) if self.rank == 0 else (None, None)
+        self.model = self._build_model(model_cfg)
+        self.model_config = to_dict(self.model.cfg)
+        self.state = TrainState()  # overwritten by a resume
+        self.resumed_from: Path | None = None
+        self.last_saved_step = -1
+        self.last_lr = 0.0  # the rate of the last applied update (logged as train/lr)
+        self.last_train: dict[str, float] = {}  # the last logged train/* values, for the summary
+        self.metrics = Metrics()
+        self.text_log = TextLog()
+        self.best_due = False  # a scheduled validation improved on the best: checkpoint this step
+        self.validator = Validator(cfg, self.data, self.model, self.tokens, self.batches, self.device, self.precision,
+                                   self.rank, self.world)
+        self.throughput = Throughput(time.monotonic())
+        self.checkpointer = Checkpointer(self.out, self.model, self.model_config, cfg, self.tokens, self.batches,
+                                         self.world, self.precision, self.device, dict(decode or {}), spm)
+        # The model keys the params set, as given (before the preset fills the rest and d_k/d_v are derived): a
+        # resume refused for another model names the key the user changed, not one derived from it.
+        given = {k: v for k, v in to_dict(model_cfg).items() if v is not None}
+        ck = resume.find_resume(self.out, cfg, self.model_config, self.data.vocab, self.device, given=given)
+        if ck is not None:
+            self.model.load_state_dict(ck.state_dict)
+        self.updater = Updater(self.model, cfg, self.device, self.precision)
+        if ck is not None:
+            self._restore(ck)
+        self.budget = Budget(cfg, self.data, self.state, self.rank)
+
+    def _set_up_device(self) -> None:
+        if self.cfg.threads > 0:
+            torch.set_num_threads(self.cfg.threads)
+        if self.device.type == "cuda":
+            # TF32 tensor-core matmuls for the fp32 work (fp32 runs, and the fp32 ops that autocast keeps).
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+
+    def _build_model(self, model_cfg: ModelConfig) -> nn.Module:
+        """Identical initialisation on every rank (one seed), then one dropout stream per rank."""
+        torch.manual_seed(self.cfg.seed)
+        from mtpipe.model.transformer import Transformer
+
+        model = Transformer(model_cfg, self.data.vocab["size"])
+        train, max_positions = self.data.train, model.cfg.max_positions
+        widest = int(max(train.src_width.max(), train.tgt_width.max()))
+        if widest > max_positions:
+            raise MtpipeError(f"{self.batches}: batches hold sequences of {widest} positions but "
+                              f"model.max_positions={max_positions}; lower bucket.max_len or raise "
+                              "model.max_positions")
+        self.data.drop_long_valid(max_positions, self.batches)
+        model.to(self.device)
+        torch.manual_seed(seed_for_rank(self.cfg.seed, self.rank))
+        return model
+
+    def _restore(self, ck: artifacts.Checkpoint) -> None:
+        u, cfg = self.updater, self.cfg
+        # Another world size than the checkpoint's: the same global batch, by accumulation (resume warns).
+        self.data = self.validator.data = resume.same_global_batch(ck, self.data, self.world, cfg.tokens_per_update)
+        st = self.state = resume.restore(ck, u.optimizer, u.scaler, accum=self.data.accum, seed=self.cfg.seed,
+                                         device=self.device)
+        if ck.manifest.upstream.get("batches") not in (None, artifacts.manifest_hash(self.batches)):
+            warn(f"{self.batches}: the batches changed since {ck.path.name} was written: continuing at the same "
+                 "epoch and position of the new batch order (not an exact resume)")
+        if st.position + self.data.per_update > self.data.usable:  # another world size can end the epoch earlier
+            st.epoch, st.position = st.epoch + 1, 0
+        self.resumed_from = ck.path
+        self.last_saved_step = st.step  # the checkpoint itself: no need to write it again
+
+    def save(self) -> None:
+        """Checkpoint at the current step (a collective: every rank contributes its RNG state; rank 0 writes)."""
+        u = self.updater
+        self.checkpointer.save(self.state, u.optimizer, u.scaler, self.data.vocab, self.data.accum)
+        self.last_saved_step = self.state.step
+        self.best_due = False
+
+    # -- one update ----------------------------------------------------------------------------------------------
+
+    def _update(self, order: np.ndarray, save_due: bool, time_up: bool, progress: float) -> UpdateResult:
+        """One update: this rank's micro-batches, the all-reduced loss and control flags, and the optimizer step."""
+        st, d = self.state, self.data
+        group = order[st.position : st.position + d.per_update]
+        ntok, nsrc = int(d.train.tgt_tokens[group].sum()), int(d.train.src_tokens[group].sum())
+        if drophead_on(self.cfg):
+            self.model.set_drophead(self._drophead(st.step + 1))
+        # DDP averages gradients over ranks: scale each rank's sum by world/ntok for the global per-token gradient.
+        sums = self._forward_backward(order, scale=self.world / ntok)  # [2]: this rank's loss and nll sums
+        flags = torch.tensor([float(save_due), float(time_up), progress], dtype=torch.float64, device=self.device)
+        # One all-reduce for the loss and rank 0's flags and budget progress (the others send zeros):
+        # [loss, nll, save_due, time_up, progress], summed over ranks.
+        loss, nll, save_n, time_n, progress = distributed.all_reduce_sum(torch.cat([sums.double(), flags])).tolist()
+        lr = self.learning_rate(st.step + 1, progress)
+        self.last_lr = lr
+        norm, status = self.updater.finish(lr, skip=not math.isfinite(loss))
+        return UpdateResult(loss=loss, nll=nll, grad_norm=norm, status=status, tgt_tokens=ntok, src_tokens=nsrc,
+                            save_due=save_n > 0, time_up=time_n > 0)
+
+    def _forward_backward(self, order: np.ndarray, scale: float) -> Tensor:
+        """Forward and backward of this rank's micro-batches of the update; DDP all-reduces the gradient with the
+        last one. Returns the float32 ``[loss_sum, nll_sum]`` of this rank."""
+        d = self.data
+        sums = torch.zeros(2, dtype=torch.float32, device=self.device)
+        mine = [int(b) for b in rank_batches(order, self.state.position, self.world, d.accum, self.rank)]
+        for i, b in enumerate(mine):
+            batch = to_device(self.device, collate(d.train_tokens, d.train.batch(b), self.model.start_id))
+            try:
+                sums += self.updater.backward(*batch, scale=scale, sync=i == len(mine) - 1)
+            except (RuntimeError, torch.OutOfMemoryError) as e:
+                if not is_oom(e):
+                    raise
+                raise self._oom_error(b, batch) from None
+        return sums
+
+    def _oom_error(self, b: int, batch: tuple[Tensor, ...]) -> MtpipeError:
+        src, _, tgt = batch  # [B, S], [B, T], [B, T]
+        max_tokens = self.data.max_tokens
+        return MtpipeError(
+            f"out of memory on {self.device} in train batch {b} ({src.shape[0]} sentences, {src.shape[1]} "
+            f"source x {tgt.shape[1]} target positions, {int(self.data.train.tgt_tokens[b])} target tokens): "
+            f"rebuild the batches with a smaller bucket.max_tokens (these have {max_tokens}), e.g. "
+            f"`mtpipe bucket --max-tokens {max(max_tokens // 2, 1)}`; train.tokens_per_update keeps the "
+            "update size by accumulating more batches"
+        )
+
+    def _account(self, r: UpdateResult, order: np.ndarray) -> np.ndarray:
+        """Book the update into the state (applied, skipped or fp16 overflow), move on in the epoch's batch order
+        (the next epoch's order when too few batches are left for another update) and return that order."""
+        st, d = self.state, self.data
+        st.position += d.per_update
+        if r.status == "skipped":
+            st.bad_steps += 1
+            warn(f"update {st.step + 1}: non-finite loss ({r.loss / r.tgt_tokens:.4g}) or gradient norm "
+                 f"({r.grad_norm:.4g}): skipped ({st.bad_steps} in a row)")
+            if st.bad_steps >= self.cfg.max_bad_steps:
+                raise MtpipeError(
+                    f"training diverged: {st.bad_steps} updates in a row had a non-finite loss or gradient "
+                    f"(last at update {st.step + 1}, epoch {st.epoch + 1}); lower train.lr_scale, set "
+                    "train.clip_norm, or use train.precision=fp32"
+                )
+        elif r.status == "overflow":
+            st.overflows += 1
+        else:
+            st.bad_steps = 0
+            st.step += 1
+            st.tgt_seen, st.src_seen = st.tgt_seen + r.tgt_tokens, st.src_seen + r.src_tokens
+            st.window.add(r.loss, r.nll, r.tgt_tokens, r.grad_norm)
+            self.throughput.add(r.tgt_tokens, r.src_tokens)
+        if st.position + d.per_update > d.usable:
+            st.epoch, st.position = st.epoch + 1, 0
+            order = epoch_order(len(d.train), self.cfg.seed, st.epoch)
+        st.train_seconds = self.budget.seconds()
+        return order
+
+    def learning_rate(self, step: int, progress: float) -> float:
+        """The rate of update ``step`` under ``train.schedule``, ``progress`` being the budget spent before it."""
+        d_model, cfg = self.model.cfg.d_model, self.cfg
+        if cfg.schedule == "linear":
+            return linear_learning_rate(step, progress, d_model, cfg.warmup, cfg.lr_scale)
+        return learning_rate(step, d_model, cfg.warmup, cfg.lr_scale)
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+
+    def train_loop(self) -> str:
+        """Run updates until a stopping criterion; returns the reason. Each update: update -> log -> maybe
+        validate -> maybe save (a checkpoint is written after the metrics it covers, so a resume rewinds to it)."""
+        budget = self.budget
+        reason = budget.stop_reason(time_up=False)
+        if reason:  # a finished run started again
+            return reason
+        self.throughput.restart(budget.start())
+        order = epoch_order(len(self.data.train), self.cfg.seed, self.state.epoch)
+        from rich.progress import TextColumn
+
+        start_step = self.state.step
+        with progress(TextColumn("{task.fields[stats]}")) as bar:
+            task = bar.add_task("train", total=budget.total_steps or None, completed=self.state.step, stats="",
+                                **budget.bar_fields(start_step))
+            while not reason:
+                result = self._update(order, *budget.rank0_clock())
+                order = self._account(result, order)
+                if result.applied:
+                    self._maybe_log(bar, task)
+                    self._maybe_validate(bar)
+                reason = budget.stop_reason(result.time_up)
+                if result.applied and not reason and budget.save_due(result.save_due or self.best_due):
+                    self.save()
+                    budget.last_save_time = time.monotonic()
+                bar.update(task, completed=self.state.step, **budget.bar_fields(start_step))
+        return reason
+
+    def _maybe_log(self, bar: Any, task: Any) -> None:
+        """Log the window every ``train.log_every_steps`` (and trim the CPU heap every ``_TRIM_EVERY_STEPS``)."""
+        st = self.state
+        if st.step % self.cfg.log_every_steps == 0 and st.window.updates:
+            now = time.monotonic()
+            values = self._window_values(*self.throughput.rates(now))
+            self.metrics.log(st.step, values)
+            bar.update(task, stats=f"loss {values['train/loss']:.3f} | "
+                                   f"{values['train/tgt_tokens_per_s']:,.0f} tgt tok/s")
+            line = metrics.log_line(st.step, values)
+            if not console.is_terminal:
+                info(line)
+            self.text_log.write(line)
+            self.throughput.restart(now)
+        if st.step % _TRIM_EVERY_STEPS == 0 and self.device.type == "cpu":
+            runtime.trim_cpu_memory()
+
+    def _maybe_validate(self, bar: Any = None) -> None:
+        """The scheduled validations (:meth:`mtpipe.training.validation.Validator.scheduled`), each one of
+        ``train.stop_metric`` booked for early stopping: an improvement makes this step's checkpoint the best one
+        (written now if none is due); ``train.patience`` counts the others."""
+        vals = self.validator.scheduled(self.state, self.updater.loss_module, bar)
+        if not vals:
+            return
+        self.metrics.log(self.state.step, vals)
+        line, best = book(self.state, self.cfg, vals, metrics.valid_line(self.state.step, vals))
+        self.best_due = self.best_due or best
+        self._say(line)
+
+    def _drophead(self, step: int) -> float:
+        cfg = self.cfg
+        return drophead_rate(step, cfg.warmup, self.budget.total_steps, cfg.drophead_start, cfg.drophead_end)
+
+    def _window_values(self, tgt_per_s: float, src_per_s: float) -> dict[str, float]:
+        """The logged point of the window (then emptied)."""
+        st = self.state
+        values = st.window.values(self.last_lr, tgt_per_s, src_per_s, epoch=st.epoch + st.position / self.data.usable)
+        if drophead_on(self.cfg):
+            values["train/drophead"] = self._drophead(st.step)
+        self.last_train = values
+        st.window = Window()
+        return values
+
+    # -- the run -------------------------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Train to a stopping criterion, validate and checkpoint the last step; returns the summary (also written
+        to ``OUT/train.json``)."""
+        st = self.state
+        t0 = time.monotonic()
+        self.text_log.open(self.out)
+        self._announce()
+        self.metrics.open(self.out, st.step if self.resumed_from is not None else None)
+        start_step, start_tokens = st.step, st.tgt_seen
+        try:
+            reason = self.train_loop()
+            # The last step's metrics, off the validation schedule: logged and recorded in the last checkpoint,
+            # but not booked for early stopping (a longer run would not validate here; its count must not differ).
+            final = self.validator.final(st, self.updater.loss_module)
+            if final:
+                self.metrics.log(st.step, final)
+                self._say(metrics.valid_line(st.step, final))
+            if st.step > 0 and self.last_saved_step != st.step:
+                self.save()
+            elif st.step == 0:
+                warn("no update was made: no checkpoint written")
+            seconds = time.monotonic() - t0
+            summary = self._summary(reason, st.step - start_step, (st.tgt_seen - start_tokens) / max(seconds, 1e-9))
+            metrics.report(self.out, summary, self.text_log)
+        finally:
+            self.metrics.close()
+            self.text_log.close()
+        return summary
+
+    def _announce(self) -> None:
+        st, d = self.state, self.data
+        if self.resumed_from is not None:
+            self._say(f"resuming from {self.resumed_from} (step {st.step:,}, epoch {st.epoch + 1}, batch "
+                      f"{st.position:,}/{d.usable:,})")
+        self._say(f"training {sum(p.numel() for p in self.model.parameters()):,} parameters on {self.world} x "
+                  f"{self.device.type} ({self.precision}), {d.accum} batch(es) of <= {d.max_tokens:,} tokens per "
+                  f"process per update, {len(d.train):,} batches per epoch ({len(d.train) - d.usable} left out)")
+
+    def _say(self, line: str) -> None:
+        """A line for the console and ``OUT/train.log``."""
+        info(line)
+        self.text_log.write(line)
+
+    def _summary(self, reason: str, updates_now: int, tgt_per_s: float) -> dict[str, Any]:
+        st, d = self.state, self.data
+        found = artifacts.list_checkpoints(self.out) if distributed.is_rank0() else []
+        # Under the linear schedule max_time is part of the plan (the budget the rate decays over), not a guard:
+        # a run it ends has done what was planned, whatever max_epochs would have allowed.
+        budgeted = self.cfg.schedule == "linear" and self.cfg.max_time > 0
+        planned = 0 if budgeted else self.budget.planned_updates()
+        summary = {
+            "steps": st.step, "updates_this_run": updates_now, "stopped_by": reason,
+            "epochs": round(st.epoch + st.position / d.usable, 4),
+            "target_tokens": st.tgt_seen, "source_tokens": st.src_seen,
+            "train_loss": self.last_train.get("train/loss"), "train_ppl": self.last_train.get("train/ppl"),
+            "valid_loss": st.last_valid.get("valid/loss"), "valid_nll": st.last_valid.get("valid/nll"),
+            "valid_ppl": st.last_valid.get("valid/ppl"),
+            "train_minutes": round(st.train_seconds / 60, 3),
+            "tgt_tokens_per_s": round(tgt_per_s, 1),  # this invocation, validation and checkpoints included
+            "processes": self.world, "accumulation": d.accum, "batches_per_update": d.per_update,
+            "max_tokens": d.max_tokens, "precision": self.precision, "device": self.device.type,
+            "bad_steps_skipped": st.bad_steps, "fp16_overflows": st.overflows,
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+            "checkpoints": [str(p) for _, p in found],
+            "model": self.model_config, "vocab": d.vocab,
+            "valid_bleu": st.last_bleu,
+            # How far the plan got: a run the time guard (or early stopping) ended before max_steps/max_epochs.
+            "planned_updates": planned, "plan_done": round(st.step / planned, 4) if planned else None,
+            "max_time": self.cfg.max_time, "schedule": self.cfg.schedule, "patience": self.cfg.patience,
+            "stopped_early": reason == "patience" or (reason == "max_time" and st.step < planned),
+            "best": {**st.best.to_dict(),
+                     "checkpoint": str(artifacts.checkpoint_path(self.out, st.best.step)) if st.best.step >= 0
+                     else None},
+        }
+        summary["stop_note"] = metrics.stop_note(summary)  # the loud last line, when the plan was cut short
+        return summary
