@@ -248,9 +248,10 @@ VERIFIED_FORMAT = 1
 RACY_NS = 2_000_000_000
 
 
-def cache_root() -> Path:
-    """mtpipe's per-user cache: ``$MTPIPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mtpipe`` (``~/.cache/mtpipe``)."""
-    root = env.get("MTPIPE_CACHE_DIR") or os.path.join(
+def cache_root(configured: str = "") -> Path:
+    """mtpipe's per-user cache: ``$MTPIPE_CACHE_DIR``, else ``configured`` (a setting, e.g. decode.package_cache),
+    else ``$XDG_CACHE_HOME/mtpipe`` (``~/.cache/mtpipe``)."""
+    root = env.get("MTPIPE_CACHE_DIR") or configured or os.path.join(
         env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mtpipe")
     return Path(root)
 

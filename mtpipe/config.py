@@ -400,11 +400,14 @@ class DecodeConfig(Section):
         "help": "Engine mtpipe, fp32 or bf16: run the decoder's step compiled (fused kernels, fewer operations; on "
         "CPU float32 weights frozen into the graph, packed once for oneDNN), at the cost of building it first (tens "
         "of seconds on a small CPU; needs a C++ compiler on CPU). off: the eager step; jit: torch.compile, built in "
-        "every process; aot: float32 on CPU built ahead of time once and kept in $MTPIPE_CACHE_DIR (default "
-        "~/.cache/mtpipe), loaded in seconds by later runs, the least recently used removed beyond "
-        "$MTPIPE_CACHE_MAX_GB (default 5); elsewhere as jit. false / true (older params files and checkpoints): off "
-        "/ aot; the flag alone: aot. Outputs equal the uncompiled step's up to float rounding.",
+        "every process; aot: float32 on CPU built ahead of time once and kept in decode.package_cache, loaded in "
+        "seconds by later runs; elsewhere as jit. false / true (older params files and checkpoints): off / aot; the "
+        "flag alone: aot. Outputs equal the uncompiled step's up to float rounding.",
         "choices": ("off", "jit", "aot"), "booleans": ("off", "aot")})
+    package_cache: str = _h("Where decode.compile=aot keeps its packages ('': ~/.cache/mtpipe, or $XDG_CACHE_HOME/"
+                            "mtpipe); $MTPIPE_CACHE_DIR overrides it. Deleting it is safe.", default="")
+    package_cache_gb: float = _h("The packages' size at most (GB), the least recently used removed beyond it; "
+                                 "$MTPIPE_CACHE_MAX_GB overrides it.", ge=0, default=5.0)
     cuda_graphs: bool = _h(
         "Engine mtpipe on a GPU, fp32 or bf16: replay the decoder's step (layers, projection, log-softmax) from CUDA "
         "graphs recorded for a few fixed shapes (rows, cached and source positions rounded up to powers of two), "

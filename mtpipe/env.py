@@ -42,9 +42,9 @@ _TABLE = (
     # mtpipe's own
     Variable("MTPIPE_CACHE_DIR", "$XDG_CACHE_HOME/mtpipe (~/.cache/mtpipe)",
              "Where mtpipe keeps what it can rebuild: compiled decoder steps (decode.compile) and the records of "
-             "bucket artifacts whose hash was checked.", ("mtpipe/artifacts.py", _PACKAGE)),
+             "bucket artifacts whose hash was checked; over decode.package_cache.", ("mtpipe/artifacts.py", _PACKAGE)),
     Variable("MTPIPE_CACHE_MAX_GB", "5", "Size in GB beyond which the least recently used compiled decoder steps "
-             "are removed from $MTPIPE_CACHE_DIR.", (_PACKAGE,)),
+             "are removed from the cache; over decode.package_cache_gb.", (_PACKAGE,)),
     Variable("MTPIPE_QUIET", "unset", "1: mtpipe's console prints nothing on stderr: no progress bars, tables, "
              "info lines or warnings (errors still print, as on the ranks other than 0).", ("mtpipe/console.py",)),
     Variable("MTPIPE_NNODES", "1", "Nodes of a multi-node `mtpipe train` (torchrun --nnodes).", (_LAUNCH,)),
@@ -102,7 +102,7 @@ _TABLE = (
     Variable("COLUMNS", "the terminal's width", "Width of stderr's tables and bars; unset and not a terminal: no "
              "wrapping.", ("mtpipe/console.py",)),
     Variable("XDG_CACHE_HOME", "~/.cache", "Parent of the default $MTPIPE_CACHE_DIR.",
-             ("mtpipe/artifacts.py", _PACKAGE)),
+             ("mtpipe/artifacts.py",)),
     Variable("MTPIPE_NO_SKIPS", "unset", "tests/: 1 (`make test`) turns a skipped core test into a failure.",
              ("tests/conftest.py",)),
     # bench/ only

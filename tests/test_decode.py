@@ -1002,15 +1002,18 @@ def test_the_package_cache_removes_the_least_recently_used_beyond_its_bound(tmp_
     assert sorted(p.name for p in tmp_path.glob("*.pt2")) == sorted([kept.name, "notes.pt2"])
     assert step_package.prune(tmp_path, keep=kept, limit=10**9) == (0, 0)
     assert not building.with_suffix(".lock").exists()  # its lock is free now: the build failed
-    # the bound: MTPIPE_CACHE_MAX_GB in GB (default 5); a bad value is a one-line error
+    # the bound: decode.package_cache_gb (default 5), MTPIPE_CACHE_MAX_GB over it; a bad value is a one-line error
     monkeypatch.delenv("MTPIPE_CACHE_MAX_GB", raising=False)
-    assert step_package.cache_limit_bytes() == 5 * 10**9
+    assert step_package.PackageCache().limit_bytes() == 5 * 10**9
+    assert step_package.PackageCache(max_gb=2).limit_bytes() == 2 * 10**9
     monkeypatch.setenv("MTPIPE_CACHE_MAX_GB", "0.5")
-    assert step_package.cache_limit_bytes() == 5 * 10**8
+    assert step_package.PackageCache(max_gb=2).limit_bytes() == 5 * 10**8
     for bad in ("-1", "lots", "nan"):
         monkeypatch.setenv("MTPIPE_CACHE_MAX_GB", bad)
         with pytest.raises(MtpipeError, match=r"MTPIPE_CACHE_MAX_GB: .* is not a size in GB"):
-            step_package.cache_limit_bytes()
+            step_package.PackageCache().limit_bytes()
+    with pytest.raises(MtpipeError, match="decode.package_cache_gb"):
+        DecodeConfig(package_cache_gb=-1)
 
 
 def test_a_package_lock_removed_while_a_process_waits_on_it_is_not_held_twice(tmp_path, monkeypatch):
@@ -1116,8 +1119,11 @@ def test_a_packaged_step_is_keyed_by_its_weights_and_environment(model, monkeypa
     monkeypatch.undo()
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2-restricted")
     assert step_package.package_key(digest, variant) != key
+    # the place: decode.package_cache, MTPIPE_CACHE_DIR over it
+    monkeypatch.delenv("MTPIPE_CACHE_DIR", raising=False)
+    assert step_package.PackageCache("/configured").path() == Path("/configured") / "decode-step"
     monkeypatch.setenv("MTPIPE_CACHE_DIR", "/somewhere")
-    assert step_package.cache_dir() == Path("/somewhere") / "decode-step"
+    assert step_package.PackageCache("/configured").path() == Path("/somewhere") / "decode-step"
 
 
 def test_a_package_without_a_matching_record_is_not_verified(tmp_path):

@@ -117,8 +117,8 @@ class CompiledStep:
     """``model``'s step compiled (``mode`` ``jit``, or ``aot``: packaged ahead of time, float32 on CPU only; the
     module docstring), for :meth:`mtpipe.engine.variants.Prepared.step`."""
 
-    def __init__(self, model: Any, mode: str, lone_graph: bool = False) -> None:
-        from mtpipe.engine.step_package import PackagedStep
+    def __init__(self, model: Any, mode: str, lone_graph: bool = False, cache: Any = None) -> None:
+        from mtpipe.engine.step_package import PackageCache, PackagedStep
 
         weight = next(model.parameters())
         on_cpu = weight.device.type == "cpu"
@@ -127,7 +127,7 @@ class CompiledStep:
         self.frozen = on_cpu and weight.dtype == torch.float32
         if self.frozen and mode == "aot":
             # built once and kept on disk; torch.compile's step only where the package does not apply
-            compiled = PackagedStep(model, compiled, step_dynamic_dims)
+            compiled = PackagedStep(model, compiled, step_dynamic_dims, cache or PackageCache())
         self.fn: Callable[..., tuple[Tensor, Tensor, Tensor]] = compiled
         self.lone_graph = lone_graph
         # a lone sentence's encoder keys/values and source mask, doubled for the step that runs it as two

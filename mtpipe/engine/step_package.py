@@ -4,7 +4,7 @@
 (inductor's ``freezing``: constants packed once for oneDNN) and builds such a graph again in every process (tens of
 seconds on a small CPU: tracing, lowering, the C++ wrapper), and its on-disk caches skip frozen graphs. Here the same
 step is exported (``torch.export``, every per-call dimension dynamic) and compiled by AOTInductor into a package, one
-file per model, step variant and environment, under :func:`cache_dir`; a later process loads it in seconds. The
+file per model, step variant and environment, under :class:`PackageCache`; a later process loads it in seconds. The
 packaged step also runs without torch.compile's guards and Python wrapper, a little faster than torch.compile's.
 
 The package's key (:func:`package_key`) covers everything its code depends on: the weights' bytes, the input
@@ -28,6 +28,7 @@ process that waited on a removed one lock the file now at its path).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -44,18 +45,35 @@ import xxhash
 from torch import Tensor
 
 from mtpipe import env as mtenv
+from mtpipe.artifacts import cache_root
 from mtpipe.console import info, warn
 from mtpipe.errors import MtpipeError
 from mtpipe.model import ops
 
 
-def cache_dir() -> Path:
-    """Where packages are kept: ``$MTPIPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mtpipe`` (``~/.cache/mtpipe``); in
-    ``decode-step/`` below it. mtpipe writes nothing else there. A package holds a copy of the model's weights:
-    :func:`prune` keeps them under ``$MTPIPE_CACHE_MAX_GB``; deleting the directory is safe."""
-    root = mtenv.get("MTPIPE_CACHE_DIR") or os.path.join(
-        mtenv.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mtpipe")
-    return Path(root) / "decode-step"
+@dataclasses.dataclass(frozen=True)
+class PackageCache:
+    """Where packages are kept and how much they may take (``decode.package_cache``, ``decode.package_cache_gb``;
+    the environment's ``MTPIPE_CACHE_DIR`` and ``MTPIPE_CACHE_MAX_GB`` override them). A package holds a copy of the
+    model's weights: :func:`prune` keeps them under the limit; deleting the directory is safe."""
+
+    directory: str = ""
+    max_gb: float = 5.0
+
+    def path(self) -> Path:
+        """``decode-step/`` below the cache root (:func:`mtpipe.artifacts.cache_root`); mtpipe writes nothing else
+        there."""
+        return cache_root(self.directory) / "decode-step"
+
+    def limit_bytes(self) -> int:
+        raw = mtenv.get("MTPIPE_CACHE_MAX_GB", "").strip()
+        try:
+            gb = float(raw) if raw else float(self.max_gb)
+        except ValueError:
+            gb = -1.0
+        if not gb >= 0:  # also NaN
+            raise MtpipeError(f"MTPIPE_CACHE_MAX_GB: {raw!r} is not a size in GB (a number >= 0)")
+        return int(gb * 1e9)
 
 
 # The files mtpipe writes in the cache (:func:`package_key` names): a package, its ranges, its lock; and a build's
@@ -65,19 +83,6 @@ _LOCK = re.compile(r"[0-9a-f]{32}\.lock")
 _PARTIAL = re.compile(r"[0-9a-f]{32}\.[^/]+\.partial(\.pt2)?")
 # A build's temporary file older than this was left by a process that was killed (a build takes a minute or two)
 _STALE_PARTIAL_S = 24 * 3600
-_DEFAULT_MAX_GB = 5.0
-
-
-def cache_limit_bytes() -> int:
-    """``$MTPIPE_CACHE_MAX_GB`` (default 5) in bytes: what the packages in :func:`cache_dir` may take together."""
-    raw = mtenv.get("MTPIPE_CACHE_MAX_GB", "").strip()
-    try:
-        gb = float(raw) if raw else _DEFAULT_MAX_GB
-    except ValueError:
-        gb = -1.0
-    if not gb >= 0:  # also NaN
-        raise MtpipeError(f"MTPIPE_CACHE_MAX_GB: {raw!r} is not a size in GB (a number >= 0)")
-    return int(gb * 1e9)
 
 
 def prune(directory: Path, keep: Path, limit: int) -> tuple[int, int]:
@@ -216,13 +221,14 @@ class _Step(torch.nn.Module):
 
 class PackagedStep:
     """A callable with :meth:`~mtpipe.model.transformer.Transformer.step`'s signature that runs each input variant's
-    package (built on first use, or loaded from :func:`cache_dir`) and ``fallback`` where no package applies.
+    package (built on first use, or loaded from :class:`PackageCache`) and ``fallback`` where no package applies.
     ``dynamic_dims(x, k_prev, v_prev, index, prev_mask, cross, src_mask)`` lists the ``(tensor, dim, size)`` that
     vary from call to call, ``size`` naming which (:func:`mtpipe.engine.runners.step_dynamic_dims`)."""
 
     def __init__(self, model: torch.nn.Module, fallback: Callable[..., Any],
-                 dynamic_dims: Callable[..., list[tuple[Tensor, int, str]]]) -> None:
-        self.model, self.fallback, self.dynamic_dims = model, fallback, dynamic_dims
+                 dynamic_dims: Callable[..., list[tuple[Tensor, int, str]]],
+                 cache: PackageCache = PackageCache()) -> None:
+        self.model, self.fallback, self.dynamic_dims, self.cache = model, fallback, dynamic_dims, cache
         self.weights = weights_digest(model)
         # variant -> (the loaded package, its input ranges), or None where it could not be built
         self.runners: dict[tuple, Any] = {}
@@ -260,8 +266,8 @@ class PackagedStep:
         """The variant's package, loaded from the cache or built into it (under a file lock, so that processes
         started together build it once); None, with a warning, if it cannot be built (or where there are no file
         locks: Windows)."""
-        path = cache_dir() / f"{package_key(self.weights, variant)}.pt2"
-        limit = cache_limit_bytes()  # a bad setting is an error, not a reason to fall back
+        path = self.cache.path() / f"{package_key(self.weights, variant)}.pt2"
+        limit = self.cache.limit_bytes()  # a bad setting is an error, not a reason to fall back
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with _locked(path.with_suffix(".lock"), wait=True):
@@ -411,5 +417,5 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["PackagedStep", "cache_dir", "cache_limit_bytes", "package_key", "prune",
+__all__ = ["PackagedStep", "PackageCache", "package_key", "prune",
            "weights_digest"]

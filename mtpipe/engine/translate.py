@@ -138,6 +138,7 @@ class MtpipeEngine:
         from mtpipe.console import info
         from mtpipe.engine import runtime
         from mtpipe.engine.pruning import prune, prune_plan
+        from mtpipe.engine.step_package import PackageCache
         from mtpipe.engine.variants import decoding_device, prepare
 
         plan = prune_plan(model.cfg, cfg.prune, where="decode.prune")
@@ -148,7 +149,8 @@ class MtpipeEngine:
         if device.type == "cpu":
             runtime.tune_cpu_allocator()
         prepared = prepare(model.to(device), cfg.precision, device, compile=cfg.compile,
-                           cuda_graphs=cfg.cuda_graphs, lone_graph=lone_graph)
+                           cuda_graphs=cfg.cuda_graphs, lone_graph=lone_graph,
+                           cache=PackageCache(cfg.package_cache, cfg.package_cache_gb))
         return cls(prepared, device, cfg.precision, cfg.max_tokens, cfg.threads, plan,
                    cfg.compile != "off")
 

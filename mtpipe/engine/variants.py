@@ -184,13 +184,14 @@ def compile_mode(value: Any) -> str:
 
 
 def prepare(model: Any, precision: str, device: torch.device, compile: str = "off", cuda_graphs: bool = False,
-            lone_graph: bool = False) -> Prepared:
+            lone_graph: bool = False, cache: Any = None) -> Prepared:
     """``model`` (on ``device``) prepared to decode at ``precision`` (fp32, bf16 or int8), in eval mode: its variant
     (module docstring) and its runner, ``compile`` (``decode.compile``: off, jit or aot; aot applies to float32 on
     CPU, elsewhere it is jit, with a note) or ``cuda_graphs`` (``decode.cuda_graphs``: on a GPU, not with
     ``compile`` nor with restricted self-attention, whose window is the last r cached positions, which the graphs'
     padded cache would move); ``lone_graph``: a compiled step's lone sentence in a graph of its own
-    (:mod:`mtpipe.engine.runners`). ``model`` itself is left as it was (in eval mode)."""
+    (:mod:`mtpipe.engine.runners`); ``cache``: where aot's packages are kept
+    (:class:`mtpipe.engine.step_package.PackageCache`, None: the default). ``model`` itself is left as it was."""
     compile = compile_mode(compile)
     model.eval()
     if precision == "int8" and device.type != "cpu":
@@ -204,7 +205,7 @@ def prepare(model: Any, precision: str, device: torch.device, compile: str = "of
         if compile == "aot" and not (precision == "fp32" and device.type == "cpu"):
             info(f"decode.compile=aot: packaged ahead of time for float32 on CPU only; {precision} on {device.type} "
                  "compiles its step in this process (jit)")
-        compiled = CompiledStep(variant, compile, lone_graph)
+        compiled = CompiledStep(variant, compile, lone_graph, cache)
     elif cuda_graphs and device.type == "cuda" and not variant.cfg.attention_window:
         from mtpipe.engine.cuda_graphs import GraphedStep
 
