@@ -369,7 +369,9 @@ def test_time_guard_stop_is_reported_in_the_summary_and_the_log(data: tuple[Path
     s = train_model(mcfg(), tcfg(max_steps=100_000, max_time=0.005, save_every_steps=0, valid_every_steps=0), *data,
                     out)
     assert s["stopped_by"] == "max_time" and s["stopped_early"] and s["planned_updates"] == 100_000
-    assert 0 < s["plan_done"] < 1 and s["stop_note"].startswith("stopped by train.max_time=0.005 min after ")
+    # (a loaded machine may make only a few updates in 0.3 s: their share, rounded to 4 decimals, may be 0)
+    assert 0 < s["steps"] < 100_000 and 0 <= s["plan_done"] < 1
+    assert s["stop_note"].startswith("stopped by train.max_time=0.005 min after ")
     assert s["stop_note"] in (out / "train.log").read_text()
     assert s["plan_done"] == pytest.approx(s["steps"] / 100_000, abs=1e-4)  # rounded to 4 decimals
 
