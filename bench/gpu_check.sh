@@ -2,7 +2,10 @@
 # mtpipe's GPU paths in one short run: bf16 training, average, beam search in fp32 and bf16 (sentences/s, sacreBLEU),
 # `mtpipe serve` against offline decoding with one and two decoding processes (bench/serve.py; needs fastapi and
 # uvicorn), decode.processes 2, a server's few-sentence step against a full batch with and without CUDA graphs
-# (bench/decode_speed.py), fp16 training, torch.compile, exact resume (N updates against N/2 then resumed).
+# (bench/decode_speed.py), fp16 training, torch.compile, exact resume (N updates against N/2 then resumed). First,
+# the paper's shapes on synthetic WMT-shaped batches (bench/gpu_paper.py: base and big, bf16, eager and compiled:
+# tokens/s, MFU, GPU busy, launches and syncs, memory; checkpoints, bitwise resume, beam-4 decoding of 3,003 sources),
+# within PAPER_BUDGET seconds (default 540; 0 skips it).
 #
 #   bash bench/gpu_check.sh ARTIFACTS [UPDATES] [MINUTES]
 #
@@ -13,6 +16,7 @@ ART=${1:?usage: bash bench/gpu_check.sh ARTIFACTS [UPDATES] [MINUTES]}
 STEPS=${2:-8500}
 MINUTES=${3:-0}
 SHORT=${SHORT:-300}  # updates of the fp16, compile and resume checks
+PAPER_BUDGET=${PAPER_BUDGET:-540}  # seconds of bench/gpu_paper.py (0: skip it)
 PY=${PY:-python3}
 OUT=${OUT:-bench/out/gpu-check-$(date -u +%Y%m%dT%H%M%SZ)}
 W=${W:-$(mktemp -d)}
@@ -27,6 +31,13 @@ train() { $M train --tokens "$ART/bpe" --batches "$ART/bucket" "$@"; }
 el "machine"
 nvidia-smi -L 2>&1 | head -2
 $PY bench/machine.py
+
+if [ "$PAPER_BUDGET" != 0 ]; then
+  el "the paper's shapes, synthetic batches, within $PAPER_BUDGET s (bench/gpu_paper.py)"
+  $PY bench/gpu_paper.py --device cuda --budget-s "$PAPER_BUDGET" --work "$W/paper" --results "$OUT/gpu_paper.json" \
+    > "$OUT/gpu_paper.log" 2>&1; echo "rc=$?"
+  grep -E "^\[\+ *[0-9]+s\] (versions|train|checkpoint|resume|decode)|^against|^  (eager|compiled) |^done" "$OUT/gpu_paper.log" | cut -c1-400
+fi
 
 el "train: $STEPS updates (time cap: $MINUTES min), train.precision from params.yaml"
 train --out "$W/train" --max-steps "$STEPS" --max-time "$MINUTES" > "$OUT/train.log" 2>&1; echo "rc=$?"
