@@ -299,6 +299,41 @@ def render_faults(directory: Path = RESULTS) -> str:
     return _table(["scenario", "passed", "seconds"], body) + "\n" + describe(doc)
 
 
+def render_equivalence(directory: Path = RESULTS) -> str:
+    """development.md: the newest fingerprints (bench/equivalence.py) against the oldest recorded, entry by entry."""
+    found = results("equivalence", directory)
+    if len(found) < 2:
+        return NOT_MEASURED.format(command="python bench/equivalence.py record")
+    first, last = found[0], found[-1]
+    rows = []
+    for part in ("train", "decode"):
+        a, b = first["figures"][part], last["figures"][part]
+        keys = sorted(k for k in set(a) & set(b) if isinstance(a[k], dict))
+        same = sum((a[k].get("sha256", a[k]) == b[k].get("sha256", b[k])) for k in keys)
+        rows.append([part, len(keys), same, len(keys) - same])
+    resumed = last["figures"]["train"].get("resume equals this checkout's own run")
+    rows.append(["resume of the earlier checkout's step-100 checkpoint", 1, int(bool(resumed)), int(not resumed)])
+    return (_table(["fingerprints", "compared", "identical", "different"], rows) + "\n"
+            + f"Earlier: {describe(first)}Later: {describe(last)}")
+
+
+def render_checkouts(directory: Path = RESULTS) -> str:
+    """development.md: speed of the later checkout over the earlier one (bench/checkouts.py), per machine class."""
+    found = results("checkouts", directory)
+    if not found:
+        return NOT_MEASURED.format(command="python bench/checkouts.py --before DIR")
+    out = []
+    for doc in found[-2:]:
+        f = doc["figures"]
+        body = [[key, f"{s['min']:.2f} / {s['median']:.2f} / {s['max']:.2f}"]
+                for key, s in f["speed after / before"].items()]
+        out.append(f"{f['rounds']} interleaved rounds, {f['updates']} updates, {f['sentences']:,} sentences"
+                   f" (commits {' against '.join(re.findall(r'[(]([0-9a-f]+)[)]', ' '.join(f['checkouts'].values()))[::-1])})"
+                   + f"{', CPU restricted to AVX2' if f.get('isa') == 'avx2' else ''}:\n\n"
+                   + _table(["measure", "speed after / before (min / median / max)"], body) + "\n" + describe(doc))
+    return "\n".join(out)
+
+
 def render_quality(directory: Path = RESULTS) -> str:
     doc = _newest("anchors-quality", directory)
     if doc is None:
@@ -350,7 +385,7 @@ RENDERERS: dict[str, Callable[..., str]] = {
     "quickstart": render_quickstart, "anchors-train": _anchors("train"), "anchors-decode": _anchors("decode"),
     "anchors-data": _anchors("data"), "anchors-quality": render_quality, "decode_speed": render_decode_speed,
     "train_throughput": render_train_throughput, "serve": render_serve, "train_data": render_train_data,
-    "faults": render_faults,
+    "faults": render_faults, "equivalence": render_equivalence, "checkouts": render_checkouts,
 }
 
 
