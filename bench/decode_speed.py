@@ -49,6 +49,7 @@ from mtpipe.engine import translate as mdecode  # noqa: E402
 from mtpipe.config import DecodeConfig, ModelConfig  # noqa: E402
 from mtpipe.console import console, progress, table  # noqa: E402
 from mtpipe.model.transformer import build_model  # noqa: E402
+from testkit.oracles import search_uncached  # noqa: E402
 from mtpipe.engine.search import DecodeRules  # noqa: E402
 
 DATA = Path(mtenv.get("MTPIPE_MULTI30K") or REPO / "data" / "multi30k")  # {split}.{en,de}.gz
@@ -82,38 +83,6 @@ def switched_off(trick: str | None) -> contextlib.AbstractContextManager:
                 "layer-packing": (packed, "PACK_DECODING_LINEARS", False), "onednn": (ops, "ONEDNN_FP32", False),
                 "gather": (runners, "_GATHER_IN_GRAPH_BYTES", 1 << 40)}
     return machine.patched(*([switches[trick]] if trick in switches else []))
-
-
-def naive(model: Any, batch: list[list[int]], rules: Any, max_tokens: int, precision: str,
-          device: torch.device) -> list[list[Any]]:
-    """The naive row: the same batches and search, the whole prefix re-decoded by the float32 model at every step
-    (cross-attention keys/values included; under bf16 autocast for bf16)."""
-    import torch.nn.functional as F
-
-    from mtpipe.engine.variants import decoding_context
-
-    @dataclasses.dataclass
-    class Prefix:
-        memory: Any
-        src_mask: Any
-        prefix: Any
-
-        def select(self, index: Any, beams: int | None = None) -> "Prefix":
-            return Prefix(self.memory.index_select(0, index), self.src_mask.index_select(0, index),
-                          self.prefix.index_select(0, index))
-
-    def step(tokens: Any, state: Prefix) -> tuple[Any, Prefix]:
-        prefix = torch.cat([state.prefix, tokens[:, None]], dim=1)  # [N, t] -> [N, t+1]
-        x = model.decode(prefix, state.memory, state.src_mask)  # [N, t+1, D]
-        return F.log_softmax(model.logits(x[:, -1]).float(), dim=-1), Prefix(state.memory, state.src_mask, prefix)
-
-    def start(memory: Any, src_mask: Any) -> Prefix:
-        return Prefix(memory, src_mask, torch.zeros(memory.size(0), 0, dtype=torch.long, device=device))
-
-    model.eval()
-    with torch.inference_mode(), decoding_context(device, precision):
-        return mdecode.search_batches(model, batch, rules, max_tokens=max_tokens, device=device, step=step,
-                                      start=start)
 
 
 def read_text(path: Path, n: int) -> list[str]:
@@ -228,7 +197,7 @@ def main() -> None:
     def decode(key: tuple[str, str], batch: list[list[int]], max_tokens: int) -> list[list[int]]:
         (kind, trick), p = rows[key[0]], key[1]
         if kind is None:
-            hyps = naive(model, batch, rules, max_tokens, p, torch.device(args.device))
+            hyps = search_uncached(model, batch, rules, max_tokens, p, torch.device(args.device))
         else:
             engine = engines[kind, p]
             engine.max_tokens = max_tokens

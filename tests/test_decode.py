@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_steps_match_forward
-from oracles import translate_uncached
+from testkit.oracles import translate_uncached
 
 from mtpipe.engine import packed as packing
 from mtpipe.model import ops

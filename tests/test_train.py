@@ -119,7 +119,7 @@ def test_blockwise_loss_equals_autograd_of_the_formula(eps: float, bias: bool, p
     mtpipe.model.ops' oneDNN route, whatever their size). Without gradients it gives the same values."""
     import mtpipe.model.ops as mk
     import mtpipe.training.loss as ml
-    from oracles import reference_label_smoothed_nll
+    from testkit.oracles import reference_label_smoothed_nll
 
     products = []
     if precision == "fp32 onednn":

@@ -38,7 +38,7 @@ The search (:func:`beam_search`), per sentence:
 
 The search works on any ``step(tokens [N], state) -> (log_probs [N, V], state)`` whose state has
 ``select(index, beams)`` (:class:`mtpipe.model.transformer.DecoderState`, or the tests' own: the uncached
-reference step of ``tests/oracles.py``).
+reference step of ``testkit/oracles.py``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ the smoothing term, immaterial at V = 37000 but a different number, so it is nam
 
 :func:`projected_label_smoothed_nll` is what training runs: the logits ``h W^T + b`` of the decoder states are made,
 turned into the loss and its gradient, and dropped, one block of rows at a time. The tests hold it to the textbook
-formula on whole logits, differentiated by autograd (``tests/oracles.py``).
+formula on whole logits, differentiated by autograd (``testkit/oracles.py``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Reference implementations the tests check the product against: slow, plain, obviously right, and not part of
-mtpipe itself."""
+"""Reference implementations the tests check the product against (and bench/decode_speed.py's naive row): slow,
+plain, obviously right, and not part of mtpipe itself."""
 
 from __future__ import annotations
 
@@ -47,18 +47,26 @@ def translate_uncached(model: Any, sources: Sequence[Sequence[int]], cfg: Any,
     """``mtpipe.engine.translate.translate`` with :func:`uncached_step`: the same batches and search, the whole
     prefix re-decoded at every step by the float32 model (under bf16 autocast for precision bf16)."""
     from mtpipe.engine.search import DecodeRules
+
+    return search_uncached(model, sources, DecodeRules.from_config(cfg), cfg.max_tokens, cfg.precision,
+                           torch.device(device))
+
+
+def search_uncached(model: Any, sources: Sequence[Sequence[int]], rules: Any, max_tokens: int, precision: str,
+                    device: torch.device) -> list[list[Any]]:
+    """:func:`translate_uncached` under ``rules`` (:class:`~mtpipe.engine.search.DecodeRules`); also the naive row
+    of ``bench/decode_speed.py``."""
     from mtpipe.engine.translate import search_batches
     from mtpipe.engine.variants import decoding_context
 
-    device = torch.device(device)
     model.eval()
 
     def start(memory: Tensor, src_mask: Tensor) -> PrefixState:
         return PrefixState(memory, src_mask, torch.zeros(memory.size(0), 0, dtype=torch.long, device=device))
 
-    with torch.inference_mode(), decoding_context(device, cfg.precision):
-        return search_batches(model, sources, DecodeRules.from_config(cfg), max_tokens=cfg.max_tokens,
-                              device=device, step=uncached_step(model), start=start)
+    with torch.inference_mode(), decoding_context(device, precision):
+        return search_batches(model, sources, rules, max_tokens=max_tokens, device=device,
+                              step=uncached_step(model), start=start)
 
 
 def reference_label_smoothed_nll(logits: Tensor, target: Tensor, eps: float) -> tuple[Tensor, Tensor]:
