@@ -13,7 +13,8 @@ en-de, a joint BPE vocabulary of ~37,000 pieces, ~25,000 source and target token
   x a log-normal ratio), Zipf-distributed ids over 37,000 pieces, packed by the bucket stage's own ``pack`` (its cap
   raised until the batches average ``--tokens`` real target tokens: 3,200, and 10,000), visited in ``epoch_order``.
 * ``train``: base and big in bf16, eager and ``train.compile``, through ``mtpipe train``'s own update
-  (``Trainer._update`` and ``_account`` on a trainer holding what they read: the model, the
+  (``Trainer._begin``, ``_end``, ``_read``, ``_account``, pipelined as ``train_loop`` runs them, on a trainer
+  holding what they read: the model, the
   :class:`~mtpipe.training.update.Updater` with its loss, fused Adam, schedule and autocast; batches collated and
   copied as training does). Per shape: steady target tokens/s, ms an update (after warm-up updates, where a compiled
   model compiles), peak memory, MFU against the dense bf16 peak (:data:`PEAK_BF16_TFLOPS`), and over a few updates
@@ -75,7 +76,8 @@ from mtpipe.engine.translate import MtpipeEngine  # noqa: E402
 from mtpipe.model.transformer import Transformer  # noqa: E402
 from mtpipe.stages.bucket import length_order, pack  # noqa: E402
 from mtpipe.training import checkpoints, distributed, resume  # noqa: E402
-from mtpipe.training.batches import BatchTable, TokenSplit, TrainData, epoch_order  # noqa: E402
+from mtpipe.training.batches import BatchTable, TokenSplit, TrainData  # noqa: E402
+from mtpipe.training.plan import UpdatePlan  # noqa: E402
 from mtpipe.training.metrics import Throughput  # noqa: E402
 from mtpipe.training.state import TrainState, rng_state, seed_for_rank, trainer_state  # noqa: E402
 from mtpipe.training.trainer import Trainer  # noqa: E402
@@ -210,7 +212,7 @@ def model_config(scale: Scale, name: str) -> ModelConfig:
 
 def trainer(model_cfg: ModelConfig, cfg: TrainConfig, data: TrainData, device: torch.device,
             state_dict: dict[str, Any] | None = None) -> Trainer:
-    """A :class:`Trainer` holding what its update (``_update``, ``_forward_backward``, ``_account``) reads, built in
+    """A :class:`Trainer` holding what its update (``_begin``, ``_end``, ``_read``, ``_account``) reads, built in
     ``Trainer.__init__``'s order: the device set up, the model as ``_build_model`` makes it (one seed, then the
     rank's dropout stream), its weights (``state_dict``: a checkpoint's), then the :class:`Updater`."""
     t = Trainer.__new__(Trainer)
@@ -224,7 +226,9 @@ def trainer(model_cfg: ModelConfig, cfg: TrainConfig, data: TrainData, device: t
         t.model.load_state_dict(state_dict)
     t.state, t.last_lr = TrainState(), 0.0
     t.updater = Updater(t.model, cfg, device, cfg.precision)
-    t.throughput, t.budget = Throughput(time.monotonic()), types.SimpleNamespace(seconds=lambda: 0.0)
+    t.throughput, t.rank0_seconds = Throughput(time.monotonic()), 0.0
+    t.budget = types.SimpleNamespace(seconds=lambda: 0.0, rank0_clock=lambda: (False, False, 0.0),
+                                     progress=lambda seconds: 0.0)
     return t
 
 
@@ -232,19 +236,30 @@ def train_cfg(precision: str, compile: bool, device: torch.device) -> TrainConfi
     return TrainConfig(precision=precision, compile=compile, device=device.type, seed=1, save_every_minutes=0)
 
 
-def updates(t: Trainer, n: int, clock: Clock | None = None) -> list[int]:
-    """``n`` updates of ``mtpipe train`` (``Trainer._update``, then ``_account``: the state advanced through the
-    epoch's batch order); returns the batch of each (stops early when ``clock`` runs out)."""
-    done = []
-    order = t.__dict__.get("bench_order")  # the epoch's order, kept as train_loop keeps it
-    if order is None:
-        order = epoch_order(len(t.data.train), t.cfg.seed, t.state.epoch)
+def updates(t: Trainer, n: int, clock: Clock | None = None, mark: str | None = None) -> list[int]:
+    """``n`` updates as ``Trainer.train_loop`` makes them: update j + 1 begun (``_begin``: forward and backward
+    queued, its batches from an :class:`UpdatePlan` made ahead on a thread on a GPU) before update j is read and
+    booked (``_read``, ``_account``), then ended (``_end``: all-reduce, optimizer step, results copied towards the
+    host); the last one read at the end, so the state is settled between calls. ``mark``: each update inside a
+    ``torch.profiler`` range of that name. Returns the batches of each (stops early when ``clock`` runs out)."""
+    cuda = t.device.type == "cuda"
+    if "bench_plan" not in t.__dict__:
+        st = t.state
+        t.bench_plan = UpdatePlan(t.data, t.cfg.seed, st.epoch, st.position, 0, 1, t.model.start_id,
+                                  prefetch=t.cfg.prefetch if cuda else 0, pin=cuda)
+    done, pending = [], None
     for _ in range(n):
         if clock is not None and clock.left() <= 0:
             break
-        done.append(int(order[t.state.position]))
-        order = t._account(t._update(order, False, False, 0.0), order)
-    t.bench_order = order
+        with record_function(mark) if mark else contextlib.nullcontext():
+            planned = next(t.bench_plan)
+            done += [b for b, _ in planned.batches]
+            sums = t._begin(planned, ahead=pending is not None)
+            if pending is not None:
+                t._account(t._read(pending))
+            pending = t._end(planned, sums)
+    if pending is not None:
+        t._account(t._read(pending))
     return done
 
 
@@ -268,9 +283,7 @@ def profile(t: Trainer, n: int) -> dict[str, Any]:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if t.device.type == "cuda" else [])
     sync(t.device)
     with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(n):
-            with record_function(UPDATE_MARK):
-                updates(t, 1)
+        updates(t, n, mark=UPDATE_MARK)  # the read of the last update falls after the marks, as it would in a run
         sync(t.device)
     return profile_figures(prof.profiler.kineto_results.events(), n)
 
@@ -350,7 +363,10 @@ def train_model(name: str, compiled: bool, scale: Scale, splits: dict[int, Token
         if not held:
             held.append(trainer(model_config(scale, name), train_cfg("bf16", compiled, device), data, device))
         else:
-            held[0].data, held[0].state, held[0].bench_order = data, TrainState(), None
+            old = held[0].__dict__.pop("bench_plan", None)  # the walk of the other batches: a new one below
+            if old is not None:
+                old.close()
+            held[0].data, held[0].state = data, TrainState()
         return measure(held[0], scale, clock, peak, scale.compile_warmup if compiled else scale.warmup)
 
     out = {}

@@ -9,9 +9,9 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from mtpipe.artifacts import PAD_ID
 from mtpipe.config import TrainConfig
 from mtpipe.engine import runtime
+from mtpipe.training.plan import TrainBatch, loss_positions
 from mtpipe.training.update import Updater, learning_rate
 
 
@@ -27,10 +27,11 @@ def make_train_step(model: nn.Module, cfg: TrainConfig) -> Callable[[Tensor, Ten
     count = [0]
 
     def step(src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> float:
-        ntok = int((tgt_out != PAD_ID).sum())
-        sums = updater.backward(src, tgt_in, tgt_out, scale=1.0 / ntok, sync=True)
+        pos, gold = loss_positions(tgt_out.cpu())  # the loss's real target positions, found on the host
+        ntok = len(pos)
+        sums = updater.backward(TrainBatch(src, tgt_in, pos, gold).to(device), scale=1.0 / ntok, sync=True)
         count[0] += 1
-        updater.finish(learning_rate(count[0], d_model, cfg.warmup, cfg.lr_scale), skip=False)
+        updater.finish(learning_rate(count[0], d_model, cfg.warmup, cfg.lr_scale), sums[0])
         return float(sums[0]) / ntok
 
     return step

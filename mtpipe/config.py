@@ -19,17 +19,15 @@ from mtpipe.errors import MtpipeError
 
 def _h(text: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
        lt: float | None = None, choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
-    """A dataclass field with a help string (shown by ``mtpipe <stage> --help``) and the rules its value must
-    follow, checked whenever a section is built (:class:`Section`): a finite number ``>= ge``, ``> gt``, ``<= le``,
-    ``< lt``; one of ``choices``. ``None`` (for optional fields) passes every rule. Rules that span several keys of
-    one section are its :meth:`Section.check`; rules across sections are :func:`check_sections`."""
+    """A dataclass field with a help string (``mtpipe <stage> --help``) and the rules its value must follow when a
+    section is built (:class:`Section`): a finite number ``>= ge``, ``> gt``, ``<= le``, ``< lt``; one of
+    ``choices``. ``None`` (for optional fields) passes every rule."""
     rules = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices}
     return field(metadata={"help": text, **{k: v for k, v in rules.items() if v is not None}}, **kw)
 
 
 class Section:
-    """Base of every params section: the fields' rules, then the section's rules that span several of its keys
-    (:meth:`check`), hold however a section is built (params.yaml, flags, or directly in code)."""
+    """Base of every params section: the fields' rules, then :meth:`check`'s, hold however a section is built."""
 
     SECTION: typing.ClassVar[str]
 
@@ -39,7 +37,7 @@ class Section:
         self.check()
 
     def check(self) -> None:
-        """The rules that span several keys of this section (an :class:`MtpipeError` naming them); none here."""
+        """The rules across this section's keys (an :class:`MtpipeError` naming them); none here."""
 
 
 @dataclass(frozen=True)
@@ -250,7 +248,10 @@ class TrainConfig(Section):
     label_smoothing: float = _h("epsilon_ls (paper section 5.4).", default=0.1, ge=0, lt=1)
     precision: str = _h("fp32, bf16 (autocast, GPU and CPU), fp16 (GPU, grad scaler) or auto.", default="auto",
                         choices=("auto", "fp32", "bf16", "fp16"))
-    compile: bool = _h("torch.compile the model.", default=False)
+    compile: bool = _h("torch.compile the model's forward (the first updates pay its compilation).", default=False)
+    grad_allreduce: str = _h("DDP's gradient all-reduce in fp32 (exact) or bf16 (half the bytes: DDP's bf16 "
+                             "compression hook).", default="fp32", choices=("fp32", "bf16"))
+    prefetch: int = _h("Updates whose batches a thread collates and pins ahead, on GPUs (0: in line).", default=2, ge=0)
     threads: int = _h("CPU threads per process (0 = torch's default in one process; with train.nproc > 1 the CPUs "
                       "shared among the processes, unless OMP_NUM_THREADS is set).", default=0, ge=0)
     save_every_minutes: float = _h("Checkpoint every this many minutes (paper: 10). 0 = off.", default=10.0, ge=0)

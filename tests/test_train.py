@@ -442,6 +442,23 @@ def test_batches_of_another_bpe_artifact_are_refused(data: tuple[Path, Path], tm
         train_model(mcfg(), tcfg(), other_tokens, data[1], tmp_path / "out")
 
 
+def test_resume_warns_of_changed_batches_only_when_they_changed(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    """A bucket re-run that only adds train.arrow (an artifact of an older mtpipe, rebuilt) is the same batches: no
+    warning; batches packed otherwise are named."""
+    from mtpipe.training.train import train_model
+
+    old = make_artifacts(tmp_path / "old", arrow=False)
+    train_model(mcfg(), tcfg(max_steps=4), *old, tmp_path / "run")
+    capsys.readouterr()
+    same = make_artifacts(tmp_path / "same", arrow=True)
+    assert train_model(mcfg(), tcfg(max_steps=6), *same, tmp_path / "run")["resumed_from"]
+    assert "batches changed" not in capsys.readouterr().err
+    other = make_artifacts(tmp_path / "other", max_tokens=40)
+    assert train_model(mcfg(), tcfg(max_steps=8), *other, tmp_path / "run")["resumed_from"]
+    assert "the batches changed since step_00000006" in " ".join(capsys.readouterr().err.split())
+
+
 def test_bf16_autocast_and_epoch_stop(data: tuple[Path, Path], tmp_path: Path) -> None:
     """bf16 autocast trains (weights stay float32); max_epochs stops at an epoch boundary."""
     from mtpipe.training.train import train_model
@@ -732,6 +749,24 @@ def test_world_size_2_equals_world_size_1_with_twice_the_accumulation(data: tupl
     torch.manual_seed(TrainConfig(**train).seed)  # the trainer seeds the initialisation with train.seed
     init = Transformer(mcfg(dropout=0.0), VOCAB).state_dict()
     assert max((w1[k] - init[k]).abs().max().item() for k in w1) > 1e-2
+
+
+@pytest.mark.slow
+@needs_proc
+def test_bf16_gradient_allreduce_trains_alike_in_half_the_bytes(data: tuple[Path, Path], tmp_path: Path) -> None:
+    """train.grad_allreduce=bf16 at world size 2: DDP's bf16 hook is what sums the gradients (the weights are not the
+    fp32 run's), and the run follows the fp32 one closely (the effect on quality, at this scale)."""
+    from mtpipe.training.train import train_model
+
+    train = {**RESUME_TRAIN, "max_steps": 8, "save_every_steps": 0, "valid_every_steps": 0}
+    params = write_params(tmp_path / "params.yaml", {**TINY, "dropout": 0.0},
+                          {**train, "nproc": 2, "grad_allreduce": "bf16"})
+    _run(_command(params, data, tmp_path / "bf16", launcher=True), tmp_path / "bf16.log")
+    train_model(mcfg(dropout=0.0), TrainConfig(**train), *data, tmp_path / "fp32")
+    w32, w16 = (weights(tmp_path / run / "checkpoints" / "step_00000008") for run in ("fp32", "bf16"))
+    assert max((w32[k] - w16[k]).abs().max().item() for k in w32) > 1e-5  # not the fp32 sums
+    for (_, a), (_, b) in zip(tsv(tmp_path / "fp32", "train/loss"), tsv(tmp_path / "bf16", "train/loss")):
+        assert float(b) == pytest.approx(float(a), rel=2e-2)
 
 
 @pytest.mark.slow

@@ -290,6 +290,58 @@ def render_train_data(directory: Path = RESULTS) -> str:
             + _table(["one node", "data memory, all processes (MB)", "x one copy"], node) + "\n" + describe(doc))
 
 
+def _stage_cell(r: Any, seconds: str = "seconds", note: str = "") -> str:
+    """"seconds s, peak RSS / PSS MB" of one measured stage (a dash where it was not measured)."""
+    if not isinstance(r, dict) or r.get(seconds) is None:
+        return "–"
+    anon = f" ({_num(r['peak_anon_pss_mb'], 0)})" if r.get("peak_anon_pss_mb") is not None else ""
+    return (f"{_num(r[seconds], 0)} s, {_num(r.get('peak_rss_mb'), 0)} / {_num(r.get('peak_pss_mb'), 0)}{anon} MB"
+            + (f" ({note})" if note else ""))
+
+
+def _wmt_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
+    """(row, cell) of one wmt_data results file."""
+    st = f.get("stages", {})
+    fetch, bpe, loader, restart = st.get("fetch", {}), st.get("bpe", {}), st.get("loader", {}), st.get("restart", {})
+    first, node, gen = loader.get("first_batch", {}), loader.get("node", {}), st.get("gen", {})
+    training, alone = (bpe.get("training"), "") if bpe.get("training") else (st.get("spm"), ", alone")
+    sentences = f"{_num((training or {}).get('sentences'), 0)} sentences{alone}"
+    synthetic = "synthetic tokens" if st.get("tokens") else ""
+    return [
+        ("generating the corpus (gzip files; not a stage)", _num(gen["local"]["seconds"], 0) + " s"
+         if gen.get("local") else "–"),
+        ("fetch, from gzip text files", _stage_cell(fetch.get("local"))),
+        ("fetch, from a saved `datasets` directory", _stage_cell(fetch.get("datasets"))),
+        ("bpe: SentencePiece training", _stage_cell(training, note=sentences)),
+        ("bpe: encoding every split", _stage_cell(bpe.get("encoding")) if not synthetic else "not measured"),
+        ("bpe, the whole stage", _stage_cell(bpe)),
+        ("bucket", _stage_cell(st.get("bucket"), note=synthetic)),
+        ("loader: rank 0's first batch, fresh start / restart, cold cache",
+         " / ".join(_num(first.get(k, {}).get("first_batch_s")) + " s" for k in ("fresh_cold", "restart_cold"))
+         if first else "–"),
+        (f"loader: {f.get('workers', '?')} ranks of a node, train data PSS (x one copy)",
+         f"{_num(node.get('data_pss_mb'), 0)} MB ({_num(node.get('data_pss_over_one_copy'))}x)" if node else "–"),
+        ("first update after a restart: process start to the update logged",
+         _num(restart["restart"].get("to_update_logged_s"), 1) + " s" if restart.get("restart") else "–"),
+    ]
+
+
+def render_wmt_data(directory: Path = RESULTS) -> str:
+    """Per corpus size (the newest file of each; sizes under 1M only when nothing larger was measured) every data
+    stage's seconds and peak memory."""
+    sizes: dict[int, dict[str, Any]] = {}
+    for doc in results("wmt_data", directory):
+        sizes[doc["figures"]["pairs"]] = doc
+    if not sizes:
+        return NOT_MEASURED.format(command="python bench/wmt_data.py --pairs 4500000")
+    big = {n: d for n, d in sizes.items() if n >= 1_000_000} or sizes
+    docs = [big[n] for n in sorted(big)]
+    columns = [_wmt_rows(d["figures"]) for d in docs]
+    body = [[name, *(col[i][1] for col in columns)] for i, (name, _) in enumerate(columns[0])]
+    header = ["stage: seconds, peak RSS / PSS (anonymous PSS) of its processes", *(f"{d['figures']['pairs']:,} pairs" for d in docs)]
+    return _table(header, body) + "\n" + "".join(describe(d) for d in docs)
+
+
 def render_faults(directory: Path = RESULTS) -> str:
     doc = _newest("faults", directory)
     if doc is None:
@@ -332,6 +384,40 @@ def render_checkouts(directory: Path = RESULTS) -> str:
                    + f"{', CPU restricted to AVX2' if f.get('isa') == 'avx2' else ''}:\n\n"
                    + _table(["measure", "speed after / before (min / median / max)"], body) + "\n" + describe(doc))
     return "\n".join(out)
+
+
+def render_gpu_paper(directory: Path = RESULTS) -> str:
+    """performance.md: the newest bench/gpu_paper.py run on a GPU (a --tiny CPU run checks the script only)."""
+    doc = _newest("gpu_paper", directory, lambda d: d["figures"].get("versions", {}).get("device") == "cuda")
+    if doc is None:
+        return ("Not measured on a GPU yet: `bash bench/gpu_check.sh` (which runs `python bench/gpu_paper.py`) on a "
+                "GPU machine writes the results file.\n")
+    f, rows = doc["figures"], []
+    for mode in ("eager", "compiled"):
+        for model, shapes in f.get(f"train_{mode}", {}).items():
+            for tokens, r in shapes.items():
+                if "ms_per_update" not in r:
+                    rows.append([mode, model, tokens, *(["–"] * 6), r.get("skipped") or r.get("error", "")])
+                    continue
+                prof = r.get("profile", {})
+                rows.append([mode, model, f"{r['tgt_tokens_per_update']:,}", f"{r['tgt_tokens_per_s']:,}",
+                             _num(r["ms_per_update"], 1), _num(r.get("mfu"), 3), _num(prof.get("busy_of_profiled_window"), 3),
+                             _num(prof.get("syncs_per_update"), 1), _num(r.get("peak_memory"), 1),
+                             f"warm-up {_num(r.get('warmup_s'), 1)} s"])
+    out = _table(["step", "model", "target tokens / update", "target tokens/s", "ms / update", "MFU", "GPU busy",
+                  "syncs / update", "peak GiB", "note"], rows)
+    dec = [[p, _num(r.get("sentences_per_s"), 1), _num(r.get("peak_memory"), 1), r.get("max_len", "")]
+           for p, r in f.get("decode", {}).items() if isinstance(r, dict) and "sentences_per_s" in r]
+    if dec:
+        out += "\nBeam-4 decoding of 3,003 WMT-length sources (random weights):\n\n" + _table(
+            ["precision", "sentences/s", "peak GiB", "max length"], dec)
+    res = f.get("resume", {})
+    ck = f.get("checkpoint", {})
+    out += ("\nCheckpoints: " + ", ".join(f"{m} {_num(r.get('mib'), 0)} MiB written in {_num(r.get('write_s'), 1)} s"
+                                          for m, r in ck.items() if "mib" in r) +
+            "; bitwise resume of base: " + ", ".join(f"{p} {r.get('bitwise_equal')}" for p, r in res.items()
+                                                    if "bitwise_equal" in r) + ".\n")
+    return out + "\n" + describe(doc)
 
 
 def render_quality(directory: Path = RESULTS) -> str:
@@ -385,7 +471,9 @@ RENDERERS: dict[str, Callable[..., str]] = {
     "quickstart": render_quickstart, "anchors-train": _anchors("train"), "anchors-decode": _anchors("decode"),
     "anchors-data": _anchors("data"), "anchors-quality": render_quality, "decode_speed": render_decode_speed,
     "train_throughput": render_train_throughput, "serve": render_serve, "train_data": render_train_data,
+    "wmt_data": render_wmt_data,
     "faults": render_faults, "equivalence": render_equivalence, "checkouts": render_checkouts,
+    "gpu_paper": render_gpu_paper,
 }
 
 

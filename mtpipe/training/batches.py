@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,13 +281,6 @@ def collate(split: TokenSplit | MappedSplit, rows: np.ndarray, start: int = BOS_
     return torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out)
 
 
-def to_device(device: torch.device, tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    """A collated batch on ``device``; to CUDA through pinned memory, so the copy does not block the host."""
-    if device.type == "cuda":
-        return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
-    return tensors
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # A training run's data
 # --------------------------------------------------------------------------------------------------------------------
@@ -307,6 +301,9 @@ class TrainData:
     accum: int
     per_update: int
     usable: int
+    # What the train batches are: train.parquet's hash and the artifacts they were made from (so a bucket re-run that
+    # only adds train.arrow leaves it alone); a checkpoint records it, and a resume compares it (train_batches_id).
+    batches_id: str = ""
 
     def drop_long_valid(self, max_positions: int, where: Path) -> None:
         """The bucket stage never drops valid pairs, so an over-long one sits alone in its batch: leave such batches
@@ -368,4 +365,11 @@ def load_train_data(tokens: Path, batches: Path, tokens_per_update: int, world_s
     else:
         warn(f"{batches}: no valid split: validation is skipped")
     return TrainData(vocab=vocab, max_tokens=max_tokens, train_tokens=train_tokens, train=train,
-                     valid_tokens=valid_tokens, valid=valid, accum=accum, per_update=per_update, usable=usable)
+                     valid_tokens=valid_tokens, valid=valid, accum=accum, per_update=per_update, usable=usable,
+                     batches_id=train_batches_id(bm))
+
+
+def train_batches_id(bm: artifacts.Manifest) -> str:
+    """The identity of a bucket artifact's train batches (:attr:`TrainData.batches_id`)."""
+    what = [bm.files.get("train.parquet", ""), *sorted(bm.upstream.values())]
+    return hashlib.sha256("\n".join(what).encode()).hexdigest()

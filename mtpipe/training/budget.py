@@ -57,14 +57,13 @@ class Budget:
         return min(1.0, max(parts))
 
     def rank0_clock(self) -> tuple[bool, bool, float]:
-        """``(save_due, time_up, progress)`` by rank 0's clock (others say False, False, 0): the update's all-reduce
-        hands rank 0's decision to every rank, so that ranks whose clocks differ still save, stop and set the
-        learning rate alike at the same update."""
+        """``(save_due, time_up, seconds)`` by rank 0's clock (others say False, False, 0): the update's all-reduce
+        hands rank 0's decision and training seconds to every rank, so that ranks whose clocks differ still save,
+        stop and set the learning rate (:meth:`progress` of those seconds) alike at the same update."""
         if self.rank != 0:
             return False, False, 0.0
         now, cfg = time.monotonic(), self.cfg
         seconds = self.seconds_before + now - self.loop_start
-        progress = self.progress(seconds)  # before this update: its learning rate's
         save_due = cfg.save_every_minutes > 0 and now - self.last_save_time >= 60 * cfg.save_every_minutes
         if cfg.save_every_progress > 0:
             # A checkpoint once this update takes progress across a multiple of save_every_progress (counting the
@@ -73,7 +72,7 @@ class Budget:
             save_due = save_due or math.floor(after / every + 1e-9) > math.floor(self.last_progress / every + 1e-9)
             self.last_progress = after
         time_up = cfg.max_time > 0 and seconds >= 60 * cfg.max_time
-        return save_due, time_up, progress
+        return save_due, time_up, seconds
 
     def bar_fields(self, start_step: int) -> dict[str, float | None]:
         """The progress bar's time left and fill. Time left (:func:`mtpipe.training.metrics.remaining_seconds`): the

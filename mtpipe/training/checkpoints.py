@@ -161,15 +161,17 @@ class Checkpointer:
     device: torch.device
     decode: dict[str, Any]  # the decode settings each checkpoint records (RECORDED_DECODE)
     spm: tuple[Path | None, Path | None]
+    batches_id: str = ""  # TrainData.batches_id: what a resume compares to tell whether the batches changed
 
     def save(self, state: TrainState, optimizer: torch.optim.Optimizer, scaler: Any, vocab: dict[str, Any],
-             accum: int) -> None:
-        """Checkpoint at the current step (a collective: every rank contributes its RNG state; rank 0 writes)."""
-        rngs = distributed.all_gather_object(rng_state(self.device))
+             accum: int, rng: dict[str, Any] | None = None) -> None:
+        """Checkpoint at the current step (a collective: every rank contributes its RNG state, ``rng`` or else the
+        current one; rank 0 writes)."""
+        rngs = distributed.all_gather_object(rng if rng is not None else rng_state(self.device))
         if distributed.is_rank0():
             ts = trainer_state(state, optimizer, scaler, rngs, self.world, accum, self.cfg.seed)
             write(self.out, self.model, self.model_config, vocab, ts, self.cfg,
                   upstream={"tokens": self.tokens, "batches": self.batches},
                   extra={"epoch": state.epoch, "world_size": self.world, "precision": self.precision,
-                         "valid": valid_at_step(state), "decode": self.decode},
+                         "valid": valid_at_step(state), "decode": self.decode, "train_batches": self.batches_id},
                   spm=self.spm, seconds=state.train_seconds)

@@ -188,3 +188,13 @@ def find_resume(out: Path, cfg: TrainConfig, model_config: dict[str, Any], vocab
              + ": training continues from its step with the new values, which is not the run a fresh start "
              f"would give; for that, train into another --out or move {ck.path.parent} aside")
     return ck
+
+
+def batches_changed(ck: artifacts.Checkpoint, batches_id: str, batches: Path) -> bool:
+    """Whether the train batches differ from those ``ck`` was trained on: by their identity
+    (:attr:`mtpipe.training.batches.TrainData.batches_id`) where the checkpoint records it, else (a checkpoint of
+    an older mtpipe) by the bucket artifact's manifest."""
+    recorded = ck.manifest.extra.get("train_batches")
+    if recorded:
+        return recorded != batches_id
+    return ck.manifest.upstream.get("batches") not in (None, artifacts.manifest_hash(batches))

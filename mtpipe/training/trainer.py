@@ -8,13 +8,11 @@ run where its last checkpoint left it.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -24,12 +22,14 @@ from mtpipe.console import console, info, progress, warn
 from mtpipe.engine import runtime
 from mtpipe.errors import MtpipeError
 from mtpipe.training import distributed, metrics, resume
-from mtpipe.training.batches import collate, epoch_order, load_train_data, rank_batches, to_device
+from mtpipe.training.batches import load_train_data
 from mtpipe.training.budget import Budget
 from mtpipe.training.checkpoints import Checkpointer, spm_files
 from mtpipe.training.metrics import Metrics, TextLog, Throughput, Window
-from mtpipe.training.state import TrainState, seed_for_rank
-from mtpipe.training.update import Updater, drophead_on, drophead_rate, is_oom, learning_rate, linear_learning_rate
+from mtpipe.training.plan import Planned, TrainBatch, UpdatePlan
+from mtpipe.training.state import TrainState, rng_state, seed_for_rank, set_rng_state
+from mtpipe.training.update import (STATUS, Updater, drophead_on, drophead_rate, is_oom, learning_rate,
+                                   linear_learning_rate)
 from mtpipe.training.validation import Validator, book
 
 # Updates between glibc heap trims on CPU (runtime.trim_cpu_memory): often enough that resident memory stays flat
@@ -57,6 +57,17 @@ class UpdateResult:
         return self.status == "ok"
 
 
+@dataclass
+class InFlight:
+    """An ended update whose results the host has not read yet (:meth:`Trainer._settle` reads them)."""
+
+    results: Tensor  # float64 [7]: loss, nll, save_due, time_up, rank 0's seconds, grad_norm, status (pinned on CUDA)
+    ready: Any  # a torch.cuda.Event recorded after the copy to the host (None on CPU)
+    tgt_tokens: int
+    src_tokens: int
+    rng: dict[str, Any]  # the RNG state as the update left it: what a checkpoint after it records
+
+
 class Trainer:
     """The training run of one process (rank) of a launch: each update reads update -> log -> maybe validate ->
     maybe save (:meth:`train_loop`)."""
@@ -77,6 +88,7 @@ class Trainer:
         self.resumed_from: Path | None = None
         self.last_saved_step = -1
         self.last_lr = 0.0  # the rate of the last applied update (logged as train/lr)
+        self.rank0_seconds = 0.0  # rank 0's training seconds as of the last settled update (the schedule's clock)
         self.last_train: dict[str, float] = {}  # the last logged train/* values, for the summary
         self.metrics = Metrics()
         self.text_log = TextLog()
@@ -85,7 +97,7 @@ class Trainer:
                                    self.rank, self.world)
         self.throughput = Throughput(time.monotonic())
         self.checkpointer = Checkpointer(self.out, self.model, self.model_config, cfg, self.tokens, self.batches,
-                                         self.world, self.precision, self.device, dict(decode or {}), spm)
+                                         self.world, self.precision, self.device, dict(decode or {}), spm, batches_id=self.data.batches_id)
         # The model keys the params set, as given (before the preset fills the rest and d_k/d_v are derived): a
         # resume refused for another model names the key the user changed, not one derived from it.
         given = {k: v for k, v in to_dict(model_cfg).items() if v is not None}
@@ -128,7 +140,7 @@ class Trainer:
         self.data = self.validator.data = resume.same_global_batch(ck, self.data, self.world, cfg.tokens_per_update)
         st = self.state = resume.restore(ck, u.optimizer, u.scaler, accum=self.data.accum, seed=self.cfg.seed,
                                          device=self.device)
-        if ck.manifest.upstream.get("batches") not in (None, artifacts.manifest_hash(self.batches)):
+        if resume.batches_changed(ck, self.data.batches_id, self.batches):
             warn(f"{self.batches}: the batches changed since {ck.path.name} was written: continuing at the same "
                  "epoch and position of the new batch order (not an exact resume)")
         if st.position + self.data.per_update > self.data.usable:  # another world size can end the epoch earlier
@@ -136,64 +148,110 @@ class Trainer:
         self.resumed_from = ck.path
         self.last_saved_step = st.step  # the checkpoint itself: no need to write it again
 
-    def save(self) -> None:
-        """Checkpoint at the current step (a collective: every rank contributes its RNG state; rank 0 writes)."""
+    def save(self, rng: dict[str, Any] | None = None) -> None:
+        """Checkpoint at the current step (a collective: every rank contributes its RNG state, ``rng`` or the
+        current one; rank 0 writes)."""
         u = self.updater
-        self.checkpointer.save(self.state, u.optimizer, u.scaler, self.data.vocab, self.data.accum)
+        self.checkpointer.save(self.state, u.optimizer, u.scaler, self.data.vocab, self.data.accum, rng=rng)
         self.last_saved_step = self.state.step
         self.best_due = False
 
-    # -- one update ----------------------------------------------------------------------------------------------
+    # -- one update, in two halves -------------------------------------------------------------------------------
+    # An update is begun (its forward and backward queued: _begin), ended (the all-reduce of its loss and of rank 0's
+    # clock, the optimizer step, its results copied towards the host: _end) and settled (the results read and
+    # booked, then logging, validation, checkpoints: _settle). train_loop settles update j after it has begun
+    # update j + 1, so that the host reads a result the device finished while the device already has the next
+    # update's work: no update waits for the host.
 
-    def _update(self, order: np.ndarray, save_due: bool, time_up: bool, progress: float) -> UpdateResult:
-        """One update: this rank's micro-batches, the all-reduced loss and control flags, and the optimizer step."""
-        st, d = self.state, self.data
-        group = order[st.position : st.position + d.per_update]
-        ntok, nsrc = int(d.train.tgt_tokens[group].sum()), int(d.train.src_tokens[group].sum())
-        if drophead_on(self.cfg):
-            self.model.set_drophead(self._drophead(st.step + 1))
+    def _begin(self, planned: Planned, ahead: bool) -> Tensor:
+        """Forward and backward of this rank's micro-batches of ``planned``; DDP all-reduces the gradient with the
+        last one. ``ahead``: the update before it is not settled yet. Returns this rank's float32
+        ``[loss_sum, nll_sum]`` on the device."""
+        if drophead_on(self.cfg):  # the step this update will be if the unsettled one is applied
+            self.model.set_drophead(self._drophead(self.state.step + 1 + int(ahead)))
         # DDP averages gradients over ranks: scale each rank's sum by world/ntok for the global per-token gradient.
-        sums = self._forward_backward(order, scale=self.world / ntok)  # [2]: this rank's loss and nll sums
-        flags = torch.tensor([float(save_due), float(time_up), progress], dtype=torch.float64, device=self.device)
-        # One all-reduce for the loss and rank 0's flags and budget progress (the others send zeros):
-        # [loss, nll, save_due, time_up, progress], summed over ranks.
-        loss, nll, save_n, time_n, progress = distributed.all_reduce_sum(torch.cat([sums.double(), flags])).tolist()
-        lr = self.learning_rate(st.step + 1, progress)
-        self.last_lr = lr
-        norm, status = self.updater.finish(lr, skip=not math.isfinite(loss))
-        return UpdateResult(loss=loss, nll=nll, grad_norm=norm, status=status, tgt_tokens=ntok, src_tokens=nsrc,
-                            save_due=save_n > 0, time_up=time_n > 0)
-
-    def _forward_backward(self, order: np.ndarray, scale: float) -> Tensor:
-        """Forward and backward of this rank's micro-batches of the update; DDP all-reduces the gradient with the
-        last one. Returns the float32 ``[loss_sum, nll_sum]`` of this rank."""
-        d = self.data
+        scale = self.world / planned.tgt_tokens
         sums = torch.zeros(2, dtype=torch.float32, device=self.device)
-        mine = [int(b) for b in rank_batches(order, self.state.position, self.world, d.accum, self.rank)]
-        for i, b in enumerate(mine):
-            batch = to_device(self.device, collate(d.train_tokens, d.train.batch(b), self.model.start_id))
+        for i, (b, batch) in enumerate(planned.batches):
+            batch = batch.to(self.device)
             try:
-                sums += self.updater.backward(*batch, scale=scale, sync=i == len(mine) - 1)
+                sums += self.updater.backward(batch, scale=scale, sync=i == len(planned.batches) - 1)
             except (RuntimeError, torch.OutOfMemoryError) as e:
                 if not is_oom(e):
                     raise
                 raise self._oom_error(b, batch) from None
         return sums
 
-    def _oom_error(self, b: int, batch: tuple[Tensor, ...]) -> MtpipeError:
-        src, _, tgt = batch  # [B, S], [B, T], [B, T]
+    def _end(self, planned: Planned, sums: Tensor) -> InFlight:
+        """The update's all-reduce (this rank's loss sums and rank 0's clock), the optimizer step at the schedule's
+        rate, and its results on their way to the host (not waited for)."""
+        save_due, time_up, seconds = self.budget.rank0_clock()
+        flags = torch.tensor([float(save_due), float(time_up), seconds], dtype=torch.float64, device=self.device)
+        # One all-reduce for the loss and rank 0's flags and clock (the others send zeros):
+        # [loss, nll, save_due, time_up, seconds], summed over ranks.
+        reduced = distributed.all_reduce_sum(torch.cat([sums.double(), flags]))
+        # The budget's progress by the last settled update's clock (rank 0's, the same on every rank).
+        lr = self.learning_rate(self.state.step + 1, self.budget.progress(self.rank0_seconds))
+        self.last_lr = lr
+        out = torch.cat([reduced, self.updater.finish(lr, reduced[0])])  # [7]: ..., grad_norm, status
+        host, ready = out, None
+        if self.device.type == "cuda":
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host.copy_(out, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return InFlight(host, ready, planned.tgt_tokens, planned.src_tokens, rng_state(self.device))
+
+    def _read(self, f: InFlight) -> UpdateResult:
+        """An ended update's results on the host (waits for the device to have finished that update)."""
+        if f.ready is not None:
+            f.ready.synchronize()
+        loss, nll, save_n, time_n, seconds, norm, status = f.results.tolist()
+        self.rank0_seconds = seconds
+        return UpdateResult(loss=loss, nll=nll, grad_norm=norm, status=STATUS[status], tgt_tokens=f.tgt_tokens,
+                            src_tokens=f.src_tokens, save_due=save_n > 0, time_up=time_n > 0)
+
+    def _settle(self, f: InFlight, bar: Any, task: Any, start_step: int) -> str:
+        """Book an ended update (read, accounted), then what follows it: log -> maybe validate -> maybe save (a
+        checkpoint written after the metrics it covers, so a resume rewinds to it). Returns the stop reason."""
+        result = self._read(f)
+        self._account(result)
+        budget = self.budget
+        if result.applied:
+            self._maybe_log(bar, task)
+            rng = rng_state(self.device)  # the next update's dropout must not depend on the validation schedule
+            self._maybe_validate(bar)
+            set_rng_state(rng, self.device)
+        reason = budget.stop_reason(result.time_up)
+        if result.applied and not reason and budget.save_due(result.save_due or self.best_due):
+            self.save(rng=f.rng)  # the RNG as this update left it, whatever the next update, begun, has drawn
+            budget.last_save_time = time.monotonic()
+        bar.update(task, completed=self.state.step, **budget.bar_fields(start_step))
+        return reason
+
+    def _ends_if_applied(self) -> bool:
+        """Whether max_steps or max_epochs ends training once the unsettled update is applied: then it is settled
+        before another update is begun (one that would be dropped)."""
+        st, d, cfg = self.state, self.data, self.cfg
+        if cfg.max_steps and st.step + 1 >= cfg.max_steps:
+            return True
+        epoch = st.epoch + int(st.position + 2 * d.per_update > d.usable)
+        return bool(cfg.max_epochs and epoch >= cfg.max_epochs)
+
+    def _oom_error(self, b: int, batch: TrainBatch) -> MtpipeError:
+        src, tgt_in = batch.src, batch.tgt_in  # [B, S], [B, T]
         max_tokens = self.data.max_tokens
         return MtpipeError(
             f"out of memory on {self.device} in train batch {b} ({src.shape[0]} sentences, {src.shape[1]} "
-            f"source x {tgt.shape[1]} target positions, {int(self.data.train.tgt_tokens[b])} target tokens): "
+            f"source x {tgt_in.shape[1]} target positions, {int(self.data.train.tgt_tokens[b])} target tokens): "
             f"rebuild the batches with a smaller bucket.max_tokens (these have {max_tokens}), e.g. "
             f"`mtpipe bucket --max-tokens {max(max_tokens // 2, 1)}`; train.tokens_per_update keeps the "
             "update size by accumulating more batches"
         )
 
-    def _account(self, r: UpdateResult, order: np.ndarray) -> np.ndarray:
-        """Book the update into the state (applied, skipped or fp16 overflow), move on in the epoch's batch order
-        (the next epoch's order when too few batches are left for another update) and return that order."""
+    def _account(self, r: UpdateResult) -> None:
+        """Book the update into the state (applied, skipped or fp16 overflow) and move on in the epoch's batch order
+        (to the next epoch when too few batches are left for another update; the plan walks alike)."""
         st, d = self.state, self.data
         st.position += d.per_update
         if r.status == "skipped":
@@ -216,9 +274,7 @@ class Trainer:
             self.throughput.add(r.tgt_tokens, r.src_tokens)
         if st.position + d.per_update > d.usable:
             st.epoch, st.position = st.epoch + 1, 0
-            order = epoch_order(len(d.train), self.cfg.seed, st.epoch)
         st.train_seconds = self.budget.seconds()
-        return order
 
     def learning_rate(self, step: int, progress: float) -> float:
         """The rate of update ``step`` under ``train.schedule``, ``progress`` being the budget spent before it."""
@@ -230,31 +286,35 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------------------------
 
     def train_loop(self) -> str:
-        """Run updates until a stopping criterion; returns the reason. Each update: update -> log -> maybe
-        validate -> maybe save (a checkpoint is written after the metrics it covers, so a resume rewinds to it)."""
+        """Run updates until a stopping criterion; returns the reason. Update j + 1 is begun before update j is
+        settled (the section above); an update begun when j turns out to end training is dropped, and the RNG put
+        back as j left it, so the state is exactly the one after j."""
         budget = self.budget
         reason = budget.stop_reason(time_up=False)
         if reason:  # a finished run started again
             return reason
         self.throughput.restart(budget.start())
-        order = epoch_order(len(self.data.train), self.cfg.seed, self.state.epoch)
+        self.rank0_seconds = budget.seconds_before
         from rich.progress import TextColumn
 
-        start_step = self.state.step
-        with progress(TextColumn("{task.fields[stats]}")) as bar:
+        start_step, st, cuda = self.state.step, self.state, self.device.type == "cuda"
+        plan = UpdatePlan(self.data, self.cfg.seed, st.epoch, st.position, self.rank, self.world, self.model.start_id,
+                          prefetch=self.cfg.prefetch if cuda else 0, pin=cuda)
+        with plan, progress(TextColumn("{task.fields[stats]}")) as bar:
             task = bar.add_task("train", total=budget.total_steps or None, completed=self.state.step, stats="",
                                 **budget.bar_fields(start_step))
+            pending: InFlight | None = None
             while not reason:
-                result = self._update(order, *budget.rank0_clock())
-                order = self._account(result, order)
-                if result.applied:
-                    self._maybe_log(bar, task)
-                    self._maybe_validate(bar)
-                reason = budget.stop_reason(result.time_up)
-                if result.applied and not reason and budget.save_due(result.save_due or self.best_due):
-                    self.save()
-                    budget.last_save_time = time.monotonic()
-                bar.update(task, completed=self.state.step, **budget.bar_fields(start_step))
+                begun = None
+                if pending is None or not self._ends_if_applied():
+                    planned = next(plan)
+                    begun = planned, self._begin(planned, ahead=pending is not None)
+                if pending is not None:
+                    reason = self._settle(pending, bar, task, start_step)
+                    if reason and begun is not None:
+                        self.updater.discard()
+                        set_rng_state(pending.rng, self.device)
+                pending = self._end(*begun) if begun is not None and not reason else None
         return reason
 
     def _maybe_log(self, bar: Any, task: Any) -> None:

@@ -31,7 +31,8 @@ from mtpipe.engine import runtime
 from mtpipe.errors import MtpipeError
 from mtpipe.model.ops import attention_kernels
 from mtpipe.training import distributed
-from mtpipe.training.batches import TrainData, collate, to_device
+from mtpipe.training.batches import TrainData
+from mtpipe.training.plan import train_batch
 from mtpipe.training.state import TrainState, rng_state, set_rng_state
 
 
@@ -108,7 +109,7 @@ class Validator:
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss, nll]
         with torch.no_grad():
             for i in range(self.rank, len(valid), self.world):
-                batch = to_device(self.device, collate(valid_tokens, valid.batch(i), self.model.start_id))
+                batch = train_batch(valid_tokens, valid.batch(i), self.model.start_id).to(self.device)
                 with runtime.autocast(self.device, self.precision), attention_kernels(self.device):
                     loss, nll = loss_module(*batch)
                 sums += torch.stack([loss, nll]).double()
