@@ -186,7 +186,9 @@ class Trainer:
         """The update's all-reduce (this rank's loss sums and rank 0's clock), the optimizer step at the schedule's
         rate, and its results on their way to the host (not waited for)."""
         save_due, time_up, seconds = self.budget.rank0_clock()
-        flags = torch.tensor([float(save_due), float(time_up), seconds], dtype=torch.float64, device=self.device)
+        flags = torch.tensor([float(save_due), float(time_up), seconds], dtype=torch.float64)
+        if self.device.type == "cuda":  # a plain copy to the GPU would wait for the GPU's queue to drain
+            flags = flags.pin_memory().to(self.device, non_blocking=True)
         # One all-reduce for the loss and rank 0's flags and clock (the others send zeros):
         # [loss, nll, save_due, time_up, seconds], summed over ranks.
         reduced = distributed.all_reduce_sum(torch.cat([sums.double(), flags]))
