@@ -295,7 +295,8 @@ def _stage_cell(r: Any, seconds: str = "seconds", note: str = "") -> str:
     if not isinstance(r, dict) or r.get(seconds) is None:
         return "–"
     anon = f" ({_num(r['peak_anon_pss_mb'], 0)})" if r.get("peak_anon_pss_mb") is not None else ""
-    return (f"{_num(r[seconds], 0)} s, {_num(r.get('peak_rss_mb'), 0)} / {_num(r.get('peak_pss_mb'), 0)}{anon} MB"
+    cpu = f" ({_num(r['cpu_seconds'], 0)} CPU s)" if r.get("cpu_seconds") is not None else ""
+    return (f"{_num(r[seconds], 0)} s{cpu}, {_num(r.get('peak_rss_mb'), 0)} / {_num(r.get('peak_pss_mb'), 0)}{anon} MB"
             + (f" ({note})" if note else ""))
 
 
@@ -337,9 +338,16 @@ def render_wmt_data(directory: Path = RESULTS) -> str:
     big = {n: d for n, d in sizes.items() if n >= 1_000_000} or sizes
     docs = [big[n] for n in sorted(big)]
     columns = [_wmt_rows(d["figures"]) for d in docs]
+    encoded = [(d["figures"]["pairs"], d["figures"]["stages"]["bpe"]["encoding"]["seconds"]) for d in docs
+               if d["figures"].get("stages", {}).get("bpe", {}).get("encoding")]
+    for d, col in zip(docs, columns):  # a size whose encoding was not run: the measured rate, scaled, as such
+        if encoded and col[4][1] == "not measured":
+            n, sec = encoded[-1]
+            col[4] = (col[4][0], f"not measured (~{_num(sec * d['figures']['pairs'] / n, 0)} s at {n:,} pairs' rate)")
     body = [[name, *(col[i][1] for col in columns)] for i, (name, _) in enumerate(columns[0])]
-    header = ["stage: seconds, peak RSS / PSS (anonymous PSS) of its processes", *(f"{d['figures']['pairs']:,} pairs" for d in docs)]
-    return _table(header, body) + "\n" + "".join(describe(d) for d in docs)
+    header = ["stage: wall seconds (CPU seconds), peak RSS / PSS (anonymous PSS) of its processes",
+              *(f"{d['figures']['pairs']:,} pairs" for d in docs)]
+    return _table(header, body) + "\n" + "\n".join(describe(d) for d in docs)
 
 
 def render_faults(directory: Path = RESULTS) -> str:
