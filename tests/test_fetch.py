@@ -245,7 +245,9 @@ def test_datasets_missing_language_is_named(tmp_path: Path, hf_cache):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def test_seen_hashes_matches_a_python_set():
+@pytest.mark.parametrize("grow_slice", [1 << 20, 7])  # 7: the old table moved a few slots at a time
+def test_seen_hashes_matches_a_python_set(grow_slice: int, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(fetch.SeenHashes, "GROW_SLICE", grow_slice)
     rng = np.random.default_rng(0)
     seen, ref = fetch.SeenHashes(capacity=16), set()  # tiny start: many grow steps and collisions
     for _ in range(30):

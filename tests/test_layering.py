@@ -19,8 +19,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "mtpipe"
 
-FOUNDATION = {"mtpipe", "mtpipe.errors", "mtpipe.atomic", "mtpipe.env", "mtpipe.console", "mtpipe.writing", "mtpipe.artifacts",
-              "mtpipe.config", "mtpipe.params"}
+FOUNDATION = {"mtpipe", "mtpipe.errors", "mtpipe.atomic", "mtpipe.env", "mtpipe.memory", "mtpipe.console",
+              "mtpipe.writing", "mtpipe.artifacts", "mtpipe.config", "mtpipe.params"}
 TOP = {"mtpipe.cli", "mtpipe.__main__"}
 SIDE_BY_SIDE = ("training", "stages", "serve")  # one layer; never import each other
 

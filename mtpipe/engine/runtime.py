@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mtpipe import env
+from mtpipe import env, memory
 from mtpipe.errors import MtpipeError
 from mtpipe.model.ops import cpu_supports_bf16
 
@@ -82,10 +82,7 @@ def trim_cpu_memory() -> None:
     """
     if not tune_cpu_allocator.cache_info().currsize or not tune_cpu_allocator():
         return
-    import ctypes
-    import ctypes.util
-
-    ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    memory.release_free_heap()
 
 
 # --------------------------------------------------------------------------------------------------------------------
