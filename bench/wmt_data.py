@@ -14,7 +14,8 @@ Stages (``--stages``, run in this order; default gen,fetch,bpe,bucket,loader,res
   batches) as a subprocess. Every ~0.5 s the RSS, PSS and anonymous PSS (allocated memory; the rest is mapped files,
   page cache) of its process tree (``/proc/<pid>/smaps_rollup`` of it and its children, summed) are read: the
   peaks, a timeline, the wall and CPU seconds. bpe's SentencePiece training is told apart by its log line ("trained
-  on N sentences in S s"): its seconds and the peaks before that line are the training's, the rest the encoding's.
+  on N sentences in S s"): its seconds and the peaks up to ``HANDBACK_S`` after that line (when bpe hands the
+  trainer's heap back) are the training's, the rest the encoding's.
   fetch reads ``--form`` (``both``: local files, then the datasets directory, a second row).
 * ``spm`` (not by default): bpe's SentencePiece training alone, and ``tokens`` (not by default): a synthetic tokens
   artifact in place of bpe's (bench/train_data.py's), for a size whose encoding would take hours on a small CPU.
@@ -56,6 +57,7 @@ STAGES = ("gen", "fetch", "spm", "bpe", "tokens", "bucket", "loader", "restart")
 DEFAULT = ("gen", "fetch", "bpe", "bucket", "loader", "restart")
 MTPIPE = [sys.executable, "-m", "mtpipe"]
 MB = 2**20
+HANDBACK_S = 1.5  # seconds after bpe's "trained on" line in which it returns SentencePiece's heap (3 samples)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -244,8 +246,10 @@ def stage_bpe(a: argparse.Namespace) -> dict[str, Any]:
     if mark:
         m = re.search(r"trained on ([\d,]+) sentences in ([\d.]+)s", mark[1])
         assert m
-        r["training"] = {"sentences": int(m[1].replace(",", "")), "seconds": float(m[2]), **sampler.peaks(0, mark[0])}
-        r["encoding"] = {"seconds": round(r["seconds"] - mark[0], 1), **sampler.peaks(mark[0])}
+        # bpe hands the trainer's heap back just after that line: the samples of the next HANDBACK_S are training's.
+        done = mark[0] + HANDBACK_S
+        r["training"] = {"sentences": int(m[1].replace(",", "")), "seconds": float(m[2]), **sampler.peaks(0, done)}
+        r["encoding"] = {"seconds": round(r["seconds"] - mark[0], 1), **sampler.peaks(done)}
     extra = json.loads((a.out / "bpe" / "manifest.json").read_text()).get("extra", {})
     r["tokens"], r["unk_rate"] = extra.get("tokens"), extra.get("unk_rate")
     r["vocab_coverage"] = extra.get("vocab_coverage")

@@ -249,8 +249,8 @@ class TrainConfig(Section):
     precision: str = _h("fp32, bf16 (autocast, GPU and CPU), fp16 (GPU, grad scaler) or auto.", default="auto",
                         choices=("auto", "fp32", "bf16", "fp16"))
     compile: bool = _h("torch.compile the model's forward (the first updates pay its compilation).", default=False)
-    grad_allreduce: str = _h("DDP's gradient all-reduce in fp32 (exact) or bf16 (half the bytes: DDP's bf16 "
-                             "compression hook).", default="fp32", choices=("fp32", "bf16"))
+    grad_allreduce: str = _h("DDP's gradient all-reduce in fp32 (exact) or bf16 (half the bytes; rounded to bf16 "
+                             "before the sum).", default="fp32", choices=("fp32", "bf16"))
     prefetch: int = _h("Updates whose batches a thread collates and pins ahead, on GPUs (0: in line).", default=2, ge=0)
     threads: int = _h("CPU threads per process (0 = torch's default in one process; with train.nproc > 1 the CPUs "
                       "shared among the processes, unless OMP_NUM_THREADS is set).", default=0, ge=0)

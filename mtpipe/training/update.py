@@ -11,7 +11,7 @@
   micro-batch's gradient; DDP all-reduces gradients once per update (``no_sync`` on earlier micro-batches).
 * Optimizer (5.3): Adam(beta1, beta2, eps) at the rate of :func:`learning_rate` (or :func:`linear_learning_rate`),
   optional gradient-norm clipping, fp16's grad scaler (:meth:`Updater.finish`). ``train.grad_allreduce: bf16``
-  sends the gradients' all-reduce in bf16 (DDP's compression hook).
+  sends the gradients' all-reduce in bf16 (a DDP communication hook: distributed.bf16_allreduce).
 * Scheduled DropHead (beyond the paper, off by default): the rate :func:`drophead_rate` gives each update.
 """
 
