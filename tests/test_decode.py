@@ -136,6 +136,20 @@ def decode_prepared(prepared, srcs: list[list[int]], cfg: DecodeConfig, device: 
                            precision=cfg.precision, device=torch.device(device))
 
 
+def update_in_place(source: Transformer, model: Transformer, srcs: list[list[int]], cfg: DecodeConfig,
+                    before: list) -> list:
+    """New weights (a re-initialised copy of ``model``) loaded into ``source`` in place, as training changes the
+    weights under a prepared snapshot; returns the new weights' eager translations of ``srcs`` (which differ from
+    ``before``, the old weights')."""
+    fresh = copy.deepcopy(model)
+    torch.manual_seed(123)
+    fresh.reset_parameters()
+    expected = translate(fresh, srcs, cfg)
+    assert [h[0].tokens for h in expected] != [h[0].tokens for h in before]  # the update changes the translations
+    source.load_state_dict(fresh.state_dict())
+    return expected
+
+
 def graphed(model: Transformer, capture: bool = False):
     """``model`` prepared to decode in float32 on CPU with decode.cuda_graphs's step: on a CPU without recording
     graphs (``capture=False``), the same padded computation on the same buffers."""
@@ -643,12 +657,7 @@ def test_compiled_step_decodes_what_the_eager_step_decodes(model, monkeypatch):
     # inductor's freezing). After an in-place update of the weights, preparing again builds a package of the new
     # weights and decodes with them (not a mix of new cross-attention keys and the old layers), while the earlier
     # prepared model goes on decoding with the old ones.
-    fresh = copy.deepcopy(model)
-    torch.manual_seed(123)
-    fresh.reset_parameters()
-    expected = translate(fresh, srcs, cfg)
-    assert [h[0].tokens for h in expected] != [h[0].tokens for h in eager]  # the update changes the translations
-    source.load_state_dict(fresh.state_dict())
+    expected = update_in_place(source, model, srcs, cfg, eager)
     again = prepare(source, "fp32", cpu, compile="aot")
     renewed = decode_prepared(again, srcs, cfg)
     assert [[h.tokens for h in hyps] for hyps in renewed] == [[h.tokens for h in hyps] for hyps in expected]
@@ -709,12 +718,7 @@ def test_graphed_step_decodes_what_the_eager_step_decodes(model, monkeypatch):
     # Graphs read the weights of the variant they were made for, a snapshot: after the weights change in place,
     # preparing again gives graphs of their own (new buckets), which decode with the new weights as the eager step
     # does.
-    fresh = copy.deepcopy(model)
-    torch.manual_seed(123)
-    fresh.reset_parameters()
-    expected = translate(fresh, srcs, cfg)
-    assert [h[0].tokens for h in expected] != [h[0].tokens for h in eager]  # the update changes the translations
-    source.load_state_dict(fresh.state_dict())
+    expected = update_in_place(source, model, srcs, cfg, eager)
     renewed, ran = graphed(source), len(seen)
     got = decode_prepared(renewed, srcs, cfg)
     assert len(seen) > ran and renewed.graphs.buckets

@@ -221,9 +221,7 @@ class Trainer:
         budget = self.budget
         if result.applied:
             self._maybe_log(bar, task)
-            rng = rng_state(self.device)  # the next update's dropout must not depend on the validation schedule
-            self._maybe_validate(bar)
-            set_rng_state(rng, self.device)
+            self._maybe_validate(bar)  # it leaves the RNG as it found it: the next update has already drawn from it
         reason = budget.stop_reason(result.time_up)
         if result.applied and not reason and budget.save_due(result.save_due or self.best_due):
             self.save(rng=f.rng)  # the RNG as this update left it, whatever the next update, begun, has drawn

@@ -102,9 +102,12 @@ class Validator:
 
     def loss(self, loss_module: nn.Module, state: TrainState) -> dict[str, float]:
         """Loss and perplexity on the valid batches; ranks split the batches and sum (section 6.2's dev set).
-        ``loss_module``: the training loss (:class:`mtpipe.training.update.LossModule`), not DDP's wrapper."""
+        ``loss_module``: the training loss (:class:`mtpipe.training.update.LossModule`), not DDP's wrapper. The
+        RNG state is put back, as :meth:`bleu` does: training's dropout never depends on the validation schedule
+        (the trainer validates after the next update has begun)."""
         valid, valid_tokens = self.data.valid, self.data.valid_tokens
         assert valid is not None and valid_tokens is not None
+        rng = rng_state(self.device)
         self.model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss, nll]
         with torch.no_grad():
@@ -115,6 +118,7 @@ class Validator:
                 sums += torch.stack([loss, nll]).double()
         distributed.all_reduce_sum(sums)
         self.model.train()
+        set_rng_state(rng, self.device)
         loss, nll = (float(x) for x in sums.tolist())
         ntok = int(valid.tgt_tokens.sum())
         state.last_valid_step = state.step
