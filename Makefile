@@ -29,8 +29,9 @@ EXP_DROP = Created|.*/|train\.(loss|nll|ppl|lr|grad_norm|tgt_tokens_per_s|tokens
 exps: install
 	$(VENV)/bin/dvc exp show --only-changed --precision 3 --drop '$(EXP_DROP)'
 
+# --durations: the slowest tests in every CI log (the suite has a 10-minute budget on CI's two cores).
 test: install
-	MTPIPE_NO_SKIPS=1 $(VENV)/bin/python -m pytest -q -rs -n 2 --dist loadfile tests
+	MTPIPE_NO_SKIPS=1 $(VENV)/bin/python -m pytest -q -rs -n 2 --dist loadfile --durations=15 tests
 
 # The generated documentation: docs/environment.md, docs/configuration.md, docs/cli.md, and the tables rendered from
 # bench/results/*.json into README.md and docs/ (tools/docs.py; tests/test_docs.py checks they are current).

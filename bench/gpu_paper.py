@@ -13,10 +13,9 @@ en-de, a joint BPE vocabulary of ~37,000 pieces, ~25,000 source and target token
   x a log-normal ratio), Zipf-distributed ids over 37,000 pieces, packed by the bucket stage's own ``pack`` (its cap
   raised until the batches average ``--tokens`` real target tokens: 3,200, and 10,000), visited in ``epoch_order``.
 * ``train``: base and big in bf16, eager and ``train.compile``, through ``mtpipe train``'s own update
-  (``Trainer._begin``, ``_end``, ``_read``, ``_account``, pipelined as ``train_loop`` runs them, on a trainer
-  holding what they read: the model, the
-  :class:`~mtpipe.training.update.Updater` with its loss, fused Adam, schedule and autocast; batches collated and
-  copied as training does). Per shape: steady target tokens/s, ms an update (after warm-up updates, where a compiled
+  (:meth:`Trainer.updates <mtpipe.training.trainer.Trainer.updates>`: pipelined as ``train_loop`` runs them, by a
+  trainer built by ``Trainer.for_updates``: the model, the :class:`~mtpipe.training.update.Updater` with its loss,
+  fused Adam, schedule and autocast; batches collated and copied as training does). Per shape: steady target tokens/s, ms an update (after warm-up updates, where a compiled
   model compiles), peak memory, MFU against the dense bf16 peak (:data:`PEAK_BF16_TFLOPS`), and over a few updates
   under ``torch.profiler``: GPU-busy time (the union of kernels and copies) over the unprofiled update, kernels,
   kernel launch calls, syncs and device-to-host copies an update.
@@ -53,7 +52,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -67,7 +65,7 @@ from bench import machine  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, record_function  # noqa: E402
+from torch.profiler import ProfilerActivity  # noqa: E402
 
 from mtpipe import artifacts  # noqa: E402
 from mtpipe.config import DecodeConfig, ModelConfig, TrainConfig, to_dict  # noqa: E402
@@ -77,11 +75,8 @@ from mtpipe.model.transformer import Transformer  # noqa: E402
 from mtpipe.stages.bucket import length_order, pack  # noqa: E402
 from mtpipe.training import checkpoints, distributed, resume  # noqa: E402
 from mtpipe.training.batches import BatchTable, TokenSplit, TrainData  # noqa: E402
-from mtpipe.training.plan import UpdatePlan  # noqa: E402
-from mtpipe.training.metrics import Throughput  # noqa: E402
-from mtpipe.training.state import TrainState, rng_state, seed_for_rank, trainer_state  # noqa: E402
+from mtpipe.training.state import rng_state, trainer_state  # noqa: E402
 from mtpipe.training.trainer import Trainer  # noqa: E402
-from mtpipe.training.update import Updater  # noqa: E402
 
 # Dense bf16 tensor-core peak, TFLOP/s (vendor data sheets, without sparsity); the first name contained wins.
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0), ("L40S", 362.0))
@@ -210,57 +205,13 @@ def model_config(scale: Scale, name: str) -> ModelConfig:
     return ModelConfig(**scale.models[name]).resolved()
 
 
-def trainer(model_cfg: ModelConfig, cfg: TrainConfig, data: TrainData, device: torch.device,
-            state_dict: dict[str, Any] | None = None) -> Trainer:
-    """A :class:`Trainer` holding what its update (``_begin``, ``_end``, ``_read``, ``_account``) reads, built in
-    ``Trainer.__init__``'s order: the device set up, the model as ``_build_model`` makes it (one seed, then the
-    rank's dropout stream), its weights (``state_dict``: a checkpoint's), then the :class:`Updater`."""
-    t = Trainer.__new__(Trainer)
-    t.cfg, t.device, t.rank, t.world, t.data = cfg, device, 0, 1, data
-    Trainer._set_up_device(t)
-    t.precision = cfg.precision
-    torch.manual_seed(cfg.seed)
-    t.model = Transformer(model_cfg, data.vocab["size"]).to(device)
-    torch.manual_seed(seed_for_rank(cfg.seed, 0))
-    if state_dict is not None:
-        t.model.load_state_dict(state_dict)
-    t.state, t.last_lr = TrainState(), 0.0
-    t.updater = Updater(t.model, cfg, device, cfg.precision)
-    t.throughput, t.rank0_seconds = Throughput(time.monotonic()), 0.0
-    t.budget = types.SimpleNamespace(seconds=lambda: 0.0, rank0_clock=lambda: (False, False, 0.0),
-                                     progress=lambda seconds: 0.0)
-    return t
-
-
 def train_cfg(precision: str, compile: bool, device: torch.device) -> TrainConfig:
     return TrainConfig(precision=precision, compile=compile, device=device.type, seed=1, save_every_minutes=0)
 
 
 def updates(t: Trainer, n: int, clock: Clock | None = None, mark: str | None = None) -> list[int]:
-    """``n`` updates as ``Trainer.train_loop`` makes them: update j + 1 begun (``_begin``: forward and backward
-    queued, its batches from an :class:`UpdatePlan` made ahead on a thread on a GPU) before update j is read and
-    booked (``_read``, ``_account``), then ended (``_end``: all-reduce, optimizer step, results copied towards the
-    host); the last one read at the end, so the state is settled between calls. ``mark``: each update inside a
-    ``torch.profiler`` range of that name. Returns the batches of each (stops early when ``clock`` runs out)."""
-    cuda = t.device.type == "cuda"
-    if "bench_plan" not in t.__dict__:
-        st = t.state
-        t.bench_plan = UpdatePlan(t.data, t.cfg.seed, st.epoch, st.position, 0, 1, t.model.start_id,
-                                  prefetch=t.cfg.prefetch if cuda else 0, pin=cuda)
-    done, pending = [], None
-    for _ in range(n):
-        if clock is not None and clock.left() <= 0:
-            break
-        with record_function(mark) if mark else contextlib.nullcontext():
-            planned = next(t.bench_plan)
-            done += [b for b, _ in planned.batches]
-            sums = t._begin(planned, ahead=pending is not None)
-            if pending is not None:
-                t._account(t._read(pending))
-            pending = t._end(planned, sums)
-    if pending is not None:
-        t._account(t._read(pending))
-    return done
+    """``n`` updates of ``mtpipe train``'s pipelined loop (:meth:`Trainer.updates`), stopped when ``clock`` runs out."""
+    return t.updates(n, go_on=(lambda: clock.left() > 0) if clock is not None else lambda: True, mark=mark)
 
 
 def update_flops(m: ModelConfig, vocab: int, s: np.ndarray, t: np.ndarray) -> float:
@@ -361,12 +312,10 @@ def train_model(name: str, compiled: bool, scale: Scale, splits: dict[int, Token
     def shape(tokens: int) -> dict[str, Any]:
         data = batches_for(splits[tokens], tokens, scale.vocab)
         if not held:
-            held.append(trainer(model_config(scale, name), train_cfg("bf16", compiled, device), data, device))
+            held.append(Trainer.for_updates(model_config(scale, name), train_cfg("bf16", compiled, device), data,
+                                            device))
         else:
-            old = held[0].__dict__.pop("bench_plan", None)  # the walk of the other batches: a new one below
-            if old is not None:
-                old.close()
-            held[0].data, held[0].state = data, TrainState()
+            held[0].use_batches(data)  # a new run's state on these batches, the same model and optimizer
         return measure(held[0], scale, clock, peak, scale.compile_warmup if compiled else scale.warmup)
 
     out = {}
@@ -376,6 +325,8 @@ def train_model(name: str, compiled: bool, scale: Scale, splits: dict[int, Token
                                              lambda: shape(tokens), device)  # noqa: B023 (called at once)
         if compiled and "warmup_s" in r:  # the next model compiles about as long: this one's time and a margin
             scale.estimate_s["compile"] = max(scale.estimate_s["compile"], 1.3 * r["warmup_s"])
+    for t in held:
+        t.close_updates()
     held.clear()
     reset_peak(device)
     return out
@@ -403,8 +354,8 @@ def save(t: Trainer, out: Path) -> Path:
 
 def checkpoint_one(name: str, scale: Scale, device: torch.device, split: TokenSplit, work: Path) -> dict[str, Any]:
     """Two updates (so that Adam has its state), then the checkpoint written, its size, and read back."""
-    t = trainer(model_config(scale, name), train_cfg("bf16", False, device),
-                batches_for(split, scale.tokens[0], scale.vocab), device)
+    t = Trainer.for_updates(model_config(scale, name), train_cfg("bf16", False, device),
+                            batches_for(split, scale.tokens[0], scale.vocab), device)
     updates(t, 2)
     sync(device)
     t0 = time.perf_counter()
@@ -427,13 +378,16 @@ def resume_run(scale: Scale, precision: str, device: torch.device, split: TokenS
     same = lambda a, b: all(torch.equal(a[n], b[n]) for n in a)  # noqa: E731
     straight = []
     for steps in (2 * k, 2 * k, k):  # the last: k updates, then its checkpoint
-        t = trainer(mcfg, cfg, data, device)
+        t = Trainer.for_updates(mcfg, cfg, data, device)
         updates(t, steps)
+        t.close_updates()
         straight.append(weights(t))
     ck = artifacts.load_checkpoint(save(t, work / f"resume-{precision}"), trainer_state=True)
-    t = trainer(mcfg, cfg, data, device, state_dict=ck.state_dict)
-    t.state = resume.restore(ck, t.updater.optimizer, t.updater.scaler, accum=1, seed=cfg.seed, device=device)
+    t = Trainer.for_updates(mcfg, cfg, data, device, state_dict=ck.state_dict)
+    t.use_batches(data, resume.restore(ck, t.updater.optimizer, t.updater.scaler, accum=1, seed=cfg.seed,
+                                       device=device))
     updates(t, k)
+    t.close_updates()
     shutil.rmtree(work / f"resume-{precision}", ignore_errors=True)
     a, b = straight[0], weights(t)
     return {"updates": 2 * k, "resumed_at": k, "bitwise_equal": same(a, b), "uninterrupted_twice_equal":

@@ -201,3 +201,28 @@ def test_loss_positions_are_the_non_pad_targets():
     assert pos.tolist() == [0, 1, 2, 3, 4] and gold.tolist() == [5, 6, 3, 7, 3]
     assert torch.equal(gold, tgt_out[tgt_out != PAD_ID])
     assert np.array_equal(pos.numpy(), np.flatnonzero(tgt_out.numpy().reshape(-1) != PAD_ID))
+
+
+def test_a_trainer_for_updates_makes_the_updates_of_mtpipe_train(data, tmp_path):
+    """What a benchmark of the update times (``Trainer.for_updates`` / ``updates``, bench/gpu_paper.py) is ``mtpipe
+    train``'s run: the same weights after 6 updates made in two calls, and after 3 more from a checkpoint's state."""
+    from mtpipe import artifacts
+    from mtpipe.training import resume
+    from mtpipe.training.train import train_model
+
+    cfg = tcfg(max_steps=6, save_every_steps=3, keep_last=5)
+    ref = train_model(ModelConfig(**TINY), cfg, *data, tmp_path / "ref")
+    d = load_train_data(*data, cfg.tokens_per_update, 1)
+    t = trainer_mod.Trainer.for_updates(ModelConfig(**TINY), cfg, d, torch.device("cpu"))
+    assert len(t.updates(4)) == 4 * d.per_update and len(t.updates(2)) == 2 * d.per_update
+    assert t.state.step == 6
+    last = weights(Path(ref["checkpoints"][-1]))
+    assert all(torch.equal(last[k], v) for k, v in t.model.state_dict().items())
+
+    ck = artifacts.load_checkpoint(artifacts.checkpoint_path(tmp_path / "ref", 3), trainer_state=True)
+    t = trainer_mod.Trainer.for_updates(ModelConfig(**TINY), cfg, d, torch.device("cpu"), state_dict=ck.state_dict)
+    t.use_batches(d, resume.restore(ck, t.updater.optimizer, t.updater.scaler, accum=d.accum, seed=cfg.seed,
+                                    device=t.device))
+    t.updates(3, go_on=lambda: t.state.step < 6)
+    t.close_updates()
+    assert t.state.step == 6 and all(torch.equal(last[k], v) for k, v in t.model.state_dict().items())

@@ -8,10 +8,11 @@ run where its last checkpoint left it.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -22,7 +23,7 @@ from mtpipe.console import console, info, progress, warn
 from mtpipe.engine import runtime
 from mtpipe.errors import MtpipeError
 from mtpipe.training import distributed, metrics, resume
-from mtpipe.training.batches import load_train_data
+from mtpipe.training.batches import TrainData, load_train_data
 from mtpipe.training.budget import Budget
 from mtpipe.training.checkpoints import Checkpointer, spm_files
 from mtpipe.training.metrics import Metrics, TextLog, Throughput, Window
@@ -84,18 +85,15 @@ class Trainer:
         spm = spm_files(self.tokens, self.data.vocab) if self.rank == 0 else (None, None)
         self.model = self._build_model(model_cfg)
         self.model_config = to_dict(self.model.cfg)
-        self.state = TrainState()  # overwritten by a resume
+        self._new_loop_state()  # the state is overwritten by a resume
         self.resumed_from: Path | None = None
         self.last_saved_step = -1
-        self.last_lr = 0.0  # the rate of the last applied update (logged as train/lr)
-        self.rank0_seconds = 0.0  # rank 0's training seconds as of the last settled update (the schedule's clock)
         self.last_train: dict[str, float] = {}  # the last logged train/* values, for the summary
         self.metrics = Metrics()
         self.text_log = TextLog()
         self.best_due = False  # a scheduled validation improved on the best: checkpoint this step
         self.validator = Validator(cfg, self.data, self.model, self.tokens, self.batches, self.device, self.precision,
                                    self.rank, self.world)
-        self.throughput = Throughput(time.monotonic())
         self.checkpointer = Checkpointer(self.out, self.model, self.model_config, cfg, self.tokens, self.batches,
                                          self.world, self.precision, self.device, dict(decode or {}), spm, batches_id=self.data.batches_id)
         # The model keys the params set, as given (before the preset fills the rest and d_k/d_v are derived): a
@@ -108,6 +106,40 @@ class Trainer:
         if ck is not None:
             self._restore(ck)
         self.budget = Budget(cfg, self.data, self.state, self.rank)
+
+    @classmethod
+    def for_updates(cls, model_cfg: ModelConfig, cfg: TrainConfig, data: TrainData, device: torch.device,
+                    state_dict: dict[str, Any] | None = None) -> Trainer:
+        """A trainer of one process that only makes updates (:meth:`updates`): ``mtpipe train``'s model, initialisation,
+        updater and update, on batches in memory (``state_dict``: its weights, e.g. a checkpoint's); no run
+        directory, logging, validation, checkpoints or resume. What a benchmark of the update times
+        (bench/gpu_paper.py), built here so that it cannot drift from the trainer it stands for."""
+        t = cls.__new__(cls)
+        t.cfg, t.device, t.rank, t.world, t.data = cfg, device, 0, 1, data
+        t.batches = Path("<batches in memory>")
+        t._set_up_device()
+        t.precision = runtime.resolve_precision(cfg.precision, device)
+        t.model = t._build_model(model_cfg)
+        if state_dict is not None:
+            t.model.load_state_dict(state_dict)
+        t.updater = Updater(t.model, cfg, device, t.precision)
+        t.use_batches(data)
+        return t
+
+    def use_batches(self, data: TrainData, state: TrainState | None = None) -> None:
+        """Updates from now on walk ``data`` from ``state`` (default: a new run's), the model and optimizer kept (a
+        :meth:`for_updates` trainer; a benchmark's next batch shape)."""
+        self.close_updates()
+        self.data = data
+        self._new_loop_state(state)
+        self.budget = Budget(self.cfg, data, self.state, self.rank)
+
+    def _new_loop_state(self, state: TrainState | None = None) -> None:
+        self.state = state or TrainState()
+        self.last_lr = 0.0  # the rate of the last applied update (logged as train/lr)
+        self.rank0_seconds = 0.0  # rank 0's training seconds as of the last settled update (the schedule's clock)
+        self.throughput = Throughput(time.monotonic())
+        self._plan: UpdatePlan | None = None  # updates()'s walk of the batches
 
     def _set_up_device(self) -> None:
         if self.cfg.threads > 0:
@@ -316,6 +348,38 @@ class Trainer:
                         set_rng_state(pending.rng, self.device)
                 pending = self._end(*begun) if begun is not None and not reason else None
         return reason
+
+    def updates(self, n: int, go_on: Callable[[], bool] = lambda: True, mark: str | None = None) -> list[int]:
+        """``n`` updates pipelined as :meth:`train_loop` makes them (update j + 1 begun before j is read and booked),
+        without logging, validation or checkpoints; the last one read at the end, so the state is settled between
+        calls. ``go_on``: asked before each update (False: stop early). ``mark``: each update inside a
+        ``torch.profiler`` range of that name. Returns the batches of the updates made."""
+        from torch.profiler import record_function
+
+        if self._plan is None:
+            st, cuda = self.state, self.device.type == "cuda"
+            self._plan = UpdatePlan(self.data, self.cfg.seed, st.epoch, st.position, self.rank, self.world,
+                                    self.model.start_id, prefetch=self.cfg.prefetch if cuda else 0, pin=cuda)
+        done, pending = [], None
+        for _ in range(n):
+            if not go_on():
+                break
+            with record_function(mark) if mark else contextlib.nullcontext():
+                planned = next(self._plan)
+                done += [b for b, _ in planned.batches]
+                sums = self._begin(planned, ahead=pending is not None)
+                if pending is not None:
+                    self._account(self._read(pending))
+                pending = self._end(planned, sums)
+        if pending is not None:
+            self._account(self._read(pending))
+        return done
+
+    def close_updates(self) -> None:
+        """Stop :meth:`updates`'s batch producer (a thread on a GPU)."""
+        plan, self._plan = getattr(self, "_plan", None), None
+        if plan is not None:
+            plan.close()
 
     def _maybe_log(self, bar: Any, task: Any) -> None:
         """Log the window every ``train.log_every_steps`` (and trim the CPU heap every ``_TRIM_EVERY_STEPS``)."""
