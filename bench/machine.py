@@ -112,7 +112,10 @@ def probe_under(env: dict[str, str], prefix: Sequence[str] = ()) -> dict[str, An
 def commit() -> str:
     """The checkout's commit, ``+dirty`` when tracked files differ from it."""
     def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        try:
+            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        except OSError:  # no git on this machine (a copy of the checkout sent to a GPU machine, say)
+            return ""
 
     return (git("rev-parse", "--short", "HEAD") or "?") + ("+dirty" if git("status", "--porcelain", "-uno") else "")
 
