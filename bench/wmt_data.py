@@ -18,7 +18,7 @@ Stages (``--stages``, run in this order; default gen,fetch,bpe,bucket,loader,res
   trainer's heap back) are the training's, the rest the encoding's.
   fetch reads ``--form`` (``both``: local files, then the datasets directory, a second row).
 * ``spm`` (not by default): bpe's SentencePiece training alone, and ``tokens`` (not by default): a synthetic tokens
-  artifact in place of bpe's (bench/train_data.py's), for a size whose encoding would take hours on a small CPU.
+  artifact in place of bpe's (bench/train_data.py's): a quicker look at a size whose encoding is long on a small CPU.
 * ``loader``: bench/train_data.py's measurements on these artifacts: time to rank 0's first batch for a fresh start
   (train.arrow hashed), a restart, cold and warm page cache; ``--workers`` ranks of one node holding the train data
   (the sum of their PSS against one copy).
