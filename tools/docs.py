@@ -185,7 +185,19 @@ def describe(doc: dict[str, Any]) -> str:
     path = Path(doc["path"])
     rel = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else path.name
     return (f"From [`{path.name}`](@/{rel}) ({str(doc.get('date', '?'))[:10]}, {what}, "
-            f"torch {m.get('torch', '?')}; `{doc.get('command', '?')}`).\n")
+            f"torch {m.get('torch', '?')}; `{_command(str(doc.get('command', '?')))}`).\n")
+
+
+def _command(cmd: str) -> str:
+    """A recorded command as the docs show it: the measuring machine's folders (a corpus copy, a scratch directory)
+    mean nothing to a reader, so an absolute path outside the repository keeps only its last part (``…/multi30k``);
+    one inside it is made relative."""
+    def short(word: str) -> str:
+        if not word.startswith("/"):
+            return word
+        p = Path(word)
+        return p.relative_to(REPO).as_posix() if p.is_relative_to(REPO) else f"…/{p.name}"
+    return " ".join(short(w) for w in cmd.split(" "))
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:
@@ -359,6 +371,23 @@ def render_faults(directory: Path = RESULTS) -> str:
     return _table(["scenario", "passed", "seconds"], body) + "\n" + describe(doc)
 
 
+def render_allreduce_quality(directory: Path = RESULTS) -> str:
+    """training.md: each run of the fp32 and bf16 gradient all-reduce, and bf16's difference beside the fp32 seeds'."""
+    doc = _newest("allreduce_quality", directory)
+    if doc is None:
+        return NOT_MEASURED.format(command="python bench/allreduce_quality.py")
+    f = doc["figures"]
+    body = [[r["mode"], r["seed"], r["steps"], _num(r["train_loss"], 3), _num(r["valid_ppl"]), _num(r["valid_bleu"])]
+            for r in sorted(f["runs"], key=lambda r: (r["mode"] != "fp32", r["seed"]))]
+    c = f["compare"]
+    diff = [[k.replace("_", " "), ", ".join(f"{d:+.3g}" for d in c[k]["bf16_minus_fp32"]),
+             _num(c[k]["fp32_seed_spread"], 3)] for k in ("valid_ppl", "valid_bleu", "train_loss")]
+    return (f"{f['corpus']}, the quickstart's model, {f['steps']} updates at world size {f['nproc']} ({f['precision']} "
+            "training; only the all-reduce differs).\n\n"
+            + _table(["all-reduce", "seed", "updates", "train loss", "valid ppl", "valid BLEU (greedy)"], body) + "\n"
+            + _table(["metric", "bf16 - fp32, per seed", "fp32: seed-to-seed spread"], diff) + "\n" + describe(doc))
+
+
 def render_equivalence(directory: Path = RESULTS) -> str:
     """development.md: the newest fingerprints (bench/equivalence.py) against the oldest recorded, entry by entry."""
     found = results("equivalence", directory)
@@ -481,7 +510,7 @@ RENDERERS: dict[str, Callable[..., str]] = {
     "train_throughput": render_train_throughput, "serve": render_serve, "train_data": render_train_data,
     "wmt_data": render_wmt_data,
     "faults": render_faults, "equivalence": render_equivalence, "checkouts": render_checkouts,
-    "gpu_paper": render_gpu_paper,
+    "gpu_paper": render_gpu_paper, "allreduce_quality": render_allreduce_quality,
 }
 
 
