@@ -54,7 +54,8 @@ def train(mode: str, seed: int, args: argparse.Namespace, work: Path) -> dict[st
     mtpipe("train", "--tokens", str(work / "bpe"), "--batches", str(work / "bucket"), "--out", str(out),
            "--device", "cpu", "--nproc", str(args.nproc), "--precision", "fp32", "--grad-allreduce", mode,
            "--seed", str(seed), "--max-steps", str(args.steps), "--max-epochs", "0", "--max-time", "0",
-           "--warmup", str(args.steps * 2 // 5), "--valid-every-steps", "0", "--valid-bleu-every-steps", str(args.steps),
+           "--warmup", str(args.steps * 2 // 5), "--valid-every-steps", "0",
+           "--valid-bleu-every-steps", str(args.steps),
            "--valid-bleu-sentences", "0", "--save-every-progress", "0", "--log-every-steps", "50",
            log=work / f"{mode}-seed{seed}.log")
     s = json.loads((out / "train.json").read_text(encoding="utf-8"))
@@ -80,7 +81,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=400, help="updates a run (the linear schedule ends there)")
     ap.add_argument("--seeds", default="1,2", help="train.seed values, comma-separated")
     ap.add_argument("--nproc", type=int, default=2, help="processes (world size) of each run")
-    ap.add_argument("--results", type=Path, help="the results file (default bench/results/allreduce_quality-<time>.json)")
+    ap.add_argument("--results", type=Path,
+                    help="the results file (default bench/results/allreduce_quality-<time>.json)")
     args = ap.parse_args()
     if not (args.data / "train.en.gz").exists():
         raise SystemExit(f"{args.data}: no train.en.gz (set --data or $MTPIPE_MULTI30K to a Multi30k copy)")

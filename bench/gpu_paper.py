@@ -15,10 +15,11 @@ en-de, a joint BPE vocabulary of ~37,000 pieces, ~25,000 source and target token
 * ``train``: base and big in bf16, eager and ``train.compile``, through ``mtpipe train``'s own update
   (:meth:`Trainer.updates <mtpipe.training.trainer.Trainer.updates>`: pipelined as ``train_loop`` runs them, by a
   trainer built by ``Trainer.for_updates``: the model, the :class:`~mtpipe.training.update.Updater` with its loss,
-  fused Adam, schedule and autocast; batches collated and copied as training does). Per shape: steady target tokens/s, ms an update (after warm-up updates, where a compiled
-  model compiles), peak memory, MFU against the dense bf16 peak (:data:`PEAK_BF16_TFLOPS`), and over a few updates
-  under ``torch.profiler``: GPU-busy time (the union of kernels and copies) over the unprofiled update, kernels,
-  kernel launch calls, syncs and device-to-host copies an update.
+  fused Adam, schedule and autocast; batches collated and copied as training does). Per shape: steady target
+  tokens/s, ms an update (after warm-up updates, where a compiled model compiles), peak memory, MFU against the
+  dense bf16 peak (:data:`PEAK_BF16_TFLOPS`), and over a few updates under ``torch.profiler``: GPU-busy time (the
+  union of kernels and copies) over the unprofiled update, kernels, kernel launch calls, syncs and device-to-host
+  copies an update.
 * ``checkpoint``: ``mtpipe train``'s checkpoint (weights, Adam, RNG, manifest hashes) of base and big: seconds, bytes,
   the load back. ``resume``: base, 2k updates against k, checkpoint, a new trainer resumed from it
   (``resume.restore``), k more: weights bitwise equal? (bf16 and fp32).

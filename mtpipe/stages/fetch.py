@@ -50,8 +50,9 @@ class SeenHashes:
     """A set of 64-bit hashes in a numpy open-addressing table (linear probing, load <= 0.7).
 
     8 bytes per slot: about 12 bytes per distinct pair on average (16-24 while the table doubles), versus ~70 for a
-    Python set of ints, which is what keeps deduplicating a 4.5M-pair corpus in tens of MB (36M: under 1 GB). Inserts are vectorised over a whole batch. Two different
-    pairs share a 64-bit hash with probability about n^2 / 2^65 (5e-7 for 4.5M pairs): one pair wrongly dropped.
+    Python set of ints: deduplicating tens of millions of pairs fits in well under a GB. Inserts are vectorised over
+    a whole batch. Two different pairs share a 64-bit hash with probability about n^2 / 2^65 (5e-7 for 4.5M pairs):
+    one pair wrongly dropped.
     """
 
     MAX_LOAD = 0.7

@@ -95,7 +95,8 @@ class Trainer:
         self.validator = Validator(cfg, self.data, self.model, self.tokens, self.batches, self.device, self.precision,
                                    self.rank, self.world)
         self.checkpointer = Checkpointer(self.out, self.model, self.model_config, cfg, self.tokens, self.batches,
-                                         self.world, self.precision, self.device, dict(decode or {}), spm, batches_id=self.data.batches_id)
+                                         self.world, self.precision, self.device, dict(decode or {}), spm,
+                                         batches_id=self.data.batches_id)
         # The model keys the params set, as given (before the preset fills the rest and d_k/d_v are derived): a
         # resume refused for another model names the key the user changed, not one derived from it.
         given = {k: v for k, v in to_dict(model_cfg).items() if v is not None}
