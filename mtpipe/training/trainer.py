@@ -330,10 +330,8 @@ class Trainer:
         self.rank0_seconds = budget.seconds_before
         from rich.progress import TextColumn
 
-        start_step, st, cuda = self.state.step, self.state, self.device.type == "cuda"
-        plan = UpdatePlan(self.data, self.cfg.seed, st.epoch, st.position, self.rank, self.world, self.model.start_id,
-                          prefetch=self.cfg.prefetch if cuda else 0, pin=cuda)
-        with plan, progress(TextColumn("{task.fields[stats]}")) as bar:
+        start_step = self.state.step
+        with self._walk() as plan, progress(TextColumn("{task.fields[stats]}")) as bar:
             task = bar.add_task("train", total=budget.total_steps or None, completed=self.state.step, stats="",
                                 **budget.bar_fields(start_step))
             pending: InFlight | None = None
@@ -350,6 +348,12 @@ class Trainer:
                 pending = self._end(*begun) if begun is not None and not reason else None
         return reason
 
+    def _walk(self) -> UpdatePlan:
+        """The updates' batches from the state's epoch and position on (made ahead by a thread on a GPU)."""
+        st, cuda = self.state, self.device.type == "cuda"
+        return UpdatePlan(self.data, self.cfg.seed, st.epoch, st.position, self.rank, self.world, self.model.start_id,
+                          prefetch=self.cfg.prefetch if cuda else 0, pin=cuda)
+
     def updates(self, n: int, go_on: Callable[[], bool] = lambda: True, mark: str | None = None) -> list[int]:
         """``n`` updates pipelined as :meth:`train_loop` makes them (update j + 1 begun before j is read and booked),
         without logging, validation or checkpoints; the last one read at the end, so the state is settled between
@@ -358,9 +362,7 @@ class Trainer:
         from torch.profiler import record_function
 
         if self._plan is None:
-            st, cuda = self.state, self.device.type == "cuda"
-            self._plan = UpdatePlan(self.data, self.cfg.seed, st.epoch, st.position, self.rank, self.world,
-                                    self.model.start_id, prefetch=self.cfg.prefetch if cuda else 0, pin=cuda)
+            self._plan = self._walk()
         done, pending = [], None
         for _ in range(n):
             if not go_on():
