@@ -87,11 +87,11 @@ def test_every_params_key_and_command_is_documented() -> None:
         assert f"## mtpipe {name}\n" in cli
 
 
-def write_result(directory: Path, name: str, figures: dict, **machine) -> None:
+def write_result(directory: Path, name: str, figures: dict, stamp: str = "20261201T000000Z", **machine) -> None:
     doc = {"name": name, "command": f"python bench/{name}.py", "commit": "abc1234", "date": "2026-12-01T00:00:00+00:00",
            "machine": {"cpu": {"model": "Some CPU", "cpus": 4}, "torch": "2.13.0", "native_bf16": False, "gpu": False,
                        "environment": {}, **machine}, "figures": figures}
-    (directory / f"{name}-20261201T000000Z.json").write_text(json.dumps(doc), encoding="utf-8")
+    (directory / f"{name}-{stamp}.json").write_text(json.dumps(doc), encoding="utf-8")
 
 
 def test_results_files_render_as_tables_and_no_file_as_not_measured(tmp_path: Path) -> None:
@@ -110,8 +110,23 @@ def test_results_files_render_as_tables_and_no_file_as_not_measured(tmp_path: Pa
     assert "| AVX-512 bf16 CPU | 39.50 / 39.90 | 37.4 / 37.3 | 9,000 / 9,100 |" in table
     assert "| AVX2 CPU | not measured |" in table and "4-core AVX-512 bf16 CPU" in table
     assert "Some CPU" not in table and "abc1234" not in table  # machines by capability; no commit
-    assert "| 8 | 500 | 0.50x | >= 0.70x | MISSED |" in docs.render_serve(tmp_path)
+    assert "| 8 | 500 | params.yaml's | 0.50x (0.50-0.50) | not run | – / – | >= 0.70x | MISSED |" in docs.render_serve(tmp_path)
+    # a second serving run of the same commit (other server settings) is a row of its own, with its rounds' spread
+    write_result(tmp_path, "serve", {"settings": {"clients": 8, "sentences": 500, "serve_args": "--workers 2"},
+                                     "ratio_median": 0.6, "target": ">= 0.70x", "verdict": "MISSED", "rounds": [
+        {"ratio": r, "p50_ms": p, "p99_ms": 2 * p, "ceiling_ratio": r + 0.1} for r, p in ((0.5, 40.0), (0.6, 50.0),
+                                                                                       (0.7, 60.0))]},
+                 stamp="20261201T010000Z")
+    served = docs.render_serve(tmp_path)
+    assert "| 8 | 500 | params.yaml's | 0.50x" in served and "| `--workers 2` | 0.60x (0.50-0.70) | 0.70x | 50 / 100 |" in served
     assert "1.25x fairseq" in docs._anchors("train")(tmp_path)
+    # training against the plain loop: the spread, the share of the run's own matmul peak, the target's verdict
+    ratio = {"min": 1.1, "median": 1.25, "max": 1.4}
+    write_result(tmp_path, "train_throughput", {"peaks_gflops": {"fp32": [90.0, 110.0], "bf16": []}, "rows": [
+        {"config": "base", "system": "mtpipe fp32", "tgt_tokens_per_s": 400.0, "gflops": 80.0,
+         "ratio_to_reference": ratio, "target": 1.3}]})
+    assert "| base | mtpipe fp32 | 400 | 1.25x (1.10-1.40) | 80 % | >= 1.3x: MISSED |" in docs.render_train_throughput(
+        tmp_path)
     assert "Not measured" in docs._anchors("decode")(tmp_path)
 
 

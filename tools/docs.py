@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import re
+import statistics
 import sys
 import typing
 from pathlib import Path
@@ -262,7 +263,7 @@ def render_decode_speed(directory: Path = RESULTS) -> str:
     body = [[r["row"], r["precision"], r["batches"], _num(_med(r["sentences_per_s"]), 1),
              _num(sorted(r["mtpipe_over_row_per_round"])[len(r["mtpipe_over_row_per_round"]) // 2]) + "x",
              f"{100 * r['same_as_mtpipe']:.1f} %", _num(r.get("bleu"))] for r in f["rows"]]
-    return (f"{f['model']}, {f['sentences']:,} sentences, beam {f['beam']}.\n\n"
+    return (f"{_command(str(f['model']))}, {f['sentences']:,} sentences, beam {f['beam']}.\n\n"
             + _table(["row", "precision", "batches", "sentences/s", "mtpipe's speed / the row's",
                       "same output as mtpipe", "BLEU"], body) + "\n" + describe(doc))
 
@@ -271,20 +272,43 @@ def render_train_throughput(directory: Path = RESULTS) -> str:
     doc = _newest("train_throughput", directory)
     if doc is None:
         return NOT_MEASURED.format(command="python bench/train_throughput.py")
-    body = [[r["config"], r["system"], _num(r["tgt_tokens_per_s"], 0), _num(_med(r["ratio_to_reference"])) + "x"]
-            for r in doc["figures"]["rows"]]
-    return _table(["model", "system", "target tokens/s", "x the plain loop"], body) + "\n" + describe(doc)
+    f = doc["figures"]
+    peaks = {k: statistics.median(v) for k, v in f.get("peaks_gflops", {}).items() if v}
+
+    def row(r: dict[str, Any]) -> list[str]:
+        ratio, peak = r["ratio_to_reference"], peaks.get(r["system"].split()[-1])
+        spread = f"{_num(ratio['median'])}x ({_num(ratio['min'])}-{_num(ratio['max'])})"
+        target = r.get("target")
+        verdict = "" if target is None else f">= {target}x: {'met' if ratio['median'] >= target else 'MISSED'}"
+        mfu = f"{100 * r['gflops'] / peak:.0f} %" if peak and r.get("gflops") else "–"
+        return [r["config"], r["system"], _num(r["tgt_tokens_per_s"], 0), spread, mfu, verdict]
+    return (_table(["model", "system", "target tokens/s", "x the plain loop: median (min-max) of batches",
+                    "share of the measured matmul peak", "target"], [row(r) for r in f["rows"]])
+            + "\n" + describe(doc))
 
 
 def render_serve(directory: Path = RESULTS) -> str:
+    """A row per serving run of the newest run's commit (the server's settings differ between them: workers,
+    batching), each with its spread over the rounds and its latency."""
     doc = _newest("serve", directory)
     if doc is None:
         return NOT_MEASURED.format(command="python bench/serve.py --checkpoint ... --tokens ... --sentences ...")
-    f = doc["figures"]
-    body = [[f["settings"]["clients"], f["settings"]["sentences"], _num(f["ratio_median"]) + "x", f["target"],
-             f["verdict"]]]
-    return (_table(["clients", "sentences", "served / offline decoding (median)", "target", "verdict"], body)
-            + "\n" + describe(doc))
+    same = [d for d in results("serve", directory) if d.get("commit") == doc.get("commit")]
+    body = []
+    for d in same:
+        f = d["figures"]
+        ratios = sorted(r["ratio"] for r in f.get("rounds", [])) or [f["ratio_median"]]
+        p50, p99 = (statistics.median(r[k] for r in f.get("rounds", [])) if f.get("rounds") else None
+                    for k in ("p50_ms", "p99_ms"))
+        ceiling = [r["ceiling_ratio"] for r in f.get("rounds", []) if r.get("ceiling_ratio") is not None]
+        body.append([f["settings"]["clients"], f["settings"]["sentences"], f"`{f['settings'].get('serve_args')}`"
+                     if f["settings"].get("serve_args") else "params.yaml's",
+                     f"{_num(f['ratio_median'])}x ({_num(ratios[0])}-{_num(ratios[-1])})",
+                     f"{_num(statistics.median(ceiling))}x" if ceiling else "not run",
+                     f"{_num(p50, 0)} / {_num(p99, 0)}", f["target"], f["verdict"]])
+    return (_table(["clients", "sentences", "server settings", "served / offline decoding: median (min-max)",
+                    "the workers fed directly (ceiling) / offline", "p50 / p99 latency (ms)", "target", "verdict"],
+                   body) + "\n" + "\n".join(describe(d) for d in same))
 
 
 def render_train_data(directory: Path = RESULTS) -> str:
