@@ -104,13 +104,14 @@ def test_results_files_render_as_tables_and_no_file_as_not_measured(tmp_path: Pa
     write_result(tmp_path, "serve", {"settings": {"clients": 8, "sentences": 500}, "ratio_median": 0.5,
                                      "target": ">= 0.70x", "verdict": "MISSED"})
     write_result(tmp_path, "anchors", {"smoke": False, "summary": [
-        {"group": "train small", "system": "mtpipe fp32", "unit": "src+tgt tok/s", "median": 5000.0,
-         "median_ratios": {"fairseq": 1.25}}]})
+        {"group": "train small", "system": "mtpipe fp32", "unit": "src+tgt tok/s", "median": 5000.0, "min": 4800.0,
+         "max": 5100.0, "ratios": {"fairseq": [1.2, 1.25, 1.3]}, "target": 1.5, "pass": False}]})
     table = docs.render_quickstart(tmp_path)
     assert "| AVX-512 bf16 CPU | 39.50 / 39.90 | 37.4 / 37.3 | 9,000 / 9,100 |" in table
     assert "| AVX2 CPU | not measured |" in table and "4-core AVX-512 bf16 CPU" in table
     assert "Some CPU" not in table and "abc1234" not in table  # machines by capability; no commit
-    assert "| 8 | 500 | params.yaml's | 0.50x (0.50-0.50) | not run | – / – | >= 0.70x | MISSED |" in docs.render_serve(tmp_path)
+    served = docs.render_serve(tmp_path)
+    assert "| 8 | 500 | params.yaml's | 0.50x (0.50-0.50) | not run | – / – | >= 0.70x | MISSED |" in served
     # a second serving run of the same commit (other server settings) is a row of its own, with its rounds' spread
     write_result(tmp_path, "serve", {"settings": {"clients": 8, "sentences": 500, "serve_args": "--workers 2"},
                                      "ratio_median": 0.6, "target": ">= 0.70x", "verdict": "MISSED", "rounds": [
@@ -118,7 +119,8 @@ def test_results_files_render_as_tables_and_no_file_as_not_measured(tmp_path: Pa
                                                                                        (0.7, 60.0))]},
                  stamp="20261201T010000Z")
     served = docs.render_serve(tmp_path)
-    assert "| 8 | 500 | params.yaml's | 0.50x" in served and "| `--workers 2` | 0.60x (0.50-0.70) | 0.70x | 50 / 100 |" in served
+    assert "| 8 | 500 | params.yaml's | 0.50x" in served
+    assert "| `--workers 2` | 0.60x (0.50-0.70) | 0.70x | 50 / 100 |" in served
     assert "1.25x fairseq" in docs._anchors("train")(tmp_path)
     # training against the plain loop: the spread, the share of the run's own matmul peak, the target's verdict
     ratio = {"min": 1.1, "median": 1.25, "max": 1.4}
@@ -128,6 +130,15 @@ def test_results_files_render_as_tables_and_no_file_as_not_measured(tmp_path: Pa
     assert "| base | mtpipe fp32 | 400 | 1.25x (1.10-1.40) | 80 % | >= 1.3x: MISSED |" in docs.render_train_throughput(
         tmp_path)
     assert "Not measured" in docs._anchors("decode")(tmp_path)
+    # a later run of one part (--only decode) renders that part and leaves the other part's newest run in place
+    write_result(tmp_path, "anchors", {"smoke": False, "summary": [
+        {"group": "decode quickstart", "system": "mtpipe fp32", "unit": "sentences/s", "median": 200.0, "min": 190.0,
+         "max": 210.0, "ratios": {"ctranslate2 fp32": [0.9, 0.8, 1.0]}, "target": 1.0, "pass": False}]},
+                 stamp="20261201T020000Z")
+    assert "| 190.0 / 200.0 / 210.0 | 0.90x ctranslate2 fp32 (0.80-1.00) | >= 1.0x: MISSED |" in docs._anchors(
+        "decode")(tmp_path)
+    assert "| 4,800.0 / 5,000.0 / 5,100.0 | 1.25x fairseq (1.20-1.30) | >= 1.5x: MISSED |" in docs._anchors(
+        "train")(tmp_path)
 
 
 # --------------------------------------------------------------------------------------------------------------------

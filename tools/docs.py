@@ -244,14 +244,20 @@ def _newest(prefix: str, directory: Path, keep: Callable[[dict[str, Any]], bool]
 
 def _anchors(part: str) -> Callable[[Path], str]:
     def render(directory: Path = RESULTS) -> str:
-        doc = _newest("anchors", directory, lambda d: not d.get("figures", {}).get("smoke"))
-        rows = [r for r in (doc or {}).get("figures", {}).get("summary", []) if r["group"].split()[0] == part]
+        def mine(d: dict[str, Any]) -> list[dict[str, Any]]:  # a run may measure some parts only (--only)
+            return [r for r in d.get("figures", {}).get("summary", []) if r["group"].split()[0] == part]
+        doc = _newest("anchors", directory, lambda d: not d.get("figures", {}).get("smoke") and bool(mine(d)))
+        rows = mine(doc or {})
         if not rows:
             return NOT_MEASURED.format(command=f"python -m bench.anchors --only {part}")
-        body = [[r["group"], r["system"], r["unit"], _num(r["median"]),
-                 ", ".join(f"{_num(v)}x {k}" for k, v in r.get("median_ratios", {}).items()) or "baseline"]
-                for r in rows]
-        return _table(["part", "system", "unit", "median of the rounds", "ratio (median)"], body) + "\n" + describe(doc)
+        def ratios(r: dict[str, Any]) -> str:  # each round's ratio to a baseline of the same round
+            return ", ".join(f"{_num(statistics.median(v))}x {k} ({_num(min(v))}-{_num(max(v))})"
+                             for k, v in r.get("ratios", {}).items() if v) or "baseline"
+        body = [[r["group"], r["system"], r["unit"], f"{_num(r['min'], 1)} / {_num(r['median'], 1)} / "
+                 f"{_num(r['max'], 1)}", ratios(r), "" if r.get("target") is None else
+                 f">= {r['target']}x: {'met' if r.get('pass') else 'MISSED'}"] for r in rows]
+        return (_table(["part", "system", "unit", "min / median / max of the rounds",
+                        "ratio: median (min-max) of the rounds", "target"], body) + "\n" + describe(doc))
     return render
 
 
