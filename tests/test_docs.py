@@ -130,6 +130,15 @@ def test_results_files_render_as_tables_and_no_file_as_not_measured(tmp_path: Pa
     assert "| base | mtpipe fp32 | 400 | 1.25x (1.10-1.40) | 80 % | >= 1.3x: MISSED |" in docs.render_train_throughput(
         tmp_path)
     assert "Not measured" in docs._anchors("decode")(tmp_path)
+    # decoding: each row's per-round ratios as a spread; the model's folder on the measuring machine shortened
+    write_result(tmp_path, "decode_speed", {"model": "/scratch/run/average (step 10)", "sentences": 100, "beam": 4,
+                                            "rows": [{"row": "naive", "precision": "fp32", "batches": "8,000",
+                                                      "sentences_per_s": {"median": 50.0},
+                                                      "mtpipe_over_row_per_round": [4.4, 4.0, 4.2],
+                                                      "same_as_mtpipe": 1.0, "bleu": 30.0}]})
+    speed = docs.render_decode_speed(tmp_path)
+    assert speed.startswith("…/average (step 10), 100 sentences")
+    assert "| 50.0 | 4.20x (4.00-4.40) | 100.0 % |" in speed
     # a later run of one part (--only decode) renders that part and leaves the other part's newest run in place
     write_result(tmp_path, "anchors", {"smoke": False, "summary": [
         {"group": "decode quickstart", "system": "mtpipe fp32", "unit": "sentences/s", "median": 200.0, "min": 190.0,

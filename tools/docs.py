@@ -261,16 +261,22 @@ def _anchors(part: str) -> Callable[[Path], str]:
     return render
 
 
+def _spread(ratios: list[float]) -> str:
+    """Per-round ratios as "median x (min-max)": a ratio whose spread straddles 1.00 is no difference."""
+    s = sorted(ratios)
+    return f"{_num(statistics.median(s))}x ({_num(s[0])}-{_num(s[-1])})"
+
+
 def render_decode_speed(directory: Path = RESULTS) -> str:
     doc = _newest("decode_speed", directory)
     if doc is None:
         return NOT_MEASURED.format(command="python bench/decode_speed.py --checkpoint ... --tokens ...")
     f = doc["figures"]
     body = [[r["row"], r["precision"], r["batches"], _num(_med(r["sentences_per_s"]), 1),
-             _num(sorted(r["mtpipe_over_row_per_round"])[len(r["mtpipe_over_row_per_round"]) // 2]) + "x",
+             _spread(r["mtpipe_over_row_per_round"]),
              f"{100 * r['same_as_mtpipe']:.1f} %", _num(r.get("bleu"))] for r in f["rows"]]
     return (f"{_command(str(f['model']))}, {f['sentences']:,} sentences, beam {f['beam']}.\n\n"
-            + _table(["row", "precision", "batches", "sentences/s", "mtpipe's speed / the row's",
+            + _table(["row", "precision", "batches", "sentences/s", "mtpipe's speed / the row's: median (min-max)",
                       "same output as mtpipe", "BLEU"], body) + "\n" + describe(doc))
 
 
