@@ -130,6 +130,14 @@ def test_results_files_render_as_tables_and_no_file_as_not_measured(tmp_path: Pa
     assert "| base | mtpipe fp32 | 400 | 1.25x (1.10-1.40) | 80 % | >= 1.3x: MISSED |" in docs.render_train_throughput(
         tmp_path)
     assert "Not measured" in docs._anchors("decode")(tmp_path)
+    # quality at an equal budget: each side's choice on valid, its test BLEU, the difference against the target
+    side = {"updates": 3000, "model": "average", "alpha": 1.0, "length_penalty": "|Y|^alpha",
+            "valid_bleu": {"average alpha=1": 38.0, "last alpha=1": 37.0}, "bleu": 37.5}
+    write_result(tmp_path, "anchors-quality", {"quality": {"minutes": 37.0, "fairseq": side, "mtpipe": {
+        **side, "bleu": 38.0}, "delta_bleu": 0.5, "pass": False}})
+    quality = docs.render_quality(tmp_path)
+    assert "| mtpipe | 3,000 | average, 1 (\\|Y\\|^alpha) | 38.00 | 38.00 |" in quality  # a cell's bars escaped
+    assert "mtpipe - fairseq: +0.50 BLEU (target >= +1: MISSED)" in quality
     # decoding: each row's per-round ratios as a spread; the model's folder on the measuring machine shortened
     write_result(tmp_path, "decode_speed", {"model": "/scratch/run/average (step 10)", "sentences": 100, "beam": 4,
                                             "rows": [{"row": "naive", "precision": "fp32", "batches": "8,000",

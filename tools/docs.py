@@ -242,6 +242,12 @@ def _newest(prefix: str, directory: Path, keep: Callable[[dict[str, Any]], bool]
     return found[-1] if found else None
 
 
+def _spread(ratios: list[float]) -> str:
+    """Per-round ratios as "median x (min-max)": a ratio whose spread straddles 1.00 is no difference."""
+    s = sorted(ratios)
+    return f"{_num(statistics.median(s))}x ({_num(s[0])}-{_num(s[-1])})"
+
+
 def _anchors(part: str) -> Callable[[Path], str]:
     def render(directory: Path = RESULTS) -> str:
         def mine(d: dict[str, Any]) -> list[dict[str, Any]]:  # a run may measure some parts only (--only)
@@ -251,20 +257,14 @@ def _anchors(part: str) -> Callable[[Path], str]:
         if not rows:
             return NOT_MEASURED.format(command=f"python -m bench.anchors --only {part}")
         def ratios(r: dict[str, Any]) -> str:  # each round's ratio to a baseline of the same round
-            return ", ".join(f"{_num(statistics.median(v))}x {k} ({_num(min(v))}-{_num(max(v))})"
-                             for k, v in r.get("ratios", {}).items() if v) or "baseline"
+            return ", ".join(f"{_spread(v).replace('x (', f'x {k} (', 1)}" for k, v in r.get("ratios", {}).items()
+                             if v) or "baseline"
         body = [[r["group"], r["system"], r["unit"], f"{_num(r['min'], 1)} / {_num(r['median'], 1)} / "
                  f"{_num(r['max'], 1)}", ratios(r), "" if r.get("target") is None else
                  f">= {r['target']}x: {'met' if r.get('pass') else 'MISSED'}"] for r in rows]
         return (_table(["part", "system", "unit", "min / median / max of the rounds",
                         "ratio: median (min-max) of the rounds", "target"], body) + "\n" + describe(doc))
     return render
-
-
-def _spread(ratios: list[float]) -> str:
-    """Per-round ratios as "median x (min-max)": a ratio whose spread straddles 1.00 is no difference."""
-    s = sorted(ratios)
-    return f"{_num(statistics.median(s))}x ({_num(s[0])}-{_num(s[-1])})"
 
 
 def render_decode_speed(directory: Path = RESULTS) -> str:
@@ -309,13 +309,13 @@ def render_serve(directory: Path = RESULTS) -> str:
     body = []
     for d in same:
         f = d["figures"]
-        ratios = sorted(r["ratio"] for r in f.get("rounds", [])) or [f["ratio_median"]]
+        ratios = [r["ratio"] for r in f.get("rounds", [])] or [f["ratio_median"]]
         p50, p99 = (statistics.median(r[k] for r in f.get("rounds", [])) if f.get("rounds") else None
                     for k in ("p50_ms", "p99_ms"))
         ceiling = [r["ceiling_ratio"] for r in f.get("rounds", []) if r.get("ceiling_ratio") is not None]
         body.append([f["settings"]["clients"], f["settings"]["sentences"], f"`{f['settings'].get('serve_args')}`"
                      if f["settings"].get("serve_args") else "params.yaml's",
-                     f"{_num(f['ratio_median'])}x ({_num(ratios[0])}-{_num(ratios[-1])})",
+                     _spread(ratios),
                      f"{_num(statistics.median(ceiling))}x" if ceiling else "not run",
                      f"{_num(p50, 0)} / {_num(p99, 0)}", f["target"], f["verdict"]])
     return (_table(["clients", "sentences", "server settings", "served / offline decoding: median (min-max)",
@@ -494,17 +494,18 @@ def render_gpu_paper(directory: Path = RESULTS) -> str:
 
 
 def render_quality(directory: Path = RESULTS) -> str:
+    """Each side's updates in the same minutes, the model and alpha it chose on valid, its test BLEU; the
+    difference against the target (mtpipe at least 1 BLEU above fairseq)."""
     doc = _newest("anchors-quality", directory)
     if doc is None:
         return NOT_MEASURED.format(command="python -m bench.anchors --quality-run DIR --tokens DIR")
-    flat = [[k, v] for k, v in _flatten(doc["figures"].get("quality", {})) if isinstance(v, (int, float, str))]
-    return _table(["figure", "value"], flat[:20]) + "\n" + describe(doc)
-
-
-def _flatten(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    if not isinstance(tree, dict):
-        return [(prefix, tree)]
-    return [kv for k, v in tree.items() for kv in _flatten(v, f"{prefix}.{k}" if prefix else str(k))]
+    q = doc["figures"]["quality"]
+    body = [[s, _num(q[s].get("updates"), 0), f"{q[s]['model']}, {q[s]['alpha']:g} ({q[s]['length_penalty'].replace('|', chr(92) + '|')})",
+             _num(max(q[s]["valid_bleu"].values())), _num(q[s]["bleu"])] for s in ("fairseq", "mtpipe")]
+    verdict = f"mtpipe - fairseq: {q['delta_bleu']:+.2f} BLEU (target >= +1: {'met' if q['pass'] else 'MISSED'})"
+    return (f"{_num(q['minutes'], 1)} minutes of training each.\n\n"
+            + _table(["system", "updates", "model, alpha (chosen on valid)", "valid BLEU", "test BLEU"], body)
+            + "\n" + verdict + ".\n\n" + describe(doc))
 
 
 LAYERS = [("foundation", "", "errors, environment, console, atomic writing, artifact formats, settings"),
