@@ -203,7 +203,7 @@ def _command(cmd: str) -> str:
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]  # a cell's bars kept
     return "\n".join(lines) + "\n"
 
 
@@ -242,10 +242,10 @@ def _newest(prefix: str, directory: Path, keep: Callable[[dict[str, Any]], bool]
     return found[-1] if found else None
 
 
-def _spread(ratios: list[float]) -> str:
-    """Per-round ratios as "median x (min-max)": a ratio whose spread straddles 1.00 is no difference."""
+def _spread(ratios: list[float], against: str = "") -> str:
+    """Per-round ratios as "median x [against] (min-max)": a ratio whose spread straddles 1.00 is no difference."""
     s = sorted(ratios)
-    return f"{_num(statistics.median(s))}x ({_num(s[0])}-{_num(s[-1])})"
+    return f"{_num(statistics.median(s))}x {against + ' ' if against else ''}({_num(s[0])}-{_num(s[-1])})"
 
 
 def _anchors(part: str) -> Callable[[Path], str]:
@@ -257,8 +257,7 @@ def _anchors(part: str) -> Callable[[Path], str]:
         if not rows:
             return NOT_MEASURED.format(command=f"python -m bench.anchors --only {part}")
         def ratios(r: dict[str, Any]) -> str:  # each round's ratio to a baseline of the same round
-            return ", ".join(f"{_spread(v).replace('x (', f'x {k} (', 1)}" for k, v in r.get("ratios", {}).items()
-                             if v) or "baseline"
+            return ", ".join(_spread(v, k) for k, v in r.get("ratios", {}).items() if v) or "baseline"
         body = [[r["group"], r["system"], r["unit"], f"{_num(r['min'], 1)} / {_num(r['median'], 1)} / "
                  f"{_num(r['max'], 1)}", ratios(r), "" if r.get("target") is None else
                  f">= {r['target']}x: {'met' if r.get('pass') else 'MISSED'}"] for r in rows]
@@ -289,7 +288,7 @@ def render_train_throughput(directory: Path = RESULTS) -> str:
 
     def row(r: dict[str, Any]) -> list[str]:
         ratio, peak = r["ratio_to_reference"], peaks.get(r["system"].split()[-1])
-        spread = f"{_num(ratio['median'])}x ({_num(ratio['min'])}-{_num(ratio['max'])})"
+        spread = _spread([ratio["min"], ratio["median"], ratio["max"]])
         target = r.get("target")
         verdict = "" if target is None else f">= {target}x: {'met' if ratio['median'] >= target else 'MISSED'}"
         mfu = f"{100 * r['gflops'] / peak:.0f} %" if peak and r.get("gflops") else "–"
@@ -500,7 +499,7 @@ def render_quality(directory: Path = RESULTS) -> str:
     if doc is None:
         return NOT_MEASURED.format(command="python -m bench.anchors --quality-run DIR --tokens DIR")
     q = doc["figures"]["quality"]
-    body = [[s, _num(q[s].get("updates"), 0), f"{q[s]['model']}, {q[s]['alpha']:g} ({q[s]['length_penalty'].replace('|', chr(92) + '|')})",
+    body = [[s, _num(q[s].get("updates"), 0), f"{q[s]['model']}, {q[s]['alpha']:g} ({q[s]['length_penalty']})",
              _num(max(q[s]["valid_bleu"].values())), _num(q[s]["bleu"])] for s in ("fairseq", "mtpipe")]
     verdict = f"mtpipe - fairseq: {q['delta_bleu']:+.2f} BLEU (target >= +1: {'met' if q['pass'] else 'MISSED'})"
     return (f"{_num(q['minutes'], 1)} minutes of training each.\n\n"
