@@ -31,6 +31,13 @@ so that it decodes away from the bpe artifact (:func:`checkpoint_spm` validates 
 :data:`mtpipe.config.RECORDED_DECODE`), which ``decode`` and ``serve`` use where neither params.yaml nor a flag sets
 them.
 
+Lineage of a fine-tune (an addition: the checkpoint format stays 2, an older mtpipe ignores it): a checkpoint of a
+run started from another checkpoint's weights (``train.finetune_from``) records that parent in
+``extra["finetuned_from"]`` = ``{"path": as given, "sha256": the parent's manifest hash, "step": its step}``, and an
+average of such checkpoints carries it on; a bpe artifact encoded with a checkpoint's SentencePiece model
+(``bpe.from_model``) records that checkpoint alike in ``extra["from_model"]`` (and its manifest hash under
+``upstream["checkpoint"]``). :func:`read_lineage` validates either record.
+
 Batches ``train.arrow``: the train batches again, with their sentences' token ids, one row per batch in the order of
 ``train.parquet``, as an uncompressed Arrow IPC file (:data:`BATCH_TOKENS_SCHEMA`, record batches of whole batches)
 that training memory-maps (:func:`open_ipc`): the processes of a node share one copy through the page cache instead
@@ -47,6 +54,14 @@ When decode translated a split of the bpe artifact, ``split`` is that corpus spl
 from, so ``score`` pairs hypotheses with references by id and row order never matters. When decode translated raw
 text (``--input``), ``extra["split"]`` is ``null``, the artifact holds exactly one ``*.parquet`` file and ``id`` is the
 0-based input line number; ``score`` then pairs rows in id order with the reference lines.
+
+Partial hypotheses (``decode --input FILE --out OUT`` in more than one chunk, ``decode.chunk_lines``): the finished
+chunks wait in the hidden sibling ``.OUT.partial`` (:func:`partial_dir`) until the artifact is assembled from them and
+they are removed: ``chunk-NNNNNN.parquet`` (the hypotheses schema, one file per chunk, written under a temporary name
+and renamed) and :data:`PARTIAL_PROGRESS` (format :data:`PARTIAL_FORMAT`): what made them (the decode settings, the
+model's manifest hashes, the input's size, mtime and a hash of its first and last bytes) and each finished chunk's
+file, rows, hash, truncated sources and the input's byte offset after it. A rerun of the same command continues after
+the last finished chunk; a rerun with anything of that different starts over. mtpipe removes only these names there.
 """
 
 from __future__ import annotations
@@ -83,6 +98,16 @@ FORMAT_VERSIONS: dict[str, int] = {
 
 # Earlier versions a reader still accepts: a format-1 checkpoint is a format-2 one without spm.model.
 OLDER_READABLE: dict[str, tuple[int, ...]] = {"checkpoint": (1,)}
+
+# decode's finished chunks of a file (the module docstring): the progress record in partial_dir(out), its format.
+PARTIAL_PROGRESS, PARTIAL_FORMAT = "progress.json", 1
+
+
+def partial_dir(out: Path | str) -> Path:
+    """Where ``decode`` keeps the finished chunks of the hypotheses artifact ``out`` (the module docstring)."""
+    out = Path(out)
+    return out.parent / f".{out.name}.partial"
+
 
 # Special token ids shared by the SentencePiece model, the batches and the Transformer's embedding table.
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -394,6 +419,9 @@ RUN_ENTRIES = (CHECKPOINTS, "live", "train.json", "train.log", "best.json", "clo
 WEIGHTS, TRAINER_STATE = "model.safetensors", "trainer.pt"
 # The SentencePiece model a checkpoint carries (format 2), and the bpe artifact's listing of its pieces.
 CHECKPOINT_SPM, CHECKPOINT_SPM_VOCAB = "spm.model", "spm.vocab"
+# The lineage records (read_lineage): a checkpoint's parent (train.finetune_from), a bpe artifact's checkpoint
+# (bpe.from_model).
+FINETUNED_FROM, FROM_MODEL = "finetuned_from", "from_model"
 # train.stop_metric -> (the valid/* curve it reads, whether higher is better). Training records that curve's value at
 # a checkpoint's step in its manifest (``extra["valid"]``), and ``mtpipe average --select best`` ranks checkpoints by it.
 STOP_METRICS = {"valid_ppl": ("valid/ppl", False), "valid_bleu": ("valid/bleu", True)}
@@ -480,6 +508,26 @@ def checkpoint_spm(path: Path | str, m: Manifest) -> Path | None:
         raise MtpipeError(f"{spm}: is not the SentencePiece model of the checkpoint's vocabulary (vocab.spm_sha256 "
                           f"{bare_sha(vocab.get('spm_sha256'))[:12]}..., the file {bare_sha(m.files[name])[:12]}...)")
     return spm
+
+
+def lineage_record(path: Path | str, m: Manifest) -> dict[str, Any]:
+    """The lineage record naming the checkpoint ``path`` (manifest ``m``): its path as given, its manifest's hash
+    (which holds the hashes of its weights) and its step (the module docstring)."""
+    return {"path": str(path), "sha256": manifest_hash(path), "step": m.extra.get("step")}
+
+
+def read_lineage(path: Path | str, m: Manifest, key: str) -> dict[str, Any] | None:
+    """The lineage record ``extra[key]`` of an artifact (``finetuned_from`` of a checkpoint, ``from_model`` of a bpe
+    artifact; the module docstring), validated: None when absent, an error naming the manifest when malformed."""
+    record = m.extra.get(key)
+    if record is None:
+        return None
+    if (not isinstance(record, dict) or not isinstance(record.get("path"), str)
+            or not str(record.get("sha256", "")).startswith("sha256:")
+            or not (record.get("step") is None or type(record.get("step")) is int)):
+        raise MtpipeError(f"{Path(path) / MANIFEST}: extra.{key} = {record!r} is not a lineage record (path, "
+                          "sha256:<manifest hash>, step)")
+    return {"path": record["path"], "sha256": record["sha256"], "step": record.get("step")}
 
 
 @dataclass

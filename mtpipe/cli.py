@@ -318,6 +318,7 @@ def _in(name: str, default: str | None, help: str, flag: str, tp: Any = Path) ->
 # --tokens of the commands that load a checkpoint: optional, a checkpoint carries its SentencePiece model.
 TOKENS_HELP = ("The bpe artifact whose SentencePiece model to use \\[default: the checkpoint's own copy; for a "
                f"checkpoint without one, {PATHS['bpe']}].")
+CHECKPOINT_HELP = f"Checkpoint directory \\[default: {PATHS['average']}]; with --engine ctranslate2 also an export. "
 
 
 @stage_command(
@@ -348,9 +349,10 @@ def _local_source(source: str) -> Path | None:
         _in("spm_model", None, "Encode with this existing SentencePiece model instead of training one.", "--spm-model",
             Optional[Path]),
     ],
+    config_inputs=lambda cfg, options: [cfg.bpe.from_model],  # a checkpoint whose SentencePiece model to take
 )
 def bpe(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
-    """Train a joint SentencePiece BPE model on train and encode every split to token ids."""
+    """Train a joint SentencePiece BPE model on train (or use a checkpoint's: --from-model); encode every split."""
     from mtpipe.stages.bpe import tokenize_corpus
 
     tokenize_corpus(cfg.bpe, corpus=opts.corpus, out=opts.out, spm_model=opts.spm_model, force=opts.force)
@@ -380,6 +382,7 @@ def bucket(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
         _out("run", PATHS["train"], f"Run directory (checkpoints, logs) \\[default: {PATHS['train']}]; training "
              "resumes from its latest checkpoint."),
     ],
+    config_inputs=lambda cfg, options: [cfg.train.finetune_from],  # the parent of a fine-tune
 )
 def train(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Train the Transformer: in this process, or on train.nproc processes (torchrun) running this same command.
@@ -426,8 +429,9 @@ def average(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     "decode",
     [DecodeConfig],
     [
-        _in("checkpoint", PATHS["average"], "Checkpoint directory (trained or averaged); with --engine ctranslate2 "
-            "also a CTranslate2 export (`mtpipe export`).", "--checkpoint"),
+        _in("checkpoint", None, CHECKPOINT_HELP + "Given more than once: an ensemble, their output probabilities "
+            "averaged at each step (the checkpoints after the first replace decode.ensemble).", "--checkpoint",
+            Optional[list[Path]]),
         _in("tokens", None, "The bpe artifact: its SentencePiece model \\[default: the checkpoint's own copy, else "
             f"{PATHS['bpe']}'s] and, without --input, its encoded splits \\[default: {PATHS['bpe']}].", "--tokens",
             Optional[Path]),
@@ -438,37 +442,45 @@ def average(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
         Opt("stats", Optional[bool], None, "Print the summary table (speed, tokens, mean score) to stderr \\[default: "
             "yes, unless the input is stdin or stdout is a terminal].", ("--stats/--no-stats",)),
     ],
-    below=checkpoint_decode,
-    # A split is read from the default bpe artifact when --tokens names none.
-    config_inputs=lambda cfg, options: [PATHS["bpe"]] if options["tokens"] is None and options["input"] is None
-    else [],
+    below=lambda options: checkpoint_decode({"checkpoint": _checkpoints(options["checkpoint"])[0]}),
+    # A split is read from the default bpe artifact when --tokens names none; decode.ensemble's models are inputs.
+    config_inputs=lambda cfg, options: ([PATHS["bpe"]] if options["tokens"] is None and options["input"] is None
+                                        else []) + _checkpoints(options["checkpoint"]) + cfg.decode.ensemble,
 )
 def decode(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     """Translate with batched beam search (a bpe split, or raw text from --input FILE or '-' = stdin); --engine
-    ctranslate2 decodes through CTranslate2 instead. Settings params.yaml and flags leave unset come from the
-    checkpoint's record, else the defaults."""
+    ctranslate2 decodes through CTranslate2 instead; --checkpoint given more than once decodes an ensemble.
+    Settings params.yaml and flags leave unset come from the checkpoint's record, else the defaults."""
     from mtpipe.stages.decode import translate_inputs
 
-    translate_inputs(cfg.decode, checkpoint=opts.checkpoint, tokens=opts.tokens, input=opts.input, out=opts.out,
-        force=opts.force, stats=opts.stats)
+    first, *others = _checkpoints(opts.checkpoint)
+    translate_inputs(dataclasses.replace(cfg.decode, ensemble=[str(p) for p in others] or cfg.decode.ensemble),
+                     checkpoint=first, tokens=opts.tokens, input=opts.input, out=opts.out, force=opts.force,
+                     stats=opts.stats)
+
+
+def _checkpoints(given: list[Path] | None, most: int = 0) -> list[Path]:
+    """--checkpoint's values (at most ``most`` of them; 0: any), else the default checkpoint."""
+    if most and given and len(given) > most:
+        raise MtpipeError(f"--checkpoint: given {len(given)} times; mtpipe serve serves one model (decode ensembles)")
+    return list(given) if given else [Path(PATHS["average"])]
 
 
 @stage_command(
     "serve",
     [ServeConfig, DecodeConfig],
     [
-        _in("checkpoint", PATHS["average"], "Checkpoint directory (trained or averaged); with --engine ctranslate2 "
-            "also a CTranslate2 export (`mtpipe export`).", "--checkpoint"),
+        _in("checkpoint", None, CHECKPOINT_HELP + "One: a server serves one.", "--checkpoint", Optional[list[Path]]),
         _in("tokens", None, TOKENS_HELP, "--tokens", Optional[Path]),
     ],
-    below=checkpoint_decode,
+    below=lambda options: checkpoint_decode({"checkpoint": _checkpoints(options["checkpoint"], most=1)[0]}),
 )
 def serve(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
-    """Serve translations over HTTP (POST /translate, GET /health, GET /info), concurrent requests decoded together
+    """Serve translations over HTTP (POST /translate, GET /health/ready, /metrics, /info), requests decoded together
     in dynamic batches; decoding settings from the decode section. Needs `pip install 'mtpipe\\[serve]'`."""
     from mtpipe.serve.app import serve_model
 
-    serve_model(cfg.serve, cfg.decode, checkpoint=opts.checkpoint, tokens=opts.tokens)
+    serve_model(cfg.serve, cfg.decode, checkpoint=_checkpoints(opts.checkpoint, most=1)[0], tokens=opts.tokens)
 
 
 @stage_command(
@@ -477,12 +489,12 @@ def serve(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
     [
         _in("hyp", PATHS["decode"], "Hypotheses: a text file ('-' = stdin), or decode's output directory.", "--hyp"),
         _in("ref", PATHS["fetch"], "References: a text file, or the fetch artifact.", "--ref"),
-        _in("baseline", None, "metrics JSON to compare with (with --max-drop).", "--baseline", Optional[Path]),
+        _in("baseline", None, "metrics JSON the baseline gates compare with.", "--baseline", Optional[Path]),
         _out("metrics", None, "Also write the metrics JSON to this file (the pipeline's is metrics/score.json)."),
     ],
 )
 def score(cfg: SimpleNamespace, opts: SimpleNamespace) -> None:
-    """BLEU, chrF2 and TER with sacreBLEU. Exit status: 0 ok, 1 bad input, 3 gate failed (metrics still written)."""
+    """BLEU, chrF2 and TER with sacreBLEU, and CI gates on them (exit statuses: docs/ci.md)."""
     from mtpipe.stages.score import score_hypotheses
 
     score_hypotheses(cfg.score, hyp=opts.hyp, ref=opts.ref, baseline=opts.baseline, out=opts.out, force=opts.force)

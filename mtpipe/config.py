@@ -1,7 +1,8 @@
 """params.yaml's sections: one frozen dataclass each, with every rule its values must follow, however it is built.
 
-A key's own rules (type, range, choices) are its field's (:func:`_h`); rules across keys of a section, its
-:meth:`Section.check`; rules across sections, :func:`check_sections`. Each field is also a flag of the commands that
+A key's own rules (type, range, choices) are its field's (:func:`mtpipe.sections._h`); rules across keys of a section,
+its :meth:`Section.check`; rules across sections, :func:`check_sections`. The sections of the commands that use a
+trained model (decode, score, export, serve) are in :mod:`mtpipe.config_inference`; all of them are read from here. Each field is also a flag of the commands that
 read its section, so ``dvc.yaml`` passes paths only. :mod:`mtpipe.params` layers params.yaml and flags into sections.
 Light (no torch, no pyarrow): the CLI builds its options from these classes at start-up.
 """
@@ -9,35 +10,17 @@ Light (no torch, no pyarrow): the CLI builds its options from these classes at s
 from __future__ import annotations
 
 import dataclasses
-import math
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
+from mtpipe.config_inference import (MAX_BEAM, PRUNE_HELP, RECORDED_DECODE, DecodeConfig, ExportConfig, ScoreConfig,
+                                     ServeConfig)
 from mtpipe.errors import MtpipeError
+from mtpipe.sections import Section, _h, check_rules, to_dict
 
-
-def _h(text: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-       lt: float | None = None, choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
-    """A dataclass field with a help string (``mtpipe <stage> --help``) and the rules its value must follow when a
-    section is built (:class:`Section`): a finite number ``>= ge``, ``> gt``, ``<= le``, ``< lt``; one of
-    ``choices``. ``None`` (for optional fields) passes every rule."""
-    rules = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices}
-    return field(metadata={"help": text, **{k: v for k, v in rules.items() if v is not None}}, **kw)
-
-
-class Section:
-    """Base of every params section: the fields' rules, then :meth:`check`'s, hold however a section is built."""
-
-    SECTION: typing.ClassVar[str]
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            check_rules(type(self), f.name, getattr(self, f.name), f.metadata, "params")
-        self.check()
-
-    def check(self) -> None:
-        """The rules across this section's keys (an :class:`MtpipeError` naming them); none here."""
+# The sections of mtpipe.config_inference, the limits and rules of mtpipe.sections: read from here like the rest.
+_ = (MAX_BEAM, PRUNE_HELP, RECORDED_DECODE, DecodeConfig, ExportConfig, ScoreConfig, ServeConfig, check_rules, to_dict)
 
 
 @dataclass(frozen=True)
@@ -68,6 +51,19 @@ class FetchConfig(Section):
                           default=9.0, ge=1)
     dedup: bool = _h("Train: drop exact duplicate (src, tgt) pairs.", default=True)
     revision: Optional[str] = _h("Hugging Face dataset revision (git tag / commit) for reproducibility.", default=None)
+    train_slice: str = _h("Train: only the rows START:END of the source's train split (0-based, END excluded, either "
+                          "may be left out: '14500:'), taken before cleaning; ids stay the rows' indices. '' = all.",
+                          default="")
+    hypotheses: Optional[str] = _h("Train: a hypotheses artifact (mtpipe decode --out) of the train split of "
+                                   "fetch.source, which must then be a corpus artifact: its translations replace "
+                                   "that corpus's target side, matched by id (back-translation, distillation). "
+                                   "null = the source's own pairs.", default=None)
+    tag: str = _h("Train: a token put before every source sentence of this source's train pairs (tagged "
+                  "back-translation, Caswell et al. 2019); valid and test are never tagged. '' = none.", default="")
+    add_train: list = _h("More train sources, appended after fetch.source's train split and cleaned with it (one "
+                         "set of duplicates): a list of mappings with the keys source (required), train_slice, "
+                         "hypotheses and tag, each as the fetch key of that name. Their ids follow the rows before "
+                         "them.", default_factory=list)
 
     def check(self) -> None:
         if self.src_lang == self.tgt_lang:
@@ -75,6 +71,34 @@ class FetchConfig(Section):
         if self.max_len < max(self.min_len, 1):
             raise MtpipeError(f"fetch.min_len={self.min_len} / fetch.max_len={self.max_len}: need 0 <= min_len <= "
                               "max_len")
+        train_slice(self.train_slice, "fetch.train_slice")
+        for i, entry in enumerate(self.add_train):
+            where = f"fetch.add_train[{i}]"
+            if not isinstance(entry, dict) or not isinstance(entry.get("source"), str) or not entry["source"]:
+                raise MtpipeError(f"{where}: must be a mapping with a 'source' (and optionally train_slice, "
+                                  f"hypotheses, tag), got {entry!r}")
+            for key, value in entry.items():
+                if key not in ("source", "train_slice", "hypotheses", "tag"):
+                    raise MtpipeError(f"{where}: unknown key '{key}' (known: source, train_slice, hypotheses, tag)")
+                if not (isinstance(value, str) or (key == "hypotheses" and value is None)):
+                    raise MtpipeError(f"{where}.{key} = {value!r} is not a string")
+            train_slice(entry.get("train_slice", ""), f"{where}.train_slice")
+
+
+def train_slice(text: str, key: str) -> tuple[int, Optional[int]]:
+    """``fetch.train_slice`` "START:END" -> (start, end or None); '' is every row."""
+    start, colon, end = text.partition(":")
+    try:
+        if not text.strip():
+            return 0, None
+        if not colon:
+            raise ValueError
+        first, last = int(start) if start.strip() else 0, int(end) if end.strip() else None
+    except ValueError:
+        raise MtpipeError(f"{key} = {text!r}: expected START:END (row numbers, either may be left out)") from None
+    if first < 0 or (last is not None and last <= first):
+        raise MtpipeError(f"{key} = {text!r}: need 0 <= START < END")
+    return first, last
 
 
 @dataclass(frozen=True)
@@ -95,6 +119,11 @@ class BpeConfig(Section):
     dropout_copies: int = _h("Extra encodings of train with bpe.dropout, each a different sample, stored after the "
                              "usual one (an epoch then covers 1 + dropout_copies encodings); valid and test are "
                              "never sampled.", default=0, ge=0)
+    from_model: Optional[str] = _h("A checkpoint directory (trained, averaged or imported) whose SentencePiece model "
+                                   "encodes the corpus instead of a newly trained one: the vocabulary of the model to "
+                                   "fine-tune (train.finetune_from), identical by construction; vocab_size, "
+                                   "character_coverage and sample_sentences are then unused. null = train a new "
+                                   "model.", default=None)
 
     def check(self) -> None:
         if self.vocab_size <= SPECIAL_TOKENS:
@@ -103,6 +132,8 @@ class BpeConfig(Section):
         if (self.dropout > 0) != (self.dropout_copies > 0):
             raise MtpipeError(f"bpe.dropout={self.dropout} with bpe.dropout_copies={self.dropout_copies}: BPE-dropout "
                               "needs both (a probability > 0 and at least one extra copy of train), or neither")
+        if self.from_model is not None and not self.from_model.strip():
+            raise MtpipeError("bpe.from_model: an empty path (null: train a new SentencePiece model)")
 
 
 SPECIAL_TOKENS = 4  # pad, unk, bos, eos: the first ids of every vocabulary (mtpipe.artifacts.SPECIALS)
@@ -114,7 +145,7 @@ class BucketConfig(Section):
 
     SECTION: typing.ClassVar[str] = "bucket"
 
-    max_tokens: int = _h("Per-batch cap on padded tokens per side (one GPU / process).", default=4096, ge=1)
+    max_tokens: int = _h("Per-batch cap on padded tokens per side (a micro-batch's at most).", default=4096, ge=1)
     max_len: int = _h("Train pairs with a side longer than this many positions (incl. EOS) are dropped.",
                       default=256, ge=2)
     multiple_of: int = _h("Sentence count per batch is a multiple of this (tensor-core friendly).", default=8, ge=1)
@@ -213,11 +244,6 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-# The largest beam (decode.beam, decode.nbest, train.valid_bleu_beam, attention --beam). Translation quality stops
-# improving after a beam of a few, and past a few dozen it falls (Koehn & Knowles 2017, "Six Challenges for Neural
-# Machine Translation"; Stahlberg & Byrne 2019); the decoder holds beam x the batch's rows and a top-k over beam x
-# vocabulary scores each step, so a beam of thousands only costs time and memory.
-MAX_BEAM = 128
 
 
 @dataclass(frozen=True)
@@ -229,8 +255,10 @@ class TrainConfig(Section):
     seed: int = _h("Random seed (model init, dropout, batch order).", default=1, ge=0)
     nproc: str = _h("Processes for the torchrun launcher: 'auto' (every visible GPU, else 1 CPU process) or a number.",
                     default="auto")
-    tokens_per_update: int = _h("Target tokens per optimizer step across all processes (paper ~25000); sets "
-                                "gradient accumulation.", default=25000, ge=1)
+    tokens_per_update: int = _h("Target tokens per optimizer step across all processes (paper ~25000): "
+                                "ceil(tokens_per_update / bucket.max_tokens) batches per update on any number of "
+                                "processes (accumulated, or shared by more processes than batches; within 10 %).",
+                                default=25000, ge=1)
     max_steps: int = _h("Stop after this many updates (paper: base 100k, big 300k). 0 = no limit.", default=100_000,
                         ge=0)
     max_epochs: int = _h("Stop after this many epochs. 0 = no limit.", default=0, ge=0)
@@ -246,8 +274,10 @@ class TrainConfig(Section):
     adam_eps: float = _h("Adam epsilon.", default=1e-9, gt=0)
     clip_norm: float = _h("Clip the gradient norm to this (0 = no clipping).", default=0.0, ge=0)
     label_smoothing: float = _h("epsilon_ls (paper section 5.4).", default=0.1, ge=0, lt=1)
-    precision: str = _h("fp32, bf16 (autocast, GPU and CPU), fp16 (GPU, grad scaler) or auto.", default="auto",
-                        choices=("auto", "fp32", "bf16", "fp16"))
+    precision: str = _h("fp32, bf16 (autocast, GPU and CPU), fp16 (GPU, grad scaler) or auto: bf16 on a GPU that "
+                        "torch reports bf16 support for and on a CPU with native bf16 (AVX-512 bf16 / AMX), else fp16 "
+                        "with a grad scaler on a GPU and fp32 on a CPU. The paper's arithmetic is fp32.",
+                        default="auto", choices=("auto", "fp32", "bf16", "fp16"))
     compile: bool = _h("torch.compile the model's forward (the first updates pay its compilation).", default=False)
     grad_allreduce: str = _h("DDP's gradient all-reduce in fp32 (exact) or bf16 (half the bytes; rounded to bf16 "
                              "before the sum).", default="fp32", choices=("fp32", "bf16"))
@@ -276,6 +306,9 @@ class TrainConfig(Section):
                        "improvement. 0 = off.", default=0, ge=0)
     log_every_steps: int = _h("Log training metrics every this many updates.", default=10, ge=1)
     max_bad_steps: int = _h("Stop with an error after this many non-finite losses in a row.", default=5, ge=1)
+    max_overflow_steps: int = _h("fp16: stop with an error naming the loss scale and the last checkpoint after this "
+                                 "many updates in a row skipped for inf/nan gradients with a finite loss (each halves "
+                                 "the loss scale: 30 leave 2^-30 of it, a run that no longer learns).", default=30, ge=1)
     device: str = _h("auto (cuda:LOCAL_RANK when a GPU is visible, else cpu), cpu or cuda.", default="auto")
     max_restarts: int = _h("torchrun --max-restarts for the stages/train.py launcher: a crashed worker group is "
                            "restarted and resumes from the last checkpoint.", default=0, ge=0)
@@ -290,6 +323,13 @@ class TrainConfig(Section):
                                "last step. 0 = off.", default=0.0, ge=0, lt=1)
     drophead_end: Optional[float] = _h("DropHead probability at the last step (null = drophead_start).", default=None,
                                        ge=0, lt=1)
+    finetune_from: Optional[str] = _h(
+        "Fine-tuning (domain adaptation): a checkpoint directory (a training checkpoint, an `mtpipe average` output "
+        "or an `mtpipe import`ed model) whose weights the run starts from, with a fresh optimizer, schedule (warm-up "
+        "from step 1) and step counter. The model is the parent's: model keys left at their defaults are taken from "
+        "it, a key set otherwise must equal the parent's value (else refused, naming the key). The tokens must be "
+        "encoded with the parent's SentencePiece model (bpe.from_model). A run folder that already has checkpoints "
+        "resumes from them instead. null = train from scratch.", default=None)
 
     def check(self) -> None:
         """Something must stop training, and DropHead's schedule needs a known last step."""
@@ -305,13 +345,8 @@ class TrainConfig(Section):
         if self.patience and self.stop_metric == "valid_ppl" and self.valid_every_steps == 0:
             raise MtpipeError("train.patience: counts validations of valid_ppl, which train.valid_every_steps=0 turns "
                               "off: set train.valid_every_steps > 0")
-
-
-
-PRUNE_HELP = ("LayerDrop pruning (Fan et al. 2019) of the model, without fine-tuning: '' = none; 'every_other' = drop "
-              "the layers at 1-based depth d with d % floor(1/p) == 0, p = the model's layerdrop; 'every_other:R' = "
-              "the same with pruning rate R (0.5 = half depth); or the 0-based layers to keep, e.g. "
-              "'enc:0,2,4;dec:0,2,4' (a side left out keeps every layer).")
+        if self.finetune_from is not None and not self.finetune_from.strip():
+            raise MtpipeError("train.finetune_from: an empty path (null: train from scratch)")
 
 
 @dataclass(frozen=True)
@@ -327,223 +362,6 @@ class AverageConfig(Section):
                      "run's train.stop_metric, as recorded in the checkpoints validated when they were written).",
                      default="last", choices=("last", "best"))
     prune: str = _h(PRUNE_HELP, default="")
-
-
-@dataclass(frozen=True)
-class DecodeConfig(Section):
-    """``decode``: beam search (paper section 6.1: beam 4, alpha 0.6, max length input + 50)."""
-
-    SECTION: typing.ClassVar[str] = "decode"
-
-    beam: int = _h(f"Beam size (1 = greedy search, exactly; at most {MAX_BEAM}: BLEU stops improving after a beam of "
-                   "a few and drops past a few dozen, while time and memory grow with the beam).", default=4, ge=1,
-                   le=MAX_BEAM)
-    alpha: float = _h("Length penalty alpha (0 = rank by log-probability alone).", default=0.6, ge=0)
-    length_penalty: str = _h("'gnmt': ((5+|Y|)/6)^alpha (tensor2tensor, the paper); 'fairseq': |Y|^alpha.",
-                             default="gnmt", choices=("gnmt", "fairseq"))
-    max_len_a: float = _h("Max output length (pieces before EOS) = a * source pieces (without EOS) + b: this is a.",
-                          default=1.0, ge=0)
-    max_len_b: int = _h("Max output length (pieces before EOS) = a * source pieces (without EOS) + b: this is b.",
-                        default=50, ge=0)
-    split: str = _h("Split of the bpe artifact to translate.", default="test")
-    max_tokens: int = _h("Padded source tokens (EOS included) per decoding batch; the decoder holds beam x this.",
-                         default=8000, ge=1)
-    nbest: int = _h("Hypotheses kept per sentence in the Parquet output (1 <= nbest <= beam).", default=1, ge=1,
-                    le=MAX_BEAM)
-    precision: str = _h("fp32, bf16 (autocast, CPU and GPU) or int8 (CPU: every linear layer and the output "
-                        "projection with int8 weights, activations quantised on the fly).", default="fp32",
-                        choices=("fp32", "bf16", "int8"))
-    threads: int = _h("CPU threads (0 = torch's default; with processes > 1: per process, 0 = the CPUs split "
-                      "evenly).", default=0, ge=0)
-    processes: int = _h("Decoding processes for a file or split, each with its own copy of the model, each decoding "
-                        "its own batches (CTranslate2's inter_threads): a decoding step's small products use several "
-                        "cores better side by side than split; on a machine with several GPUs process i decodes on "
-                        "GPU i mod their number. 1 = this process. Stdin is translated in one process; mtpipe serve "
-                        "has serve.workers.", default=1, ge=1)
-    prune: str = _h(PRUNE_HELP, default="")
-    engine: str = _h(
-        "mtpipe (this package's beam search) or ctranslate2 (CTranslate2, `pip install 'mtpipe\\[ctranslate2]'`). "
-        "With ctranslate2, --checkpoint is a CTranslate2 export (`mtpipe export`; decoded as is, and with --input "
-        "its own spm.model is used unless --tokens is given) or an mtpipe checkpoint (exported to float32 in a "
-        "temporary directory first). Beam, alpha, both length penalties, max_len_a/b, nbest and max_tokens are "
-        "honoured, scores use mtpipe's formula, greedy output is mtpipe's. At beam > 1 the search differs: "
-        "CTranslate2 stops a sentence once beam x patience hypotheses have finished (fairseq's rule, = stop "
-        "finished), mtpipe by decode.stop; CTranslate2's own penalty is |Y|^alpha (= fairseq), "
-        "so gnmt is applied by re-ranking the hypotheses CTranslate2 finished.", default="mtpipe",
-        choices=("mtpipe", "ctranslate2"))
-    ct2_compute_type: str = _h(
-        "engine ctranslate2: CTranslate2 compute type: default (the export's weight type), auto, float32, int8, "
-        "int8_float32, int8_float16, int8_bfloat16, int16, float16, bfloat16 (precision applies to engine mtpipe "
-        "only).", default="default",
-        # CTranslate2's compute types (ctranslate2.Translator(compute_type=...)); "default" keeps the weights' type.
-        choices=("default", "auto", "float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16",
-                 "float16", "bfloat16"))
-    stop: str = _h(
-        "When a sentence's beam search stops: 'bound' (exact: when no live hypothesis can beat the finished ones; "
-        "tensor2tensor's rule, the paper's) or 'finished' (fairseq's and CTranslate2's search: the live beam is "
-        "refilled from 2 x beam candidates and a sentence stops once round(beam x patience) hypotheses have "
-        "finished; fewer decoder steps, may miss a longer, better hypothesis). Engine ctranslate2 always stops by "
-        "'finished'.", default="bound", choices=("bound", "finished"))
-    patience: float = _h(
-        "stop=finished, and engine ctranslate2 always: stop a sentence once round(beam x this) hypotheses have "
-        "finished (1 = fairseq's and CTranslate2's default; 2 finds the exact search's best output more often, at "
-        "some cost in speed).", default=1.0, ge=1)
-    min_len: int = _h(
-        "Fewest pieces before EOS: 0 lets an empty output finish (the paper's search); 1 never ends a hypothesis at "
-        "the first step, as fairseq (--min-len 1) and CTranslate2 (min_decoding_length 1) do by default: set 1 to "
-        "decode exactly as they do.", default=0, ge=0)
-    device: str = _h(
-        "Where to decode: auto (the GPU when one is visible, else the CPU; the CPU for int8, which runs there only), "
-        "cpu or cuda. On a GPU a step of a few sentences is bound by launching its kernels (decode.cuda_graphs "
-        "launches them at once): a server with few clients on a machine with a GPU may answer as soon with cpu.",
-        default="auto", choices=("auto", "cpu", "cuda"))
-    compile: str = field(default="off", metadata={
-        "help": "Engine mtpipe, fp32 or bf16: run the decoder's step compiled (fused kernels, fewer operations; on "
-        "CPU float32 weights frozen into the graph, packed once for oneDNN), at the cost of building it first (tens "
-        "of seconds on a small CPU; needs a C++ compiler on CPU). off: the eager step; jit: torch.compile, built in "
-        "every process; aot: float32 on CPU built ahead of time once and kept in decode.package_cache, loaded in "
-        "seconds by later runs; elsewhere as jit. false / true (older params files and checkpoints): off / aot; the "
-        "flag alone: aot. Outputs equal the uncompiled step's up to float rounding.",
-        "choices": ("off", "jit", "aot"), "booleans": ("off", "aot")})
-    package_cache: str = _h("Where decode.compile=aot keeps its packages ('': ~/.cache/mtpipe, or $XDG_CACHE_HOME/"
-                            "mtpipe); $MTPIPE_CACHE_DIR overrides it. Deleting it is safe.", default="")
-    package_cache_gb: float = _h("The packages' size at most (GB), the least recently used removed beyond it; "
-                                 "$MTPIPE_CACHE_MAX_GB overrides it.", ge=0, default=5.0)
-    cuda_graphs: bool = _h(
-        "Engine mtpipe on a GPU, fp32 or bf16: replay the decoder's step (layers, projection, log-softmax) from CUDA "
-        "graphs recorded for a few fixed shapes (rows, cached and source positions rounded up to powers of two), "
-        "for batches of up to 256 rows: a few sentences' step is bound by launching its ~200 kernels, which a "
-        "graph launches at once. No effect on CPU, with decode.compile (its step runs instead) or with restricted "
-        "self-attention. Outputs equal the eager step's up to float rounding. Where a graph cannot be made (GPU "
-        "memory, a driver that does not allow it): one warning, then the eager step.", default=True)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.compile, bool):  # decode.compile as older params files and checkpoints record it
-            object.__setattr__(self, "compile", "aot" if self.compile else "off")
-        super().__post_init__()
-
-    def check(self) -> None:
-        """nbest <= beam, and what engine ctranslate2 and precision int8 leave out."""
-        if self.nbest > self.beam:
-            raise MtpipeError(f"decode.nbest: {self.nbest} is not between 1 and decode.beam ({self.beam})")
-        if self.engine == "ctranslate2":
-            if self.precision != "fp32":
-                raise MtpipeError(f"decode.precision: {self.precision} applies to engine mtpipe; with engine "
-                                  "ctranslate2 set decode.ct2_compute_type (e.g. bfloat16, int8)")
-            if self.prune:
-                raise MtpipeError("decode.prune: not available with engine ctranslate2; write a pruned checkpoint "
-                                  "with `mtpipe average --prune` and decode (or export) that")
-            if self.compile != "off":
-                raise MtpipeError("decode.compile: applies to engine mtpipe (CTranslate2 runs its own compiled code)")
-        elif self.compile != "off" and self.precision == "int8":
-            raise MtpipeError("decode.compile: applies to precision fp32 and bf16, not int8 (its quantised linear "
-                              "layers are torch.ao modules that torch.compile does not fuse)")
-
-
-@dataclass(frozen=True)
-class ScoreConfig(Section):
-    """``score``: sacreBLEU metrics and the CI regression gate."""
-
-    SECTION: typing.ClassVar[str] = "score"
-
-    tokenize: str = _h("sacreBLEU tokenizer (13a is the WMT standard).", default="13a")
-    lowercase: bool = _h("Case-insensitive BLEU.", default=False)
-    split: Optional[str] = _h("Reference split of the fetch artifact (--ref DIR) when --hyp is a text file (default: "
-                              "test). With a hypotheses artifact its own split is used; a different value here is an "
-                              "error.", default=None)
-    min_bleu: Optional[float] = _h("Gate: exit with status 3 when BLEU is below this (the metrics JSON is still "
-                                   "written).", default=None)
-    max_drop: Optional[float] = _h("Gate: exit with status 3 when BLEU is more than this below the --baseline "
-                                   "metrics JSON's BLEU.", default=None, ge=0)
-    paper_bleu: bool = _h("Also report the paper's tokenised, compound-split BLEU (not comparable to sacreBLEU).",
-                          default=False)
-
-
-@dataclass(frozen=True)
-class ExportConfig(Section):
-    """``export``: a checkpoint as a model for another inference engine."""
-
-    SECTION: typing.ClassVar[str] = "export"
-
-    format: str = _h("ctranslate2 (a CTranslate2 model directory; needs the optional ctranslate2 package), marian "
-                     "(a Hugging Face MarianMTModel directory: post-norm models), pegasus (a Hugging Face "
-                     "PegasusForConditionalGeneration directory: pre-norm models) or huggingface (marian for a "
-                     "post-norm model, pegasus for a pre-norm one); the Hugging Face formats need the optional "
-                     "transformers package.",
-                     default="ctranslate2", choices=("ctranslate2", "marian", "pegasus", "huggingface"))
-    # CTranslate2's weight types (ctranslate2.specs.model_spec.ACCEPTED_MODEL_TYPES), plus "none" = keep float32.
-    quantization: str = _h("CTranslate2 weight type: none (float32), int8, int8_float32, int8_float16, int8_bfloat16, "
-                           "int16, float16, bfloat16 or float32.", default="none",
-                           choices=("none", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16",
-                                    "float16", "bfloat16", "float32"))
-
-    def check(self) -> None:
-        if self.format != "ctranslate2" and self.quantization != "none":
-            raise MtpipeError(f"export.quantization: {self.quantization!r} applies to CTranslate2 only; use 'none' "
-                              f"with format {self.format}")
-
-
-
-@dataclass(frozen=True)
-class ServeConfig(Section):
-    """``serve``: the HTTP translation server (``mtpipe serve``); decoding settings come from ``decode``.
-
-    Key names differ from ``decode``'s: both sections are flags of the one command."""
-
-    SECTION: typing.ClassVar[str] = "serve"
-
-    host: str = _h("Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface).",
-                   default="127.0.0.1")
-    port: int = _h("TCP port (0 = any free port; the one taken is printed).", default=8080, ge=0, le=65535)
-    max_sentences: int = _h("Most sentences in one request (more: 413).", default=64, ge=1)
-    max_chars: int = _h("Most characters in one sentence (more: 413).", default=1000, ge=1)
-    max_queue: int = _h("Most requests waiting for a decoding batch (more: 503 with Retry-After).", default=64, ge=1)
-    batch_wait_ms: float = _h("How long a request that finds its worker idle waits for concurrent ones to start "
-                              "decoding with it (milliseconds). A busy worker takes new requests into its running "
-                              "batch at the next decoder step (continuous batching, mtpipe engine).",
-                              default=5.0, ge=0)
-    batch_tokens: int = _h("Source tokens (EOS included) a worker decodes at once: waiting requests join while the "
-                           "ones in flight hold fewer (a larger request is decoded alone); decode.max_tokens still "
-                           "bounds each batch.", default=8000, ge=1)
-    batching: str = _h("How a worker decodes the requests it takes: 'batch' (each batch to its end, sorted by "
-                       "length) or 'continuous' (mtpipe engine: requests join the running batch at the next decoder "
-                       "step and are answered the step they end).", default="batch", choices=("batch", "continuous"))
-    workers: int = _h("Decoding processes, each with its own copy of the model and 1/N of the CPU threads (unless "
-                      "decode.threads is set), each decoding its own requests: the small batches of a server use "
-                      "several cores better side by side than split; with several GPUs worker i decodes on GPU i "
-                      "mod their number. 1 = the model in the server's own process.", default=1, ge=1)
-    max_beam: int = _h("Largest beam a request may ask for (decode.beam is the default; at most decode.beam's own "
-                       "limit).", default=8, ge=1, le=MAX_BEAM)
-    max_nbest: int = _h("Largest nbest a request may ask for (decode.nbest is the default).", default=4, ge=1,
-                        le=MAX_BEAM)
-    max_alpha: float = _h("Largest length-penalty alpha a request may ask for (decode.alpha is the default).",
-                          default=4.0, ge=0)
-    keep_alive_s: float = _h("How long an idle client connection stays open for its next request (seconds). Behind "
-                             "a proxy or load balancer that reuses its connections to the server, set it above the "
-                             "proxy's idle timeout (e.g. 75 for a 60-second one): else a request the proxy sends as "
-                             "the server closes the connection is reset.", default=5.0, gt=0)
-    read_timeout_s: float = _h("Seconds a client has to send a whole request, headers and body, counted from its "
-                               "first byte (from the connection's opening for its first request); then the "
-                               "connection is closed, with a 408 if part of a request came. Bounds silent and slow "
-                               "clients, which keep_alive_s (after a response) does not.", default=30.0, gt=0)
-    max_connections: int = _h("Most client connections open at once; one more is answered 503 and closed at once, "
-                              "so that idle clients cannot use up the process's open files (checked against its "
-                              "limit, ulimit -n, at start-up).", default=1000, ge=1)
-    drain_s: float = _h("Seconds SIGTERM (or Ctrl-C) waits for the requests in flight; then those still waiting or "
-                        "decoding are answered 503, connections still sending a request are closed, and the process "
-                        "exits 0.", default=30.0, ge=0)
-    max_request_work: int = _h("Most decoding work one request may ask for: its source tokens (EOS included) x its "
-                               "beam, summed over its sentences (more: 413). Bounds how long one request keeps a "
-                               "worker busy, which max_sentences x max_chars do not (64 sentences of 1,000 "
-                               "characters at beam 8 are ~128,000).", default=20000, ge=1)
-    chunk_work: int = _h("Work (source tokens x beam) a worker takes from one request at a time: a larger request "
-                         "is decoded in chunks of about this much, and the waiting requests take turns chunk by "
-                         "chunk, the least served first, so a short request waits for a chunk, not for a large "
-                         "request. Smaller: shorter waits behind large requests; larger: fuller batches.",
-                         default=2000, ge=1)
-    max_output_tokens: int = _h("Most tokens decoded for one sentence (decode.max_len_a / max_len_b and the "
-                                "model's positions still apply when lower): bounds the work of a runaway output.",
-                                default=400, ge=1)
 
 
 def check_sections(**sections: Any) -> None:
@@ -565,36 +383,13 @@ def check_sections(**sections: Any) -> None:
     if serve.batching == "continuous" and decode.engine != "mtpipe":
         raise MtpipeError(f"serve.batching=continuous needs decode.engine=mtpipe ({decode.engine} decodes batch by "
                           "batch)")
+    if decode.ensemble or decode.sampling_topk:  # an ensemble and sampling are mtpipe decode's
+        raise MtpipeError("decode.ensemble: mtpipe serve serves one model (--ensemble '[]')" if decode.ensemble else
+                          "decode.sampling_topk: mtpipe serve translates by search (--sampling-topk 0)")
+    if decode.shard:  # a part of an input file: serve has none
+        raise MtpipeError(f"decode.shard = {decode.shard!r}: mtpipe serve translates requests, not a file (--shard '')")
 
-
-# The decode settings a checkpoint records (train: the params.yaml decode keys it ran with; average and export copy
-# them): ``decode`` and ``serve`` take them where neither params.yaml nor a flag sets them (README, "Decoding
-# defaults"). The search's rules only: the machine's settings (precision, threads, engine) stay the decoder's own.
-RECORDED_DECODE = ("beam", "alpha", "length_penalty", "max_len_a", "max_len_b")
 
 SECTIONS: dict[str, type] = {c.SECTION: c for c in (FetchConfig, BpeConfig, BucketConfig, ModelConfig, TrainConfig,
                                                      AverageConfig, DecodeConfig, ScoreConfig, ExportConfig,
                                                      ServeConfig)}
-
-
-def check_rules(cls: type, key: str, value: Any, meta: Any, where: str) -> None:
-    """A value against its field's bounds and ``choices`` (see :func:`_h`); ``where`` names its origin."""
-    if value is None:
-        return
-    name = f"{cls.SECTION}.{key}"
-    bounds = [(op, meta[op]) for op in ("ge", "gt", "le", "lt") if op in meta]
-    if bounds and not (math.isfinite(value) and all(_BOUND[op](value, b) for op, b in bounds)):
-        want = " and ".join(f"{_SYMBOL[op]} {b:g}" for op, b in bounds)
-        raise MtpipeError(f"{where}: {name} = {value!r} must be {want}")
-    if "choices" in meta and value not in meta["choices"]:
-        raise MtpipeError(f"{where}: {name} = {value!r} is not one of {', '.join(meta['choices'])}")
-
-
-_BOUND = {"ge": lambda v, b: v >= b, "gt": lambda v, b: v > b, "le": lambda v, b: v <= b, "lt": lambda v, b: v < b}
-_SYMBOL = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
-
-
-def to_dict(section: Any) -> dict[str, Any]:
-    """A section as plain data (for manifests and checkpoints)."""
-    return dataclasses.asdict(section)
-

@@ -111,6 +111,9 @@ _TABLE = (
              (_MACHINE,)),
     Variable("MKL_ENABLE_INSTRUCTIONS", "unset", "bench/: MKL's ISA limit, recorded with the results.", (_MACHINE,)),
     Variable("CT2_FORCE_CPU_ISA", "unset", "bench/: CTranslate2's ISA, recorded with the results.", (_MACHINE,)),
+    Variable("CUBLAS_WORKSPACE_CONFIG", "unset", "cuBLAS's workspace; set, it is left alone; unset, the GPU checks "
+             "set :4096:8 (what torch.use_deterministic_algorithms needs on a GPU) for their bitwise resume checks; "
+             "recorded with the results.", ("bench/gpu_paper.py",), ("bench/gpu_paper.py", "bench/gpu_check.sh")),
 
     Variable("MTPIPE_MULTI30K", "data/multi30k", "bench/: the Multi30k files ({split}.{en,de}.gz) the benchmarks "
              "read.", ("bench/decode_speed.py", "bench/train_throughput.py", "bench/quickstart.py",

@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "mtpipe"
 
 FOUNDATION = {"mtpipe", "mtpipe.errors", "mtpipe.atomic", "mtpipe.env", "mtpipe.memory", "mtpipe.console",
-              "mtpipe.writing", "mtpipe.artifacts", "mtpipe.config", "mtpipe.params"}
+              "mtpipe.writing", "mtpipe.artifacts", "mtpipe.sections", "mtpipe.config_inference", "mtpipe.config",
+              "mtpipe.params"}
 TOP = {"mtpipe.cli", "mtpipe.__main__"}
 SIDE_BY_SIDE = ("training", "stages", "serve")  # one layer; never import each other
 

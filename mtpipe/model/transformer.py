@@ -51,7 +51,6 @@ import math
 from typing import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID

@@ -22,7 +22,6 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from mtpipe.artifacts import PAD_ID
 from mtpipe.config import TrainConfig, check_sections
 from mtpipe.engine import runtime
 from mtpipe.model.ops import attention_kernels
