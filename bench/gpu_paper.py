@@ -16,13 +16,17 @@ en-de, a joint BPE vocabulary of ~37,000 pieces, ~25,000 source and target token
   (:meth:`Trainer.updates <mtpipe.training.trainer.Trainer.updates>`: pipelined as ``train_loop`` runs them, by a
   trainer built by ``Trainer.for_updates``: the model, the :class:`~mtpipe.training.update.Updater` with its loss,
   fused Adam, schedule and autocast; batches collated and copied as training does). Per shape: steady target
-  tokens/s, ms an update (after warm-up updates, where a compiled model compiles), peak memory, MFU against the
-  dense bf16 peak (:data:`PEAK_BF16_TFLOPS`), and over a few updates under ``torch.profiler``: GPU-busy time (the
-  union of kernels and copies) over the unprofiled update, kernels, kernel launch calls, syncs and device-to-host
-  copies an update.
+  tokens/s, ms an update (after warm-up updates, where a compiled model compiles), peak memory (from after the
+  warm-up, the allocator's cache kept), MFU against the dense bf16 peak of the GPU by its exact name
+  (:data:`PEAK_BF16_TFLOPS`; a name not there: MFU not computable), and over a few updates under ``torch.profiler``:
+  GPU-busy time (the union of kernels and copies) over the unprofiled update, kernels, kernel launch calls, syncs
+  and device-to-host copies an update (events classified by device and name where torch's have no activity type).
 * ``checkpoint``: ``mtpipe train``'s checkpoint (weights, Adam, RNG, manifest hashes) of base and big: seconds, bytes,
   the load back. ``resume``: base, 2k updates against k, checkpoint, a new trainer resumed from it
-  (``resume.restore``), k more: weights bitwise equal? (bf16 and fp32).
+  (``resume.restore``), k more: weights bitwise equal? (bf16 and fp32), under
+  ``torch.use_deterministic_algorithms(True)`` with ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (on a GPU, attention's
+  backward and cuBLAS otherwise accumulate in an order that varies from run to run); the same with torch's default
+  algorithms (what ``mtpipe train`` runs) last, as information.
 * ``decode``: ``mtpipe decode``'s engine (:class:`~mtpipe.engine.translate.MtpipeEngine`, its defaults: 8,000-token
   batches, CUDA graphs), beam 4, alpha 0.6, 3,003 sources (newstest2014's count), fp32 and bf16: sentences/s, peak
   memory. Random weights rarely emit EOS, so every output runs to its maximum: the paper's source + 50 is capped at
@@ -37,6 +41,11 @@ V = vocabulary, N_e / N_d the layers; the causal self-attention counted in full,
             + 2dV * T                                                           # the output projection (3.4)
     update  = 3 * forward (the backward: 2 x forward);  MFU = update FLOPs / (seconds an update x peak)
 
+First a preflight (:func:`bench.machine.preflight`) names what the image lacks, one line each (a compiler and Python's
+headers, Triton, safetensors, xxhash, a torch new enough), and only the parts that need it are skipped: compiled
+training without the first three, checkpoint and resume without safetensors. Every part ends in figures, a skip
+that says why, or its error: nothing stops the run.
+
 Targets reported against, not asserted: MFU >= 40 % big, >= 35 % base; GPU busy >= 90 % of an update; big >= 164,000
 target tokens/s a GPU (NVIDIA DeepLearningExamples' 82,059 on an A100, x 2 for an H100/H200); base >= 2.5 x big.
 Each part checks the time left of ``--budget-s`` first (recorded as skipped when its estimate does not fit); loops stop
@@ -48,6 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import re
 import shutil
 import subprocess
 import sys
@@ -56,13 +66,14 @@ import time
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 STARTED = time.monotonic()  # the budget counts the imports too
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import machine  # noqa: E402
+from mtpipe import env as mtenv  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -79,8 +90,22 @@ from mtpipe.training.batches import BatchTable, TokenSplit, TrainData  # noqa: E
 from mtpipe.training.state import rng_state, trainer_state  # noqa: E402
 from mtpipe.training.trainer import Trainer  # noqa: E402
 
-# Dense bf16 tensor-core peak, TFLOP/s (vendor data sheets, without sparsity); the first name contained wins.
-PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0), ("L40S", 362.0))
+# Dense bf16 tensor-core peak, TFLOP/s (vendor data sheets: half their "with sparsity" figure), by the exact name
+# CUDA gives the device: the SXM, PCIe and NVL cards of one chip differ, so a name not here gets no MFU (not a
+# neighbour's peak).
+PEAK_BF16_TFLOPS = {
+    "NVIDIA H100 80GB HBM3": 989.5,  # H100 SXM5
+    "NVIDIA H100 PCIe": 756.5,
+    "NVIDIA H100 NVL": 835.5,
+    "NVIDIA H200": 989.5,  # H200 SXM
+    "NVIDIA H200 NVL": 835.5,
+    "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA A100-SXM4-40GB": 312.0,
+    "NVIDIA A100 80GB PCIe": 312.0, "NVIDIA A100-PCIE-40GB": 312.0,
+    "NVIDIA L40S": 362.0,
+}
+# cuBLAS's workspace setting that torch.use_deterministic_algorithms needs on a GPU; cuBLAS reads it when its first
+# handle is made, so it is set (unless given) before any CUDA work (main)
+CUBLAS_DETERMINISTIC = ":4096:8"
 TARGETS = {"mfu_big": 0.40, "mfu_base": 0.35, "gpu_busy": 0.90, "big_tgt_tokens_per_s": 164_000, "base_over_big": 2.5}
 PARTS = ("train", "checkpoint", "resume", "decode")
 UPDATE_MARK = "gpu_paper.update"
@@ -141,7 +166,7 @@ class Clock:
                 out = fn()
             except Exception as e:  # noqa: BLE001
                 out = {"error": f"{type(e).__name__}: {e}"[:2000]}
-            reset_peak(device)
+            free_memory(device)
         if show or "skipped" in out or "error" in out:
             self.say(f"{label}: " + (brief(out) if "ms_per_update" in out else str(out)[:600]))
         return out
@@ -196,10 +221,18 @@ def peak_gib(device: torch.device) -> dict[str, float] | None:
 
 
 def reset_peak(device: torch.device) -> None:
+    """The peak memory counters from here on; the allocator's cached blocks kept, so that what follows (the timed
+    updates after the warm-up) allocates as it does in a run."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def free_memory(device: torch.device) -> None:
+    """After a part: what it held (a model, its optimizer, the allocator's cached blocks) given back, peaks reset."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak(device)
 
 
 def model_config(scale: Scale, name: str) -> ModelConfig:
@@ -237,29 +270,60 @@ def profile(t: Trainer, n: int) -> dict[str, Any]:
     with torch.profiler.profile(activities=acts) as prof:
         updates(t, n, mark=UPDATE_MARK)  # the read of the last update falls after the marks, as it would in a run
         sync(t.device)
-    return profile_figures(prof.profiler.kineto_results.events(), n)
+    events = prof.profiler.kineto_results.events()
+    try:
+        figures = profile_figures(events, n)
+    except AttributeError as e:  # a profiler whose events have neither activity_type nor device_type
+        return {"skipped": f"torch {torch.__version__}'s profiler events cannot be classified ({e})"}
+    if figures.get("event_kinds") == "activity_type":  # the fallback checked on this very trace
+        again = profile_figures(events, n, by_name=True)
+        figures["by_name_agrees"] = all(again.get(k) == v for k, v in figures.items() if k != "event_kinds")
+    return figures
 
 
-def profile_figures(events: Any, n: int) -> dict[str, Any]:
+def kind_by_name(e: Any) -> str:
+    """A profiler event's activity (``kernel``, ``gpu_memcpy``, ``cuda_runtime``, ``user_annotation`` ...) as
+    ``activity_type()`` gives it, read from its device and name, for a torch whose events have no activity type
+    (older builds): GPU-side, copies and fills by name, syncs and waits apart, the rest kernels; host-side, CUDA
+    runtime ``cuda*`` and driver ``cu*`` calls."""
+    name, on_gpu = e.name(), "CUDA" in str(e.device_type())
+    if name == UPDATE_MARK:
+        return "gpu_user_annotation" if on_gpu else "user_annotation"
+    if on_gpu:
+        if name.startswith(("Memcpy", "Memset")):
+            return "gpu_memcpy" if name.startswith("Memcpy") else "gpu_memset"
+        return "cuda_sync" if re.search(r"\b(Sync|Wait)\b", name) else "kernel"
+    if re.match(r"cuda[A-Z]", name):
+        return "cuda_runtime"
+    return "cuda_driver" if re.match(r"cu[A-Z]", name) else "cpu_op"
+
+
+def profile_figures(events: Any, n: int, by_name: bool = False) -> dict[str, Any]:
     """GPU-busy time (the union of kernels and copies from the first update's start), its share of the profiled
     window, and per update: kernels run, kernel launch calls (runtime and driver API, within the updates' marks),
-    host syncs, device-to-host copies."""
-    marks = sorted((e.start_ns(), e.end_ns()) for e in events  # the host's ranges, not their GPU-side twins
-                   if e.name() == UPDATE_MARK and e.activity_type() == "user_annotation")
+    host syncs, device-to-host copies. ``event_kinds``: how events were classified: by their activity type, or
+    (``by_name``, or where they have none) by :func:`kind_by_name`."""
+    events = list(events)
+    lacking = bool(events) and not hasattr(events[0], "activity_type")
+    events = [(e, kind_by_name(e) if by_name or lacking else e.activity_type()) for e in events]
+    by = "activity_type" if not (by_name or lacking) else "device and name" + (
+        f" (torch {torch.__version__}'s profiler events have no activity_type)" if lacking else "")
+    marks = sorted((e.start_ns(), e.end_ns()) for e, kind in events  # the host's ranges, not their GPU-side twins
+                   if e.name() == UPDATE_MARK and kind == "user_annotation")
     if not marks:
-        return {"error": "no update marks in the profile"}
+        return {"skipped": "no update marks in the profile", "event_kinds": by}
     lo = marks[0][0]
 
     def inside(e: Any) -> bool:
         return any(a <= e.start_ns() <= b for a, b in marks)
 
-    gpu = sorted((e.start_ns(), e.end_ns(), e.name(), e.activity_type()) for e in events
-                 if e.activity_type() in GPU_ACTIVITY and e.start_ns() >= lo)
+    gpu = sorted((e.start_ns(), e.end_ns(), e.name(), kind) for e, kind in events
+                 if kind in GPU_ACTIVITY and e.start_ns() >= lo)
     busy, end = 0, lo
     for a, b, *_ in gpu:  # the union of the intervals
         busy, end = busy + max(0, b - max(a, end)), max(end, b)
     window = max([b for _, b in marks] + [end]) - lo
-    api = [e for e in events if e.activity_type() in ("cuda_runtime", "cuda_driver") and inside(e)]
+    api = [e for e, kind in events if kind in ("cuda_runtime", "cuda_driver") and inside(e)]
     launches = Counter(e.name() for e in api if "LaunchKernel" in e.name() or "GraphLaunch" in e.name())
     syncs = Counter(e.name() for e in api if e.name() in SYNCS)
     per = lambda c: {k: round(v / n, 1) for k, v in sorted(c.items())}  # noqa: E731
@@ -269,7 +333,8 @@ def profile_figures(events: Any, n: int) -> dict[str, Any]:
             "kernels_per_update": round(sum(1 for *_, kind in gpu if kind == "kernel") / n, 1),
             "kernel_launches_per_update": round(sum(launches.values()) / n, 1), "launch_calls": per(launches),
             "syncs_per_update": round(sum(syncs.values()) / n, 1), "sync_calls": per(syncs),
-            "dtoh_copies_per_update": round(sum(1 for _, _, name, _ in gpu if "DtoH" in name) / n, 1)}
+            "dtoh_copies_per_update": round(sum(1 for _, _, name, _ in gpu if "DtoH" in name) / n, 1),
+            "event_kinds": by}
 
 
 def measure(t: Trainer, scale: Scale, clock: Clock, peak: float | None, warmup: int) -> dict[str, Any]:
@@ -302,10 +367,14 @@ def measure(t: Trainer, scale: Scale, clock: Clock, peak: float | None, warmup: 
 
 
 def train_model(name: str, compiled: bool, scale: Scale, splits: dict[int, TokenSplit], clock: Clock,
-                device: torch.device, peak: float | None) -> dict[str, Any]:
+                device: torch.device, peak: float | None, lacks: str | None = None) -> dict[str, Any]:
     """Every ``--tokens`` shape of one model in one mode, on one model and optimizer (each shape's batches swapped
-    in, its trainer state new): a compiled model compiles once."""
+    in, its trainer state new): a compiled model compiles once. ``lacks``: why this mode cannot run here (the
+    preflight's), each shape then recorded as skipped for it."""
     mode = "compiled" if compiled else "eager"
+    if lacks:
+        clock.say(f"train {name} {mode}: skipped: {lacks}")
+        return {str(tokens): {"skipped": lacks} for tokens in scale.tokens}
     if compiled:
         torch._dynamo.reset()
     held: list[Trainer] = []
@@ -329,7 +398,7 @@ def train_model(name: str, compiled: bool, scale: Scale, splits: dict[int, Token
     for t in held:
         t.close_updates()
     held.clear()
-    reset_peak(device)
+    free_memory(device)
     return out
 
 
@@ -357,7 +426,10 @@ def checkpoint_one(name: str, scale: Scale, device: torch.device, split: TokenSp
     """Two updates (so that Adam has its state), then the checkpoint written, its size, and read back."""
     t = Trainer.for_updates(model_config(scale, name), train_cfg("bf16", False, device),
                             batches_for(split, scale.tokens[0], scale.vocab), device)
-    updates(t, 2)
+    try:
+        updates(t, 2)
+    finally:
+        t.close_updates()  # its batch producer (a thread with pinned batches, on a GPU)
     sync(device)
     t0 = time.perf_counter()
     path = save(t, work / f"ck-{name}")
@@ -378,21 +450,56 @@ def resume_run(scale: Scale, precision: str, device: torch.device, split: TokenS
     weights = lambda t: {n: p.detach().cpu().clone() for n, p in t.model.state_dict().items()}  # noqa: E731
     same = lambda a, b: all(torch.equal(a[n], b[n]) for n in a)  # noqa: E731
     straight = []
+
+    def run(t: Trainer, steps: int) -> Trainer:
+        try:
+            updates(t, steps)
+        finally:
+            t.close_updates()
+        return t
+
     for steps in (2 * k, 2 * k, k):  # the last: k updates, then its checkpoint
-        t = Trainer.for_updates(mcfg, cfg, data, device)
-        updates(t, steps)
-        t.close_updates()
+        t = run(Trainer.for_updates(mcfg, cfg, data, device), steps)
         straight.append(weights(t))
     ck = artifacts.load_checkpoint(save(t, work / f"resume-{precision}"), trainer_state=True)
     t = Trainer.for_updates(mcfg, cfg, data, device, state_dict=ck.state_dict)
     t.use_batches(data, resume.restore(ck, t.updater.optimizer, t.updater.scaler, accum=1, seed=cfg.seed,
                                        device=device))
-    updates(t, k)
-    t.close_updates()
+    run(t, k)
     shutil.rmtree(work / f"resume-{precision}", ignore_errors=True)
     a, b = straight[0], weights(t)
     return {"updates": 2 * k, "resumed_at": k, "bitwise_equal": same(a, b), "uninterrupted_twice_equal":
             same(a, straight[1]), "max_abs_diff": max(float((a[n].float() - b[n].float()).abs().max()) for n in a)}
+
+
+@contextlib.contextmanager
+def algorithms(deterministic: bool) -> Iterator[None]:
+    """``torch.use_deterministic_algorithms(deterministic)`` for the block (not warn-only: an operation without a
+    deterministic kernel raises rather than run one that is not), the previous mode put back."""
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
+def resume_check(scale: Scale, precision: str, device: torch.device, split: TokenSplit, work: Path,
+                 deterministic: bool) -> dict[str, Any]:
+    """:func:`resume_run` under deterministic algorithms (the check: on a GPU, the default flash / memory-efficient
+    attention backward and cuBLAS's split reductions accumulate in an order that varies from run to run, so the
+    default mode can differ without a resume bug) or torch's default ones (information: what ``mtpipe train`` runs).
+    An operation without a deterministic kernel makes the check impossible: said so, by name."""
+    mode = (f"deterministic: torch.use_deterministic_algorithms(True), CUBLAS_WORKSPACE_CONFIG="
+            f"{mtenv.get('CUBLAS_WORKSPACE_CONFIG')}" if deterministic else "torch's default algorithms (information)")
+    try:
+        with algorithms(deterministic):
+            return {"algorithms": mode, **resume_run(scale, precision, device, split, work)}
+    except RuntimeError as e:
+        if not deterministic or "deterministic" not in str(e):
+            raise
+        first = next((line for line in str(e).splitlines() if line.strip()), "")[:300]
+        return {"algorithms": mode, "skipped": f"not checkable in deterministic mode: {first}"}
 
 
 # ---- Decoding --------------------------------------------------------------------------------------------------------
@@ -452,7 +559,8 @@ def decode_part(scale: Scale, clock: Clock, device: torch.device, max_len_b: int
 def versions(device: torch.device) -> dict[str, Any]:
     """torch, CUDA, cuDNN, NCCL, the GPU and its driver, and the dense bf16 peak this run's MFU is measured against."""
     out: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": str(device),
-                           "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None}
+                           "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+                           "cublas_workspace_config": mtenv.get("CUBLAS_WORKSPACE_CONFIG")}
     if device.type != "cuda":
         return {**out, "gpu": None, "peak_bf16_tflops": None}
     with contextlib.suppress(Exception):  # a build without NCCL
@@ -464,7 +572,9 @@ def versions(device: torch.device) -> dict[str, Any]:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20)
         out["gpu"]["driver"] = smi.stdout.strip().splitlines()[0]
-    out["peak_bf16_tflops"] = next((v for k, v in PEAK_BF16_TFLOPS if k in props.name), None)
+    out["peak_bf16_tflops"] = PEAK_BF16_TFLOPS.get(props.name)
+    if out["peak_bf16_tflops"] is None:
+        out["mfu"] = f"not computable: no bf16 peak known for '{props.name}' (PEAK_BF16_TFLOPS, by exact name)"
     return out
 
 
@@ -518,28 +628,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace, clock: Clock, device: torch.device, work: Path) -> dict[str, Any]:
-    """The parts cheapest first, so that the budget cuts the costliest: eager training, checkpoints, resume, decoding,
-    compiled training."""
+    """The preflight, then the parts cheapest first, so that the budget cuts the costliest: eager training,
+    checkpoints, resume (deterministic algorithms), decoding, compiled training; last the resume with torch's default
+    algorithms (information)."""
     scale, only, modes = args.scale, args.only.split(","), args.modes.split(",")
+    needs = machine.preflight(device.type)  # what this image lacks: one line each, and only the parts needing it go
+    for need in needs:
+        if not need.found:
+            clock.say(need.line())
     env = versions(device)
     clock.say(f"versions: {env}")
     figures: dict[str, Any] = {"versions": env, "scale": "tiny" if args.tiny else "paper", "budget_s": args.budget_s,
+                               "preflight": {n.key: True if n.found else n.line() for n in needs},
                                "vocab": scale.vocab, "tokens": list(scale.tokens), "targets": TARGETS,
                                "models": {n: to_dict(model_config(scale, n)) for n in scale.models}}
     splits = {k: synthetic_split(k, scale.pairs, scale.vocab) for k in scale.tokens}
     split, peak, est = splits[scale.tokens[0]], env["peak_bf16_tflops"], scale.estimate_s
+    no_checkpoints = machine.missing(needs, "safetensors")
+
+    def part(label: str, need: float, fn: Callable[[], dict[str, Any]], lacks: str | None = None) -> dict[str, Any]:
+        if lacks:
+            clock.say(f"{label}: skipped: {lacks}")
+            return {"skipped": lacks}
+        return clock.guarded(label, need, fn, device)
+
+    def resumes(deterministic: bool) -> dict[str, Any]:
+        return {p: part(f"resume base {p}" + ("" if deterministic else " (default algorithms)"), est["resume"],
+                        lambda: resume_check(scale, p, device, split, work, deterministic),  # noqa: B023
+                        no_checkpoints) for p in ("bf16", "fp32")}
+
     if "train" in only and "eager" in modes:
         figures["train_eager"] = {n: train_model(n, False, scale, splits, clock, device, peak) for n in scale.models}
     if "checkpoint" in only:
-        figures["checkpoint"] = {n: clock.guarded(f"checkpoint {n}", est["checkpoint"], lambda: checkpoint_one(
-            n, scale, device, split, work), device) for n in scale.models}  # noqa: B023 (called at once)
+        figures["checkpoint"] = {n: part(f"checkpoint {n}", est["checkpoint"], lambda: checkpoint_one(
+            n, scale, device, split, work), no_checkpoints) for n in scale.models}  # noqa: B023 (called at once)
     if "resume" in only:
-        figures["resume"] = {p: clock.guarded(f"resume base {p}", est["resume"], lambda: resume_run(
-            scale, p, device, split, work), device) for p in ("bf16", "fp32")}  # noqa: B023
+        figures["resume"] = resumes(deterministic=True)
     if "decode" in only:
         figures["decode"] = decode_part(scale, clock, device, args.max_len_b)
     if "train" in only and "compiled" in modes:
-        figures["train_compiled"] = {n: train_model(n, True, scale, splits, clock, device, peak) for n in scale.models}
+        lacks = machine.missing(needs, "compiler", "headers", "triton")
+        figures["train_compiled"] = {n: train_model(n, True, scale, splits, clock, device, peak, lacks)
+                                     for n in scale.models}
+    if "resume" in only:  # last: information, what the budget may cut
+        figures["resume_default_algorithms"] = resumes(deterministic=False)
     figures["seconds"] = round(time.monotonic() - clock.t0, 1)
     figures["against_targets"] = against_targets({k[6:]: v for k, v in figures.items() if k.startswith("train_")})
     return figures
@@ -547,6 +679,7 @@ def run(args: argparse.Namespace, clock: Clock, device: torch.device, work: Path
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    mtenv.put("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC, replace=False)  # before any CUDA work: see its comment
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA GPU visible: `--device cpu --tiny` runs the same code at tiny shapes", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """The benchmarks' shared harness: the machine probe, interleaved rounds, spread, results files, CPU counters.
 
     python bench/machine.py [--speed]    # the probe as one line of JSON (--speed: matmul and int8 rates too)
+    python bench/machine.py --preflight cuda   # what the GPU checks need and lack: one line each (preflight)
 
 Speeds drift by up to 40 % over minutes on these shared machines: :func:`interleaved` times every system on every
 item in rotating order, round after round, and figures are ratios to a baseline of the same round, min / median /
@@ -17,10 +18,12 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -100,6 +103,81 @@ def probe(speed: bool = False) -> dict[str, Any]:
                gpu=gpu and {"name": torch.cuda.get_device_name(), "bf16": torch.cuda.is_bf16_supported(),
                             "cuda": torch.version.cuda})
     return {**out, **(rates(out["native_bf16"]) if speed else {})}
+
+
+# The oldest torch mtpipe runs on (pyproject.toml's torch>=2.4)
+TORCH_MIN = (2, 4)
+
+
+@dataclass(frozen=True)
+class Need:
+    """One thing a GPU check needs beyond what imports mtpipe: ``key`` (what :func:`preflight`'s callers test),
+    whether it was found, what it is, how it was looked for, and the parts that go without it."""
+
+    key: str
+    found: bool
+    what: str
+    detail: str
+    needed_by: str
+
+    def line(self) -> str:
+        """One line for what is missing (and what that skips)."""
+        return f"preflight: missing {self.what} ({self.detail})" + (f"; skipped: {self.needed_by}" if self.needed_by
+                                                                     else "")
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a package that fails to import, or one blocked
+        return False
+
+
+def preflight(device: str = "cuda") -> list[Need]:
+    """What the GPU checks (bench/gpu_check.sh, bench/gpu_paper.py) need and a bare image may lack, looked for
+    without running any of it: a compiler and Python's headers (torch.compile builds its launchers and kernels:
+    Triton a C one on a GPU, inductor C++ on a CPU), Triton (GPU), safetensors (every checkpoint), xxhash (only
+    decode.compile=aot's packaged steps), fastapi and uvicorn (bench/serve.py), a torch new enough, and its
+    profiler's event kinds (:mod:`bench.gpu_paper` classifies events by device and name without them)."""
+    import shutil
+    import sysconfig
+
+    import torch
+
+    gpu = device == "cuda"
+    compiled = "torch.compile (gpu_paper's compiled training, gpu_check.sh's --compile run)"
+    names = ("cc", "gcc", "clang") if gpu else ("g++", "c++", "clang++")
+    compiler = next((found for found in map(shutil.which, names) if found), None)
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    version = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
+    kineto = getattr(getattr(torch._C, "_autograd", None), "_KinetoEvent", None)
+    needs = [
+        Need("compiler", compiler is not None, "a C compiler" if gpu else "a C++ compiler",
+             compiler or f"none of {', '.join(names)} on PATH", compiled),
+        Need("headers", headers.is_file(), "Python's headers", str(headers), compiled),
+        Need("torch", version >= TORCH_MIN, f"torch >= {'.'.join(map(str, TORCH_MIN))}",
+             f"this is torch {torch.__version__}, CUDA {torch.version.cuda}: parts may fail, each recorded", ""),
+        Need("profiler", kineto is not None and hasattr(kineto, "activity_type"), "the profiler's event kinds",
+             f"torch {torch.__version__}'s _KinetoEvent has no activity_type: events are classified by device and "
+             "name instead", ""),
+        Need("safetensors", _importable("safetensors"), "safetensors", "not importable",
+             "checkpoints (gpu_paper's checkpoint and resume parts, every `mtpipe train` run)"),
+        Need("xxhash", _importable("xxhash"), "xxhash", "not importable: only decode.compile=aot's packaged steps "
+             "use it, and compile in process without it; nothing here is skipped", ""),
+    ]
+    if gpu:
+        needs.insert(2, Need("triton", _importable("triton"), "Triton", "not importable", compiled))
+        needs += [Need(k, _importable(k), k, "not importable", "bench/serve.py (gpu_check.sh's serve rows)")
+                  for k in ("fastapi", "uvicorn")]
+    return needs
+
+
+def missing(needs: list[Need], *keys: str) -> str | None:
+    """Why a part that needs ``keys`` cannot run (the first of them missing, in words), or None: it can."""
+    lost = [n for n in needs if n.key in keys and not n.found]
+    return f"needs {lost[0].what} ({lost[0].detail}; see the preflight)" if lost else None
 
 
 def probe_under(env: dict[str, str], prefix: Sequence[str] = ()) -> dict[str, Any]:
@@ -198,4 +276,14 @@ def others_share(since: tuple[float, float], own_since: float) -> float:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--speed", action="store_true", help="also fp32 / bf16 matmul and int8 layer rates")
-    print(json.dumps(probe(ap.parse_args().speed)))
+    ap.add_argument("--preflight", choices=["cuda", "cpu"], help="instead: what the GPU checks need and lack on "
+                    "this device, one line each on stderr; the missing keys on stdout (bench/gpu_check.sh reads them)")
+    args = ap.parse_args()
+    if args.preflight:
+        found = preflight(args.preflight)
+        for need in found:
+            if not need.found:
+                print(need.line(), file=sys.stderr)
+        print(" ".join(n.key for n in found if not n.found))
+    else:
+        print(json.dumps(probe(args.speed)))

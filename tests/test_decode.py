@@ -927,6 +927,9 @@ def test_a_packaged_step_serves_every_size_its_export_allowed(model, monkeypatch
     assert all(r is not None for r in step.runners.values()) and step.built == 2
     packages = list((cache / "decode-step").glob("*.pt2"))
     assert len(packages) == 1 and len(list((cache / "decode-step").glob("*.json"))) == 1
+    # the package and its record have the permissions a plain open gives (the umask's), as every artifact has
+    from mtpipe.atomic import _umask
+    assert {p.stat().st_mode & 0o777 for p in (*packages, packages[0].with_suffix(".json"))} == {0o666 & ~_umask()}
     assert re.search(r"removed 1 least recently used packaged step\(s\) \(\d+ MB\) from", capsys.readouterr().err)
 
     # A package is native code and frozen weights that run unchecked: every load hashes it against the record

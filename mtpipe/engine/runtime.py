@@ -94,7 +94,9 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     """``train.precision`` on ``device``: ``auto`` = bf16 where the hardware has it (else fp16 + grad scaler on
     older GPUs, fp32 on CPU); an explicit choice the device lacks is an error."""
     if device.type == "cuda":
-        bf16 = torch.cuda.is_bf16_supported()
+        # Native bf16 only (Ampere and newer): torch's default also counts emulation, which would train a P100 or
+        # V100 in a bf16 many times slower than its fp16.
+        bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
         if precision == "auto":
             return "bf16" if bf16 else "fp16"
         if precision == "bf16" and not bf16:

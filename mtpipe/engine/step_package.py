@@ -41,11 +41,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import xxhash
 from torch import Tensor
 
 from mtpipe import env as mtenv
 from mtpipe.artifacts import cache_root
+from mtpipe.atomic import _umask
 from mtpipe.console import info, warn
 from mtpipe.errors import MtpipeError
 from mtpipe.model import ops
@@ -269,6 +269,10 @@ class PackagedStep:
         path = self.cache.path() / f"{package_key(self.weights, variant)}.pt2"
         limit = self.cache.limit_bytes()  # a bad setting is an error, not a reason to fall back
         try:
+            # xxhash verifies every package (content_hash): imported here, where a package is used, so that only
+            # decode.compile=aot needs it, and checked before the cache is touched (without it: compiled in process)
+            import xxhash  # noqa: F401
+
             path.parent.mkdir(parents=True, exist_ok=True)
             with _locked(path.with_suffix(".lock"), wait=True):
                 # The package checks its inputs too (a call outside its shapes raises rather than computing
@@ -350,6 +354,7 @@ class PackagedStep:
                 # record beside it
                 _write(path.with_suffix(".json"), json.dumps({"ranges": _ranges(program, varying),
                                                               "content": content_hash(Path(tmp))}))
+                os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600: the cache's files follow the umask
                 os.replace(tmp, path)  # whole or absent: a build cut short leaves no package
             finally:
                 if os.path.exists(tmp):
@@ -383,6 +388,8 @@ def content_hash(path: Path, chunk: int = 1 << 22) -> str:
     """``xxh3_128:<hex>`` of a file's bytes. The record guards against damage, not an attacker (whoever can rewrite a
     package can rewrite its record too), so a fast non-cryptographic 128-bit hash does: it reads a package of hundreds
     of MB in a small fraction of the load it precedes, where sha256 would add a noticeable share."""
+    import xxhash
+
     h = xxhash.xxh3_128()
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -412,6 +419,7 @@ def verify(path: Path) -> dict[str, Any]:
 
 def _write(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f"{path.stem}.", suffix=".partial", dir=path.parent)
+    os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600: the cache's files follow the umask
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
