@@ -5,8 +5,9 @@ goes into starting 8 processes). CI-runnable: exit status 1 when any scenario fa
 
 * ``kill-ws8``: 8 processes on one node; rank 7 SIGKILLed after the checkpoint of step 3: one line; the same
   command again resumes, and the run equals the uninterrupted 8-process run bitwise.
-* ``resume-8-to-4``: that uninterrupted run cut back to step 6, resumed on 4 processes: one warning, 2 batches of
-  accumulation per process (the same 8 batches per update), the same tokens, epoch position and loss curve.
+* ``resume-8-to-4``: that uninterrupted run cut back to step 6, resumed on 4 processes: one warning, the same 2
+  batches per update (shared by 4 processes in halves instead of by 8 in quarters), the same tokens, epoch position
+  and loss curve.
 * ``kill-2x2``: 2 nodes x 2 processes, rank 3 (node 1) SIGKILLed: one line per node, rank 0's node alone writes
   the report into the run directory; both commands again resume, bitwise equal to the uninterrupted 4-process run.
 * ``dead-node-2x2``: 2 nodes x 2 processes, node 1 frozen (SIGSTOP of its launcher and workers: a node that lost

@@ -182,10 +182,10 @@ def params_for(where: Path, nproc: int, **train: Any) -> Path:
 # The scenarios (sizes as parameters: the suite's and the benchmark's)
 # ---------------------------------------------------------------------------------------------------------------------
 
-# One run's settings for the scenarios: dropout 0 and tokens_per_update = one batch of the tiny artifacts' 48-token
-# batches, so that a resume on fewer processes must accumulate to keep the global batch (train.tokens_per_update
-# alone would give 1 batch per process).
-FAULT_TRAIN = dict(tokens_per_update=48, max_steps=12, save_every_steps=3, valid_every_steps=4, dist_timeout=20)
+# One run's settings for the scenarios: dropout 0 and tokens_per_update = two of the tiny artifacts' 48-token
+# batches, so that a resume on fewer processes than 2 accumulates to keep the global batch, and one on more than 2
+# (bench/faults.py's 8 -> 4) shares the batches' sentences.
+FAULT_TRAIN = dict(tokens_per_update=96, max_steps=12, save_every_steps=3, valid_every_steps=4, dist_timeout=20)
 
 
 def reference_run(data: tuple[Path, Path], where: Path, world: int) -> Path:
@@ -303,12 +303,12 @@ def resume_elsewhere(data: tuple[Path, Path], where: Path, ref: Path, world_from
 
 
 def check_resume_elsewhere(r: dict[str, Any], world_from: int, world_to: int, at: int = 6) -> None:
-    per_update = r["batches_per_update"][0]
+    per_update, (accum_from, accum_to) = r["batches_per_update"][0], r["accumulation"]
     assert r["processes"] == [world_from, world_to] and r["batches_per_update"] == [per_update, per_update]
-    assert r["accumulation"][1] * world_to == per_update
+    assert per_update % world_to or accum_to * world_to == per_update  # whole batches where they divide evenly
     assert len(r["warnings"]) == 1, r["warnings"]
-    assert re.fullmatch(rf"warning: resuming step_{at:08d} on {world_to} process\(es\) x {per_update // world_to} "
-                        rf"accumulation \(it was written by {world_from} x {per_update // world_from}\): the same "
+    assert re.fullmatch(rf"warning: resuming step_{at:08d} on {world_to} process\(es\) x {accum_to} "
+                        rf"accumulation \(it was written by {world_from} x {accum_from}\): the same "
                         rf"global batch \({per_update} batches per update, train.tokens_per_update\), from batch "
                         r"[\d,]+ of epoch \d+; each rank's dropout stream starts afresh, so the run is not bitwise "
                         r"the uninterrupted one", r["warnings"][0]), r["warnings"][0]

@@ -73,29 +73,40 @@ def test_a_killed_rank_across_two_nodes_resumes_bitwise(fdata: tuple[Path, Path]
 def test_a_resume_on_fewer_processes_keeps_the_global_batch(fdata: tuple[Path, Path], ws2_fault_ref: Path,
                                                             tmp_path: Path) -> None:
     """A 2-process run (1 batch each per update) cut back to step 6 and resumed on 1 process: 2 batches of
-    accumulation (train.tokens_per_update alone would give 1), one warning line, and the run ends on the same
-    tokens, epoch position and loss curve as the uninterrupted one."""
+    accumulation, one warning line, and the run ends on the same tokens, epoch position and loss curve as the
+    uninterrupted one."""
     r = resume_elsewhere(fdata, tmp_path, ws2_fault_ref, 2, 1)
     check_resume_elsewhere(r, 2, 1)
 
 
 def test_the_global_batch_rule_on_another_world_size() -> None:
-    """8 x 1 -> 4 x 2 (and 8 x 1 -> 3 x 3: the nearest multiple above); a changed tokens_per_update is followed."""
+    """8 x 1 -> 4 x 2 (and 8 -> 3 or 16 processes: they share the 8 batches' sentences); a changed
+    tokens_per_update is followed."""
     from types import SimpleNamespace
 
-    from mtpipe.training.batches import TrainData
+    import numpy as np
+
+    from mtpipe.training.batches import BatchTable, TrainData
     from mtpipe.training.resume import same_global_batch
 
     def data(world: int, accum: int, n: int = 100) -> TrainData:
-        return TrainData(vocab={}, max_tokens=4096, train_tokens=None, train=[0] * n, valid_tokens=None,  # type: ignore
+        zeros = np.zeros(n, np.int64)
+        train = BatchTable(rows=None, off=np.arange(n + 1) * 20, src_tokens=zeros, tgt_tokens=zeros, src_width=zeros,
+                           tgt_width=zeros)  # 100 batches of 20 sentences
+        return TrainData(vocab={}, max_tokens=4096, train_tokens=None, train=train, valid_tokens=None,  # type: ignore
                          valid=None, accum=accum, per_update=world * accum, usable=n // (world * accum) * world * accum)
 
-    ck = SimpleNamespace(trainer_state={"world_size": 8, "accum": 1})
+    # A checkpoint of an older mtpipe (no batches_per_update): 8 processes took 8 batches of 4096 tokens per update.
+    ck = SimpleNamespace(trainer_state={"world_size": 8, "accum": 1}, path="ck")
     assert (d := same_global_batch(ck, data(4, 1), 4, 4096)).accum == 2 and d.per_update == 8 and d.usable == 96
-    assert (d := same_global_batch(ck, data(3, 1), 3, 4096)).accum == 3 and d.per_update == 9 and d.usable == 99
+    assert not d.split
+    assert (d := same_global_batch(ck, data(3, 1), 3, 4096)).split and d.per_update == 8 and d.usable == 96
     assert same_global_batch(ck, data(8, 1), 8, 4096).accum == 1  # the same world size: as the params say
     assert same_global_batch(ck, data(4, 3), 4, 40000).accum == 3  # another tokens_per_update: as asked
-    assert same_global_batch(ck, data(16, 1), 16, 4096).per_update == 16  # 16 processes take at least one each
+    assert (d := same_global_batch(ck, data(16, 1), 16, 4096)).per_update == 8 and d.split
+    # This mtpipe's: 1 batch per update (tokens_per_update 4096) shared by 8 processes, resumed on 2.
+    ck = SimpleNamespace(trainer_state={"world_size": 8, "accum": 1, "batches_per_update": 1}, path="ck")
+    assert (d := same_global_batch(ck, data(2, 1), 2, 4096)).per_update == 1 and d.split
 
 
 def test_dist_timeout_reaches_torchrun_and_the_workers() -> None:

@@ -395,6 +395,55 @@ def test_nonfinite_loss_skips_the_update_then_stops(data: tuple[Path, Path], tmp
     assert not (tmp_path / "b" / "checkpoints").exists()
 
 
+def test_fp16_overflow_every_update_stops_at_the_cap_naming_the_scale_and_the_checkpoint(
+        data: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # fp16's path on the CPU: the real grad scaler (a CPU one; fp16 itself needs a GPU) in Updater.finish, and an
+    # overflowed gradient with a finite loss injected after each backward. A few overflows are skipped and training
+    # goes on (each halves the scale); train.max_overflow_steps of them in a row end the run in one line naming the
+    # loss scale and the last good checkpoint, which is left as it was.
+    import mtpipe.training.train as mt
+    import mtpipe.training.update as mu
+
+    real_init, real_backward = mu.Updater.__init__, mu.Updater.backward
+    overflow = {"updates": set()}
+
+    def init(self, *args, **kw):
+        real_init(self, *args, **kw)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+
+    def backward(self, batch, scale, sync):
+        sums = real_backward(self, batch, scale, sync)
+        if getattr(self, "update", 0) in overflow["updates"]:
+            self.params[0].grad.view(-1)[0] = float("inf")  # the loss stays finite
+        return sums
+
+    def finish(self, lr, loss):
+        self.update = getattr(self, "update", 0) + 1  # which update the next backward belongs to
+        return real_finish(self, lr, loss)
+
+    real_finish = mu.Updater.finish
+    monkeypatch.setattr(mu.Updater, "__init__", init)
+    monkeypatch.setattr(mu.Updater, "backward", backward)
+    monkeypatch.setattr(mu.Updater, "finish", finish)
+    overflow["updates"] = {1, 2}  # the 2nd and 3rd updates (counted from 0): skipped, then training goes on
+    s = mt.train_model(mcfg(), tcfg(max_steps=4, save_every_steps=2, valid_every_steps=0, max_overflow_steps=3),
+                       *data, tmp_path / "run")
+    assert s["steps"] == 4 and s["fp16_overflows"] == 2
+    ck = artifacts.checkpoint_path(tmp_path / "run", 4)
+    before = {p: p.read_bytes() for p in sorted((tmp_path / "run" / "checkpoints").rglob("*")) if p.is_file()}
+
+    overflow["updates"] = set(range(100))  # from now on every update overflows
+    with pytest.raises(MtpipeError) as e:
+        mt.train_model(mcfg(), tcfg(max_steps=12, save_every_steps=2, valid_every_steps=0, max_overflow_steps=3),
+                       *data, tmp_path / "run")
+    line = str(e.value)
+    assert "\n" not in line and "3 fp16 updates in a row had inf/nan gradients with a finite loss" in line
+    assert "loss scale is now 2048;" in line  # 2^16 halved by the first run's 2 (its checkpoint's) and these 3
+    assert f"last good checkpoint: {ck} (step 4)" in line
+    after = {p: p.read_bytes() for p in sorted((tmp_path / "run" / "checkpoints").rglob("*")) if p.is_file()}
+    assert after == before
+
+
 def test_out_of_memory_names_the_batch_and_the_fix(data: tuple[Path, Path], tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     import mtpipe.training.train as mt

@@ -23,7 +23,9 @@ back to the stored dtype. Non-floating tensors (counters, masks) are not average
 Output: a weights-only checkpoint (no ``trainer.pt``: it cannot be resumed, only decoded or fine-tuned) at the
 largest input step, whose manifest lists the inputs in ``extra["averaged"]`` (path, step, manifest hash) and their
 manifest hashes under ``upstream``. It carries the SentencePiece model and the recorded decode settings of the newest
-input that has them (:func:`carried`), so that it decodes on its own as its inputs do.
+input that has them (:func:`carried`), so that it decodes on its own as its inputs do. An average of a fine-tune's
+checkpoints carries their lineage (``extra["finetuned_from"]``, the parent they were fine-tuned from:
+:func:`carried_lineage`), so that a model made by fine-tuning names its parent however it was averaged.
 
 ``average.prune`` (LayerDrop, Fan et al. 2019; :func:`mtpipe.engine.pruning.prune_plan`) then removes layers from the average:
 the output's model config has the reduced layer counts (``layerdrop`` kept as a record), so ``mtpipe decode`` runs
@@ -237,6 +239,19 @@ def carried(inputs: list[tuple[int, Path]]) -> tuple[Path | None, Path | None, d
     return spm, spm_vocab, decode
 
 
+def carried_lineage(inputs: list[tuple[int, Path]]) -> dict[str, Any] | None:
+    """The parent (``extra["finetuned_from"]``, :func:`mtpipe.artifacts.read_lineage`) the average records: that of
+    the newest input that has one; inputs of different parents are warned about (each input's own manifest, listed
+    in ``extra["averaged"]``, still names its parent)."""
+    records = [r for _, d in inputs
+               if (r := artifacts.read_lineage(d, artifacts.read_manifest(d, "checkpoint"),
+                                               artifacts.FINETUNED_FROM)) is not None]
+    if len({r["sha256"] for r in records}) > 1 or (records and len(records) < len(inputs)):
+        warn(f"the inputs were not all fine-tuned from one parent: the average records {records[-1]['path']}, the "
+             "newest input's")
+    return records[-1] if records else None
+
+
 def average_checkpoints(cfg: AverageConfig, run_dir: Path, checkpoints: list[Path] | None, out: Path, *,
                         force: bool = False) -> Path:
     """Average checkpoints of ``run_dir`` (or exactly ``checkpoints``) into the weights-only checkpoint ``out``."""
@@ -263,6 +278,8 @@ def average_checkpoints(cfg: AverageConfig, run_dir: Path, checkpoints: list[Pat
     spm, spm_vocab, decode = carried(inputs)
     if decode is not None:
         extra["decode"] = decode
+    if (lineage := carried_lineage(inputs)) is not None:
+        extra[artifacts.FINETUNED_FROM] = lineage
     if spm is None:
         warn("no input carries its SentencePiece model (checkpoints written by an older mtpipe): decode the average "
              "with --tokens")

@@ -7,7 +7,10 @@ sides of train is what makes that sharing possible.
 * Training: both sides of train, or a random sample of ``bpe.sample_sentences`` of them (seed ``bpe.seed``, drawn
   here so it is reproducible), streamed to SentencePiece, which learns ``bpe.vocab_size`` pieces with
   ``character_coverage`` and ``threads``. ``--spm-model`` skips training and encodes with an existing model (its
-  special ids must be mtpipe's).
+  special ids must be mtpipe's); ``bpe.from_model`` (``--from-model CHECKPOINT``) encodes with the SentencePiece
+  model a checkpoint carries, so that a corpus to fine-tune that checkpoint on (``train.finetune_from``) has its
+  vocabulary by construction; the manifest records the checkpoint (``extra["from_model"]``: path, manifest hash,
+  step; ``upstream["checkpoint"]``).
 * Special ids, shared with the batches and the model's embedding table (``mtpipe.artifacts``): pad 0, unk 1,
   bos 2, eos 3.
 * Output: a ``tokens`` artifact: ``{split}.parquet`` (``id``, ``src`` list<int32>, ``tgt`` list<int32>; EOS is not
@@ -36,7 +39,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import pyarrow as pa
 
-from mtpipe import console, memory
+from mtpipe import artifacts, console, memory
 from mtpipe.artifacts import (
     BOS_ID,
     EOS_ID,
@@ -295,10 +298,14 @@ def id_stride(pf: Any) -> int:
 
 def tokenize_corpus(cfg: BpeConfig, corpus: Path, out: Path, spm_model: Optional[Path] = None, *,
         force: bool = False) -> dict[str, SplitTokens]:
-    """Train (or take ``spm_model``) a joint BPE model and encode every split of the ``corpus`` artifact."""
+    """Train (or take ``spm_model``, or the SentencePiece model of the checkpoint ``cfg.from_model``) a joint BPE
+    model and encode every split of the ``corpus`` artifact."""
     corpus, out = Path(corpus), Path(out)
     read_manifest(corpus, "corpus")
-    prepare_output(out, "tokens", inputs=[corpus, spm_model], force=force)
+    prepare_output(out, "tokens", inputs=[corpus, spm_model, cfg.from_model], force=force)
+    lineage = None
+    if cfg.from_model is not None:
+        spm_model, lineage = checkpoint_spm_model(Path(cfg.from_model), spm_model)
     splits = splits_of(corpus, "corpus")
     if spm_model is None and "train" not in splits:
         raise MtpipeError(f"{corpus}: has no train split to learn BPE from (it has: {', '.join(splits)})")
@@ -310,8 +317,8 @@ def tokenize_corpus(cfg: BpeConfig, corpus: Path, out: Path, spm_model: Optional
     threads = cfg.threads or nproc()
     known = ["train", "valid", "test"]
     order = sorted(splits, key=lambda s: (known.index(s) if s in known else len(known), s))
-    with ArtifactWriter(out, "tokens", {"bpe": to_dict(cfg)}, upstream={"corpus": corpus},
-                        force=force) as w:
+    upstream = {"corpus": corpus, **({"checkpoint": Path(cfg.from_model)} if cfg.from_model is not None else {})}
+    with ArtifactWriter(out, "tokens", {"bpe": to_dict(cfg)}, upstream=upstream, force=force) as w:
         if spm_model is None:
             model, n = train_spm(cfg, corpus, threads)
             w.path("spm.model").write_bytes(model)
@@ -319,6 +326,8 @@ def tokenize_corpus(cfg: BpeConfig, corpus: Path, out: Path, spm_model: Optional
         else:
             shutil.copyfile(spm_model, w.path("spm.model"))
             facts = {"spm_model_source": str(spm_model)}
+            if lineage is not None:
+                facts[artifacts.FROM_MODEL] = lineage
         sp = load_spm(w.path("spm.model"))
         write_vocab(sp, w.path("spm.vocab"))
         stats: dict[str, SplitTokens] = {}
@@ -345,6 +354,19 @@ def tokenize_corpus(cfg: BpeConfig, corpus: Path, out: Path, spm_model: Optional
         console.warn(f"only {coverage:.0%} of the {vocab:,} pieces occur in the encoded train split: the vocabulary "
                      "is probably too large for this corpus (SentencePiece pads it with pieces that never occur)")
     return stats
+
+
+def checkpoint_spm_model(checkpoint: Path, spm_model: Optional[Path]) -> tuple[Path, dict[str, Any]]:
+    """``bpe.from_model``: the SentencePiece model checkpoint ``checkpoint`` carries (verified against its vocabulary
+    record, :func:`mtpipe.artifacts.checkpoint_spm`) and the lineage record naming the checkpoint."""
+    if spm_model is not None:
+        raise MtpipeError(f"--spm-model {spm_model} and bpe.from_model {checkpoint}: give one SentencePiece model")
+    m = read_manifest(checkpoint, "checkpoint")
+    own = artifacts.checkpoint_spm(checkpoint, m)
+    if own is None:
+        raise MtpipeError(f"{checkpoint}: carries no SentencePiece model (written by an older mtpipe); pass "
+                          "--spm-model with the spm.model of the bpe artifact it was trained on")
+    return own, artifacts.lineage_record(checkpoint, m)
 
 
 def _summary(stats: dict[str, SplitTokens], vocab: int, coverage: float, out: Path) -> None:

@@ -6,8 +6,14 @@
   artifact's ``{split}.parquet`` as row positions into a :class:`TokenSplit` (:class:`BatchTable`); the token counts
   are recomputed from the sentences, so they cannot disagree with what is collated.
 * Order: each epoch's batch order is a permutation drawn from ``(train.seed, epoch)`` alone (:func:`epoch_order`);
-  an update takes the next ``world_size * accum`` batches and rank r every world_size-th of them
-  (:func:`rank_batches`), so ranks never share a batch and any world size walks the same batch sequence.
+  an update takes the next ``per_update`` batches and rank r every world_size-th of them (:func:`rank_batches`) or
+  its share of their sentences (:func:`rank_rows`), so ranks never share a sentence and any world size walks the
+  same batch sequence.
+* The global batch (section 5.1's ~25000 tokens per update, ``train.tokens_per_update``) does not depend on the
+  number of processes (:func:`update_layout`): one process takes ``ceil(tokens_per_update / bucket.max_tokens)``
+  batches per update; ``world_size`` processes take as many (or the next multiple of ``world_size``, when that is
+  within 10 % of it), and when neither fits, the update's batches are cut into parts that the processes share
+  (:func:`rank_rows`: whole sentences, the parts of a batch contiguous, so padding stays as low as the batch's).
 * Collation (section 3, "the output embeddings are offset by one position"): ``src = tokens + EOS``,
   ``tgt_in = BOS + tgt``, ``tgt_out = tgt + EOS``, right-padded, batch-first (:func:`collate`).
 * Train, memory-mapped (:func:`map_train`): the bucket artifact's ``train.arrow`` holds the train batches with their
@@ -21,11 +27,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -42,10 +49,47 @@ from mtpipe.errors import MtpipeError
 
 
 def accumulation(tokens_per_update: int, world_size: int, max_tokens: int) -> int:
-    """Micro-batches per process per update so that ``world_size * accum`` batches of ``max_tokens`` cover
-    ``tokens_per_update`` (section 5.1's ~25000 source + 25000 target tokens per update): the same global batch on
-    any number of processes."""
+    """Whole batches per process per update so that ``world_size * accum`` batches of ``max_tokens`` cover
+    ``tokens_per_update`` (section 5.1's ~25000 source + 25000 target tokens per update). Their sum grows with the
+    world size (8 GPUs x 1 batch, 16 x 1): :func:`update_layout` takes it only within 10 % of one process's."""
     return max(1, math.ceil(tokens_per_update / (world_size * max_tokens)))
+
+
+# How far the global batch may exceed the one-process batch count before the processes share batches instead.
+GLOBAL_BATCH_TOLERANCE = 0.10
+
+
+class Layout(NamedTuple):
+    """How the ``per_update`` batches of an update are shared among ``world_size`` processes: whole batches, rank r
+    every world_size-th, ``accum`` each (``split`` False); or the batches' sentences divided among them, ``accum``
+    being the most parts a process gets (``split`` True: :func:`rank_rows`)."""
+
+    per_update: int
+    accum: int
+    split: bool
+
+
+def layout_for(per_update: int, world_size: int) -> Layout:
+    """``per_update`` batches on ``world_size`` processes: whole batches when ``world_size`` divides them, else
+    process r takes the sentences of batches ``[r * per_update / world_size, (r + 1) * per_update / world_size)``
+    (batch i being ``[i, i + 1)``), a part of each batch that range meets."""
+    n, w = per_update, world_size
+    if n % w == 0:
+        return Layout(n, n // w, False)
+    return Layout(n, max(((r + 1) * n - 1) // w - r * n // w + 1 for r in range(w)), True)
+
+
+def update_layout(tokens_per_update: int, world_size: int, max_tokens: int) -> Layout:
+    """The global batch of ``world_size`` processes (section 5.1: ~25000 target tokens per update, on any number of
+    GPUs): one process takes ``ceil(tokens_per_update / max_tokens)`` batches; more processes take whole batches,
+    :func:`accumulation` each, when their sum is within :data:`GLOBAL_BATCH_TOLERANCE` of that count (so the global
+    batch is unchanged by the number of processes that divides it, and 8 GPUs x 1 equals 1 GPU x 8), else share
+    exactly that count (:func:`layout_for`: 8 batches on 16 GPUs are 16 half batches, not 16 batches)."""
+    one = accumulation(tokens_per_update, 1, max_tokens)
+    whole = world_size * accumulation(tokens_per_update, world_size, max_tokens)
+    if whole * 100 <= one * round(100 * (1 + GLOBAL_BATCH_TOLERANCE)):
+        return Layout(whole, whole // world_size, False)
+    return layout_for(one, world_size)
 
 
 def epoch_order(n_batches: int, seed: int, epoch: int) -> np.ndarray:
@@ -58,6 +102,27 @@ def rank_batches(order: np.ndarray, position: int, world_size: int, accum: int, 
     """This rank's micro-batches of the update that starts at ``position`` of the epoch's ``order``: the update
     takes ``order[position : position + world_size * accum]`` and rank r every world_size-th from the r-th."""
     return order[position : position + world_size * accum][rank::world_size]
+
+
+def rank_rows(data: TrainData, order: np.ndarray, position: int, world_size: int, rank: int) -> list[
+        tuple[int, np.ndarray]]:
+    """This rank's micro-batches of the update that starts at ``position``, as ``(batch, sentence rows)``: whole
+    batches (:func:`rank_batches`), or with ``data.split`` the rows of its share of the update's batches
+    (:func:`layout_for`). In units of 1 / world_size batch, rank r covers ``[r * n, (r + 1) * n)`` of the update's
+    ``n`` batches and batch i is ``[i * world_size, (i + 1) * world_size)``: its part of a batch of R sentences is
+    rows ``[s * R // world_size, e * R // world_size)`` of the overlap ``[s, e)``, so the parts of a batch meet
+    exactly, and a part holds contiguous sentences of the batch (the bucket's lengths, little padding)."""
+    t = data.train
+    if not data.split:
+        return [(int(b), t.batch(int(b))) for b in rank_batches(order, position, world_size, data.accum, rank)]
+    n, w = data.per_update, world_size
+    group = order[position : position + n]
+    parts = []
+    for i in range(rank * n // w, ((rank + 1) * n - 1) // w + 1):
+        rows = t.batch(int(group[i]))
+        s, e = max(rank * n, i * w) - i * w, min((rank + 1) * n, (i + 1) * w) - i * w
+        parts.append((int(group[i]), rows[s * len(rows) // w : e * len(rows) // w]))
+    return parts
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -289,8 +354,9 @@ def collate(split: TokenSplit | MappedSplit, rows: np.ndarray, start: int = BOS_
 @dataclass
 class TrainData:
     """Everything a training run reads from the bpe (``tokens``) and bucket (``batches``) artifacts, and the batch
-    arithmetic of its world size: ``per_update = world_size * accum`` batches per update, of which the first
-    ``usable`` of an epoch's order are used (the tail too short for a whole update is left out of that epoch)."""
+    arithmetic of its world size (:func:`update_layout`): ``per_update`` batches per update (``world_size * accum``
+    unless ``split``), of which the first ``usable`` of an epoch's order are used (the tail too short for a whole
+    update is left out of that epoch)."""
 
     vocab: dict[str, Any]  # {"spm_sha256", "size"}: what a checkpoint must have been trained with to resume
     max_tokens: int  # the bucket stage's token budget per batch
@@ -304,6 +370,24 @@ class TrainData:
     # What the train batches are: train.parquet's hash and the artifacts they were made from (so a bucket re-run that
     # only adds train.arrow leaves it alone); a checkpoint records it, and a resume compares it (train_batches_id).
     batches_id: str = ""
+    split: bool = False  # the processes share the update's batches' sentences (rank_rows), not whole batches
+
+    def with_layout(self, layout: Layout, world_size: int, where: Path | str) -> TrainData:
+        """These data under ``layout`` on ``world_size`` processes (``usable`` 0 when one update needs more batches
+        than there are). Batches too small to be shared (a part could get no sentence) are refused, naming the
+        keys to change."""
+        n = layout.per_update
+        if layout.split:
+            sizes = np.diff(self.train.off)  # [n_batches] sentences per batch
+            parts = world_size // math.gcd(n, world_size)  # the smallest part is 1/parts of a batch
+            if int(sizes.min()) < parts:
+                raise MtpipeError(
+                    f"{where}: {world_size} processes share each update's {n} batches in parts as small as 1/{parts} "
+                    f"of a batch, but batch {int(sizes.argmin())} holds {int(sizes.min())} sentence(s): set "
+                    f"train.tokens_per_update to a multiple of {world_size} x bucket.max_tokens "
+                    f"({world_size * self.max_tokens:,}), or change bucket.max_tokens or train.nproc")
+        return dataclasses.replace(self, accum=layout.accum, per_update=n, usable=len(self.train) // n * n,
+                                   split=layout.split)
 
     def drop_long_valid(self, max_positions: int, where: Path) -> None:
         """The bucket stage never drops valid pairs, so an over-long one sits alone in its batch: leave such batches
@@ -351,22 +435,21 @@ def load_train_data(tokens: Path, batches: Path, tokens_per_update: int, world_s
              "split into its own memory; re-run `mtpipe bucket` to have it memory-mapped and shared")
         train_tokens = load_split(tokens, "train")
         train = load_batches(batches, "train", train_tokens)
-    accum = accumulation(tokens_per_update, world_size, max_tokens)
-    per_update = world_size * accum
-    usable = (len(train) // per_update) * per_update
-    if usable == 0:
+    layout = update_layout(tokens_per_update, world_size, max_tokens)
+    if len(train) < layout.per_update:
         raise MtpipeError(f"{batches}: train has {len(train)} batches, fewer than one update needs "
-                          f"({world_size} processes x {accum} accumulation): lower train.tokens_per_update "
-                          "or bucket.max_tokens")
+                          f"({layout.per_update} batches on {world_size} process(es)): lower "
+                          "train.tokens_per_update or bucket.max_tokens")
     valid_tokens = valid = None
     if "valid.parquet" in batch_files and "valid.parquet" in token_files:
         valid_tokens = load_split(tokens, "valid")
         valid = load_batches(batches, "valid", valid_tokens)
     else:
         warn(f"{batches}: no valid split: validation is skipped")
-    return TrainData(vocab=vocab, max_tokens=max_tokens, train_tokens=train_tokens, train=train,
-                     valid_tokens=valid_tokens, valid=valid, accum=accum, per_update=per_update, usable=usable,
+    data = TrainData(vocab=vocab, max_tokens=max_tokens, train_tokens=train_tokens, train=train,
+                     valid_tokens=valid_tokens, valid=valid, accum=0, per_update=0, usable=0,
                      batches_id=train_batches_id(bm))
+    return data.with_layout(layout, world_size, batches)
 
 
 def train_batches_id(bm: artifacts.Manifest) -> str:

@@ -162,16 +162,18 @@ class Checkpointer:
     decode: dict[str, Any]  # the decode settings each checkpoint records (RECORDED_DECODE)
     spm: tuple[Path | None, Path | None]
     batches_id: str = ""  # TrainData.batches_id: what a resume compares to tell whether the batches changed
+    lineage: dict[str, Any] | None = None  # a fine-tune's parent (mtpipe.training.finetune), recorded in each one
 
     def save(self, state: TrainState, optimizer: torch.optim.Optimizer, scaler: Any, vocab: dict[str, Any],
-             accum: int, rng: dict[str, Any] | None = None) -> None:
+             accum: int, rng: dict[str, Any] | None = None, per_update: int | None = None) -> None:
         """Checkpoint at the current step (a collective: every rank contributes its RNG state, ``rng`` or else the
         current one; rank 0 writes)."""
         rngs = distributed.all_gather_object(rng if rng is not None else rng_state(self.device))
         if distributed.is_rank0():
-            ts = trainer_state(state, optimizer, scaler, rngs, self.world, accum, self.cfg.seed)
+            ts = trainer_state(state, optimizer, scaler, rngs, self.world, accum, self.cfg.seed, per_update)
             write(self.out, self.model, self.model_config, vocab, ts, self.cfg,
                   upstream={"tokens": self.tokens, "batches": self.batches},
                   extra={"epoch": state.epoch, "world_size": self.world, "precision": self.precision,
-                         "valid": valid_at_step(state), "decode": self.decode, "train_batches": self.batches_id},
+                         "valid": valid_at_step(state), "decode": self.decode, "train_batches": self.batches_id,
+                         **({artifacts.FINETUNED_FROM: self.lineage} if self.lineage is not None else {})},
                   spm=self.spm, seconds=state.train_seconds)

@@ -1,6 +1,7 @@
 """What ``mtpipe train`` logs: dvclive curves under ``OUT/live``, the running window they are averaged over, the
 log line and the final summary table.
 
+* The global batch (:class:`GlobalBatch`): planned in the log's first lines, measured over the first updates.
 * Curves: ``OUT/live/plots/metrics/{train,valid}/*.tsv`` with ``step`` as x (for ``dvc plots``, declared in
   dvc.yaml) and ``OUT/live/metrics.json`` with the latest values (for ``dvc metrics``), written by rank 0 only.
 * Exact resume: the curve of a resumed run continues the checkpoint's as if the run had never stopped
@@ -13,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import typing
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +83,49 @@ class Throughput:
 
     def restart(self, now: float) -> None:
         self.t0, self.tgt, self.src = now, 0, 0
+
+
+@dataclass
+class GlobalBatch:
+    """The global batch a run trains with (section 5.1: ~25000 source and 25000 target tokens per update,
+    ``train.tokens_per_update``): what the batches promise (:meth:`plan_line`, the log's first lines) and the real
+    tokens of the first :attr:`MEASURED` updates of this invocation (:meth:`add`; ``train.json``'s
+    ``global_batch``), so that runs on different numbers of processes can be compared."""
+
+    MEASURED: typing.ClassVar[int] = 10
+
+    tokens_per_update: int  # train.tokens_per_update
+    batches: int  # bucket batches per update
+    max_tokens: int  # bucket.max_tokens: the padded tokens per side a batch holds at most
+    updates: int = 0
+    tgt: int = 0
+    src: int = 0
+
+    def plan_line(self, world: int, accum: int, split: bool) -> str:
+        share = (f"the sentences of {self.batches / world:.3g} batches each, in <= {accum} part(s)" if split
+                 else f"{accum} whole batch(es) each")
+        return (f"global batch: {self.batches} batches of <= {self.max_tokens:,} tokens per update (<= "
+                f"{self.batches * self.max_tokens:,} padded tokens per side; train.tokens_per_update "
+                f"{self.tokens_per_update:,}), on {world} process(es): {share}")
+
+    def add(self, tgt: int, src: int) -> str | None:
+        """Count an applied update's real tokens; the measured line once the first :attr:`MEASURED` are in."""
+        if self.updates >= self.MEASURED:
+            return None
+        self.updates, self.tgt, self.src = self.updates + 1, self.tgt + tgt, self.src + src
+        return self.measured_line() if self.updates == self.MEASURED else None
+
+    def measured_line(self) -> str:
+        return (f"global batch: {self.tgt / self.updates:,.0f} target and {self.src / self.updates:,.0f} source tokens "
+                f"per update (the mean of the first {self.updates} updates of this run; train.tokens_per_update "
+                f"{self.tokens_per_update:,})")
+
+    def to_dict(self) -> dict[str, Any]:
+        n = max(self.updates, 1)
+        return {"tokens_per_update": self.tokens_per_update, "batches_per_update": self.batches,
+                "max_tokens_per_update": self.batches * self.max_tokens, "measured_updates": self.updates,
+                "tgt_tokens_per_update": round(self.tgt / n, 1) if self.updates else None,
+                "src_tokens_per_update": round(self.src / n, 1) if self.updates else None}
 
 
 def log_line(step: int, v: dict[str, float]) -> str:
@@ -297,8 +342,11 @@ def report(out: Path, s: dict[str, Any], log: TextLog | None = None) -> None:
           if best.get("step", -1) >= 0 else []),
         ("training time (min)", s["train_minutes"]), ("target tokens/s (this run)", s["tgt_tokens_per_s"]),
         ("processes x accumulation", f"{s['processes']} x {s['accumulation']}"),
+        *([("target tokens per update", s["global_batch"]["tgt_tokens_per_update"])]
+          if (s.get("global_batch") or {}).get("measured_updates") else []),
         ("precision / device", f"{s['precision']} / {s['device']}"),
         ("last checkpoint", s["checkpoints"][-1] if s["checkpoints"] else None),
+        *([("fine-tuned from", f"{ft['path']} (step {ft['step']})")] if (ft := s.get("finetuned_from")) else []),
     ]
     table(f"train: {out}", ["", "value"], rows)
     note = stop_note(s)

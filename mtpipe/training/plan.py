@@ -2,8 +2,8 @@
 
 Why: on a GPU an update's kernels run while Python prepares the next one; if the next batches were collated, padded
 and pinned only when the update starts, the GPU would wait for numpy. So a background thread walks the same batch
-order as the trainer's state (:func:`mtpipe.training.batches.epoch_order`, ``world_size * accum`` batches an update
-from the epoch's position on, rank r every world_size-th: :func:`~mtpipe.training.batches.rank_batches`) and hands
+order as the trainer's state (:func:`mtpipe.training.batches.epoch_order`, ``per_update`` batches an update from the
+epoch's position on, rank r its share of them: :func:`~mtpipe.training.batches.rank_rows`) and hands
 over whole updates whose micro-batches are already collated into :class:`TrainBatch` es in pinned memory; the
 update copies them to the device with ``non_blocking`` copies. The walk depends on ``(train.seed, epoch, position)``
 alone, never on what an update did, so the thread can run ahead and a resumed run walks on from its checkpoint's
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from mtpipe.artifacts import PAD_ID
-from mtpipe.training.batches import TokenSplit, MappedSplit, TrainData, collate, epoch_order, rank_batches
+from mtpipe.training.batches import TokenSplit, MappedSplit, TrainData, collate, epoch_order, rank_rows
 
 
 class TrainBatch(NamedTuple):
@@ -95,10 +95,9 @@ class UpdatePlan:
         order = epoch_order(len(d.train), self.seed, epoch)
         while True:
             group = order[position : position + d.per_update]
-            mine = rank_batches(order, position, self.world, d.accum, self.rank)
             batches = []
-            for b in (int(x) for x in mine):
-                tb = train_batch(d.train_tokens, d.train.batch(b), self.start_id)
+            for b, rows in rank_rows(d, order, position, self.world, self.rank):
+                tb = train_batch(d.train_tokens, rows, self.start_id)
                 batches.append((b, tb.pinned() if self.pin else tb))
             yield Planned(epoch, position, int(d.train.tgt_tokens[group].sum()), int(d.train.src_tokens[group].sum()),
                           batches)

@@ -28,11 +28,12 @@ if TYPE_CHECKING:
 
 
 def restore(ck: artifacts.Checkpoint, optimizer: torch.optim.Optimizer, scaler: Any, *, accum: int, seed: int,
-            device: torch.device) -> TrainState:
+            device: torch.device, per_update: int | None = None) -> TrainState:
     """Load ``ck``'s optimizer, grad scaler and this rank's RNG state; return its :class:`TrainState`.
 
-    Another world size or accumulation than the checkpoint's cannot continue its dropout streams (they were drawn
-    per rank and micro-batch): each rank then gets a fresh one, and the run goes on, but not bitwise."""
+    Another world size, accumulation or batches per update than the checkpoint's cannot continue its dropout streams
+    (they were drawn per rank and micro-batch): each rank then gets a fresh one, and the run goes on, but not
+    bitwise. ``per_update``: this run's batches per update (default ``world_size * accum``)."""
     ts = ck.trainer_state
     assert ts is not None
     optimizer.load_state_dict(ts["optimizer"])
@@ -46,14 +47,13 @@ def restore(ck: artifacts.Checkpoint, optimizer: torch.optim.Optimizer, scaler: 
         warn(f"{ck.path.parent.parent / CLOCK_FILE}: no training time recorded for step {state.step}: train.max_time "
              "counts from 0 again (the checkpoint was moved from its run directory?)")
     rank, world, rngs = distributed.rank(), distributed.world_size(), ts["rng"]
-    if len(rngs) == world and ts.get("accum") == accum:
+    before = int(ts.get("batches_per_update") or len(rngs) * int(ts.get("accum") or 0))
+    now = per_update if per_update is not None else world * accum
+    if len(rngs) == world and ts.get("accum") == accum and before == now:
         set_rng_state(rngs[rank], device)
     else:
-        before, now = len(rngs) * int(ts.get("accum") or 0), world * accum
         if before == now:
             batch = f"the same global batch ({now} batches per update, train.tokens_per_update)"
-        elif len(rngs) != world and before % world:
-            batch = f"{now} batches per update instead of {before} (not a multiple of {world} processes)"
         else:
             batch = f"{now} batches per update instead of {before} (train.tokens_per_update or the batches changed)"
         warn(f"resuming {ck.path.name} on {world} process(es) x {accum} accumulation (it was written by "
@@ -65,29 +65,29 @@ def restore(ck: artifacts.Checkpoint, optimizer: torch.optim.Optimizer, scaler: 
 
 def same_global_batch(ck: artifacts.Checkpoint, data: TrainData, world: int, tokens_per_update: int) -> TrainData:
     """``data`` for a resume of ``ck`` on ``world`` processes: another world size than the checkpoint's keeps its
-    global batch, ``world * accum`` = the checkpoint's batches per update, by more (or less) accumulation
-    (8 processes x 1 -> 4 x 2), so that every update takes the same batches of the epoch's order as the
-    uninterrupted run would (rounded up to a multiple of ``world`` when it is not one: 8 -> 3 processes take 9).
-    ``train.tokens_per_update`` alone could give another count (4096 tokens of 4096-token batches: 8 batches on 8
-    processes but 4 on 4), so it is followed only when it (or the bucket's ``max_tokens``) changed since the
-    checkpoint: then the new global batch is what was asked for. :func:`restore` warns about either."""
-    import dataclasses
-    import math
-
-    from mtpipe.training.batches import accumulation
+    global batch, the checkpoint's batches per update, by more (or less) accumulation (8 processes x 1 -> 4 x 2) or,
+    when ``world`` does not divide them, by sharing their sentences (8 batches on 3 or 16 processes:
+    :func:`~mtpipe.training.batches.layout_for`), so that every update takes the same batches of the epoch's order
+    as the uninterrupted run would. The params could give another count (within 10 %; or, for a checkpoint of an
+    older mtpipe, whose count grew with the world size, even on the same world size), so they are followed only when
+    ``train.tokens_per_update`` (or the bucket's ``max_tokens``) changed since the checkpoint: then the new global
+    batch is what was asked for.
+    :func:`restore` warns about either."""
+    from mtpipe.training.batches import accumulation, layout_for, update_layout
 
     ts = ck.trainer_state or {}
     ck_world, ck_accum = int(ts.get("world_size") or 0), int(ts.get("accum") or 0)
-    if ck_world in (0, world) or ck_accum < 1:
+    if ck_world < 1 or ck_accum < 1:
         return data
-    if accumulation(tokens_per_update, ck_world, data.max_tokens) != ck_accum:
-        return data  # another global batch was asked for
-    accum = math.ceil(ck_world * ck_accum / world)
-    per_update = world * accum
-    usable = len(data.train) // per_update * per_update
-    if usable == 0:
-        return data
-    return dataclasses.replace(data, accum=accum, per_update=per_update, usable=usable)
+    if "batches_per_update" in ts:
+        ck_per = int(ts["batches_per_update"])
+        asked = update_layout(tokens_per_update, ck_world, data.max_tokens).per_update
+    else:  # written by an older mtpipe: whole batches, its count of them
+        ck_per = ck_world * ck_accum
+        asked = ck_world * accumulation(tokens_per_update, ck_world, data.max_tokens)
+    if asked != ck_per or (ck_world == world and ck_per == data.per_update) or len(data.train) < ck_per:
+        return data  # another global batch was asked for, or the params' is the checkpoint's
+    return data.with_layout(layout_for(ck_per, world), world, ck.path)
 
 
 # --------------------------------------------------------------------------------------------------------------------

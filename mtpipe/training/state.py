@@ -3,9 +3,9 @@
 ``trainer.pt`` (:data:`TRAINER_STATE_VERSION` 1) is plain tensors, numbers, lists and dicts, so that
 ``torch.load(weights_only=True)`` reads it without unpickling code: the :class:`TrainState` keys, ``optimizer``
 (Adam's moments and step count, so section 5.3's schedule continues), ``scaler`` (fp16's grad scaler, else empty),
-``rng`` (every rank's torch CPU/CUDA RNG state, so dropout continues), ``world_size``, ``accum``, ``seed`` and
-``version`` (:func:`trainer_state`). With the same world size and accumulation a resumed run equals the
-uninterrupted one (bitwise on CPU; :mod:`mtpipe.training.resume`).
+``rng`` (every rank's torch CPU/CUDA RNG state, so dropout continues), ``world_size``, ``accum``,
+``batches_per_update``, ``seed`` and ``version`` (:func:`trainer_state`). With the same world size and batches per
+update a resumed run equals the uninterrupted one (bitwise on CPU; :mod:`mtpipe.training.resume`).
 """
 
 from __future__ import annotations
@@ -111,11 +111,13 @@ class TrainState:
 
 
 def trainer_state(state: TrainState, optimizer: torch.optim.Optimizer, scaler: Any, rngs: list[dict[str, Any]],
-                  world_size: int, accum: int, seed: int) -> dict[str, Any]:
-    """``trainer.pt``'s content: everything an exact resume needs besides the weights."""
+                  world_size: int, accum: int, seed: int, per_update: int | None = None) -> dict[str, Any]:
+    """``trainer.pt``'s content: everything an exact resume needs besides the weights (``per_update``: the batches
+    per update, ``world_size * accum`` unless the processes shared them)."""
     return {
         "version": TRAINER_STATE_VERSION, **state.to_dict(),
         "world_size": world_size, "accum": accum,
+        "batches_per_update": per_update if per_update is not None else world_size * accum,
         "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict() if scaler is not None else {},
         "rng": rngs,

@@ -4,11 +4,12 @@ The entry point (:func:`train_model`); the loop is :class:`mtpipe.training.train
 section 5 lives:
 
 * Data (5.1, :mod:`mtpipe.training.batches`): the bucket artifact's token-budget batches of the bpe artifact's
-  sentences; an update takes the next ``world_size * accum`` batches of the epoch's order, rank r every
-  world_size-th of them.
+  sentences; an update takes the next batches of the epoch's order, rank r every world_size-th of them or its share
+  of their sentences.
 * Batch size (5.1, "approximately 25000 source tokens and 25000 target tokens"): ``train.tokens_per_update`` sets
-  gradient accumulation ``accum = ceil(tokens_per_update / (world_size * bucket.max_tokens))``, so 1 GPU and 8 GPUs
-  train the same global batch. DDP all-reduces gradients once per update (``no_sync`` on earlier micro-batches).
+  the batches per update, ``ceil(tokens_per_update / bucket.max_tokens)`` on any number of processes (within 10 %:
+  :func:`mtpipe.training.batches.update_layout`), accumulated or shared, so 1 GPU, 8 and 16 train the same global
+  batch. DDP all-reduces gradients once per update (``no_sync`` on earlier micro-batches).
 * Loss (5.4, :mod:`mtpipe.training.loss`) and optimizer (5.3, :mod:`mtpipe.training.update`): label-smoothed
   cross-entropy summed over the real target tokens of the whole update and divided by their count; Adam at
   ``lr = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)``, optional gradient-norm clipping.
@@ -21,6 +22,8 @@ section 5 lives:
   ``train.keep_last`` kept. ``trainer.pt`` holds everything for an exact resume (:mod:`mtpipe.training.state`,
   :mod:`mtpipe.training.resume`): the same command on the same ``OUT`` continues from the latest checkpoint, and
   the loss curve from there equals the uninterrupted run's (bitwise on CPU).
+* Fine-tuning (:mod:`mtpipe.training.finetune`): ``train.finetune_from`` starts a fresh run (optimizer, schedule,
+  step counter) from another checkpoint's weights, its model and vocabulary; a run folder with checkpoints resumes.
 * Metrics (:mod:`mtpipe.training.metrics`): dvclive under ``OUT/live`` (``plots/metrics/{train,valid}/*.tsv``
   with ``step`` as x, for ``dvc plots``), ``OUT/train.json`` (final summary), ``OUT/train.log`` (the same lines as
   plain text, appended across resumes), a rich progress bar (its time left and fill honour ``train.max_time``:
@@ -49,7 +52,8 @@ def train_model(model_cfg: ModelConfig, cfg: TrainConfig, tokens: Path, batches:
     """``mtpipe train``: train (or resume training) into ``out``; returns the summary written to ``out/train.json``.
     ``out`` must be absent, empty or a run directory of `mtpipe train` (``force`` lifts the last rule). ``decode``:
     the decode settings every checkpoint records (:data:`mtpipe.config.RECORDED_DECODE`)."""
-    writing.check_output_place(out, [tokens, batches])  # train's rules across keys: TrainConfig.check
+    # train's rules across keys: TrainConfig.check
+    writing.check_output_place(out, [tokens, batches, cfg.finetune_from])
     writing.check_run_dir(out, force=force)
     ctx = distributed.init(cfg.device, timeout=cfg.dist_timeout)
     if ctx.device.type == "cpu":

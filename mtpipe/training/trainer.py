@@ -22,7 +22,7 @@ from mtpipe.config import ModelConfig, TrainConfig, to_dict
 from mtpipe.console import console, info, progress, warn
 from mtpipe.engine import runtime
 from mtpipe.errors import MtpipeError
-from mtpipe.training import distributed, metrics, resume
+from mtpipe.training import distributed, finetune, metrics, resume
 from mtpipe.training.batches import TrainData, load_train_data
 from mtpipe.training.budget import Budget
 from mtpipe.training.checkpoints import Checkpointer, spm_files
@@ -82,6 +82,10 @@ class Trainer:
         self._set_up_device()
         self.precision = runtime.resolve_precision(cfg.precision, self.device)
         self.data = load_train_data(self.tokens, self.batches, cfg.tokens_per_update, self.world)
+        # train.finetune_from: the parent's model, and its weights unless the run resumes (mtpipe.training.finetune)
+        self.finetune = finetune.plan(self.out, cfg.finetune_from, model_cfg, self.data.vocab, self.tokens)
+        if self.finetune is not None:
+            model_cfg = self.finetune.model_cfg
         spm = spm_files(self.tokens, self.data.vocab) if self.rank == 0 else (None, None)
         self.model = self._build_model(model_cfg)
         self.model_config = to_dict(self.model.cfg)
@@ -103,10 +107,14 @@ class Trainer:
         ck = resume.find_resume(self.out, cfg, self.model_config, self.data.vocab, self.device, given=given)
         if ck is not None:
             self.model.load_state_dict(ck.state_dict)
+        elif self.finetune is not None:
+            finetune.load_parent(self.finetune, self.model, self.device)
+        self.checkpointer.lineage = self.finetune.lineage if self.finetune is not None else None
         self.updater = Updater(self.model, cfg, self.device, self.precision)
         if ck is not None:
             self._restore(ck)
         self.budget = Budget(cfg, self.data, self.state, self.rank)
+        self.global_batch = metrics.GlobalBatch(cfg.tokens_per_update, self.data.per_update, self.data.max_tokens)
 
     @classmethod
     def for_updates(cls, model_cfg: ModelConfig, cfg: TrainConfig, data: TrainData, device: torch.device,
@@ -141,6 +149,8 @@ class Trainer:
         self.rank0_seconds = 0.0  # rank 0's training seconds as of the last settled update (the schedule's clock)
         self.throughput = Throughput(time.monotonic())
         self._plan: UpdatePlan | None = None  # updates()'s walk of the batches
+        # fp16 updates skipped for overflow since the last applied one (0 at every checkpoint: not saved)
+        self.overflows_in_a_row = 0
 
     def _set_up_device(self) -> None:
         if self.cfg.threads > 0:
@@ -169,10 +179,10 @@ class Trainer:
 
     def _restore(self, ck: artifacts.Checkpoint) -> None:
         u, cfg = self.updater, self.cfg
-        # Another world size than the checkpoint's: the same global batch, by accumulation (resume warns).
+        # Another world size than the checkpoint's: the same global batch, accumulated or shared (resume warns).
         self.data = self.validator.data = resume.same_global_batch(ck, self.data, self.world, cfg.tokens_per_update)
-        st = self.state = resume.restore(ck, u.optimizer, u.scaler, accum=self.data.accum, seed=self.cfg.seed,
-                                         device=self.device)
+        st = self.state = resume.restore(ck, u.optimizer, u.scaler, accum=self.data.accum,
+                                         per_update=self.data.per_update, seed=self.cfg.seed, device=self.device)
         if resume.batches_changed(ck, self.data.batches_id, self.batches):
             warn(f"{self.batches}: the batches changed since {ck.path.name} was written: continuing at the same "
                  "epoch and position of the new batch order (not an exact resume)")
@@ -185,7 +195,8 @@ class Trainer:
         """Checkpoint at the current step (a collective: every rank contributes its RNG state, ``rng`` or the
         current one; rank 0 writes)."""
         u = self.updater
-        self.checkpointer.save(self.state, u.optimizer, u.scaler, self.data.vocab, self.data.accum, rng=rng)
+        self.checkpointer.save(self.state, u.optimizer, u.scaler, self.data.vocab, self.data.accum, rng=rng,
+                               per_update=self.data.per_update)
         self.last_saved_step = self.state.step
         self.best_due = False
 
@@ -253,6 +264,9 @@ class Trainer:
         self._account(result)
         budget = self.budget
         if result.applied:
+            measured = self.global_batch.add(result.tgt_tokens, result.src_tokens)
+            if measured:
+                self._say(measured)
             self._maybe_log(bar, task)
             self._maybe_validate(bar)  # it leaves the RNG as it found it: the next update has already drawn from it
         reason = budget.stop_reason(result.time_up)
@@ -299,8 +313,11 @@ class Trainer:
                 )
         elif r.status == "overflow":
             st.overflows += 1
+            self.overflows_in_a_row += 1
+            if self.overflows_in_a_row >= self.cfg.max_overflow_steps:
+                raise self._overflow_error()
         else:
-            st.bad_steps = 0
+            st.bad_steps = self.overflows_in_a_row = 0
             st.step += 1
             st.tgt_seen, st.src_seen = st.tgt_seen + r.tgt_tokens, st.src_seen + r.src_tokens
             st.window.add(r.loss, r.nll, r.tgt_tokens, r.grad_norm)
@@ -308,6 +325,22 @@ class Trainer:
         if st.position + d.per_update > d.usable:
             st.epoch, st.position = st.epoch + 1, 0
         st.train_seconds = self.budget.seconds()
+
+    def _overflow_error(self) -> MtpipeError:
+        """fp16 whose grad scaler skipped ``train.max_overflow_steps`` updates in a row (inf/nan gradients with a
+        finite loss, the loss scale halved at each): a run that no longer learns, ended in one line that names the
+        loss scale and the checkpoint to go back to (nothing is written)."""
+        from mtpipe.training.failures import last_checkpoint
+
+        st, scaler = self.state, self.updater.scaler
+        scale = f"{scaler.get_scale():.6g}" if scaler is not None else "?"
+        ck = last_checkpoint(self.out) if hasattr(self, "out") else "none (updates without a run directory)"
+        return MtpipeError(
+            f"training stopped: {self.overflows_in_a_row} fp16 updates in a row had inf/nan gradients with a finite "
+            f"loss (train.max_overflow_steps; last at update {st.step + 1}, epoch {st.epoch + 1}); the grad scaler "
+            f"skipped each and its loss scale is now {scale}; last good checkpoint: {ck}; use train.precision=bf16 "
+            "or fp32, or a lower train.lr_scale"
+        )
 
     def learning_rate(self, step: int, progress: float) -> float:
         """The rate of update ``step`` under ``train.schedule``, ``progress`` being the budget spent before it."""
@@ -443,6 +476,8 @@ class Trainer:
             # The last step's metrics, off the validation schedule: logged and recorded in the last checkpoint,
             # but not booked for early stopping (a longer run would not validate here; its count must not differ).
             final = self.validator.final(st, self.updater.loss_module)
+            if 0 < self.global_batch.updates < self.global_batch.MEASURED:  # a run shorter than the measurement
+                self._say(self.global_batch.measured_line())
             if final:
                 self.metrics.log(st.step, final)
                 self._say(metrics.valid_line(st.step, final))
@@ -464,8 +499,9 @@ class Trainer:
             self._say(f"resuming from {self.resumed_from} (step {st.step:,}, epoch {st.epoch + 1}, batch "
                       f"{st.position:,}/{d.usable:,})")
         self._say(f"training {sum(p.numel() for p in self.model.parameters()):,} parameters on {self.world} x "
-                  f"{self.device.type} ({self.precision}), {d.accum} batch(es) of <= {d.max_tokens:,} tokens per "
-                  f"process per update, {len(d.train):,} batches per epoch ({len(d.train) - d.usable} left out)")
+                  f"{self.device.type} ({self.precision}), {len(d.train):,} batches per epoch "
+                  f"({len(d.train) - d.usable} left out)")
+        self._say(self.global_batch.plan_line(self.world, d.accum, d.split))
 
     def _say(self, line: str) -> None:
         """A line for the console and ``OUT/train.log``."""
@@ -489,11 +525,13 @@ class Trainer:
             "train_minutes": round(st.train_seconds / 60, 3),
             "tgt_tokens_per_s": round(tgt_per_s, 1),  # this invocation, validation and checkpoints included
             "processes": self.world, "accumulation": d.accum, "batches_per_update": d.per_update,
+            "global_batch": self.global_batch.to_dict(),
             "max_tokens": d.max_tokens, "precision": self.precision, "device": self.device.type,
             "bad_steps_skipped": st.bad_steps, "fp16_overflows": st.overflows,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "checkpoints": [str(p) for _, p in found],
             "model": self.model_config, "vocab": d.vocab,
+            artifacts.FINETUNED_FROM: self.finetune.lineage if self.finetune is not None else None,
             "valid_bleu": st.last_bleu,
             # How far the plan got: a run the time guard (or early stopping) ended before max_steps/max_epochs.
             "planned_updates": planned, "plan_done": round(st.step / planned, 4) if planned else None,
