@@ -1,13 +1,18 @@
 # The two commands a newcomer needs (see README): `make pipeline` and `make test`.
 PY ?= python3
 VENV ?= .venv
-# torch is pinned here only: 2.13.0 is the build this project is tested with (CPU wheel on CPU-only machines).
-# Override on GPU machines, e.g. `make pipeline TORCH=torch==2.13.0` from a CUDA index, or TORCH=torch.
+# torch is pinned here only: 2.13.0 is the version this project is tested with. pip takes it from PyPI, whose
+# Linux x86_64 wheel is the CUDA build (with NVIDIA's libraries, several GB to download); macOS gets a CPU wheel.
+# TORCH_INDEX: the index torch alone comes from, e.g. the CPU-only build (about 200 MB) on a machine without a GPU:
+#   make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# Another version: TORCH=torch (whatever pip resolves) or TORCH=torch==X.Y.Z.
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
+	$(if $(TORCH_INDEX),$(VENV)/bin/pip install -q "$(TORCH)" --index-url "$(TORCH_INDEX)")
 	$(VENV)/bin/pip install -q "$(TORCH)" -e ".[dev]"
 	touch $@
 

@@ -221,6 +221,64 @@ def test_gate_from_python_raises_gate_failed(tmp_path: Path, files) -> None:
     assert (tmp_path / "m.json").exists()
 
 
+def test_chrf_and_ter_gates_floor_ceiling_and_baseline(tmp_path: Path, files) -> None:
+    """--min-chrf / --max-ter against the scores; --max-drop-chrf / --max-rise-ter against a baseline (TER: lower is
+    better, so a rise fails); every failed gate is named in the one error; the metrics JSON records them."""
+    hyp, ref, _, _ = files
+    params = tmp_path / "params.yaml"
+    params.write_text("")
+    out = tmp_path / "m.json"
+    io = ["--hyp", str(hyp), "--ref", str(ref), "--out", str(out), "--force"]
+    assert score_cli(*io, params=params)[0] == 0
+    m = json.loads(out.read_text())
+    chrf, ter = m["chrf"], m["ter"]
+
+    code, text = score_cli(*io, "--min-chrf", f"{chrf - 1:.2f}", "--max-ter", f"{ter + 1:.2f}", params=params)
+    assert code == 0 and "gate passed" in text and f"chrF2 {chrf:.2f} >= --min-chrf" in text, text
+    code, text = score_cli(*io, "--min-chrf", f"{chrf + 1:.2f}", "--max-ter", f"{ter - 1:.2f}", params=params)
+    assert code == 3, text
+    assert f"chrF2 {chrf:.2f} is below --min-chrf {chrf + 1:.2f}" in text
+    assert f"TER {ter:.2f} is above --max-ter {ter - 1:.2f}" in text
+    gate = json.loads(out.read_text())["gate"]
+    assert gate["passed"] is False and gate["min_chrf"] == pytest.approx(chrf + 1, abs=0.006)
+
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps({**m, "chrf": chrf + 2.0, "ter": ter - 2.0}))
+    base = ["--baseline", str(baseline)]
+    code, text = score_cli(*io, *base, "--max-drop-chrf", "1", "--max-rise-ter", "1", params=params)
+    assert code == 3, text
+    assert f"chrF2 {chrf:.2f} is 2.00 below the baseline {chrf + 2:.2f}" in text and "--max-drop-chrf 1.00" in text
+    assert f"TER {ter:.2f} is 2.00 above the baseline {ter - 2:.2f}" in text and "at most" in text
+    gate = json.loads(out.read_text())["gate"]
+    assert gate["baseline_chrf"] == chrf + 2.0 and gate["max_rise_ter"] == 1.0 and gate["max_drop"] is None
+    code, text = score_cli(*io, *base, "--max-drop-chrf", "2.5", "--max-rise-ter", "2.5", params=params)
+    assert code == 0 and "gate passed" in text, text
+    # BLEU alone gated against the same baseline: the chrF/TER differences do not matter.
+    assert score_cli(*io, *base, "--max-drop", "0", params=params)[0] == 0
+
+
+def test_exit_statuses(tmp_path: Path, files) -> None:
+    """0 scored, 1 bad input (a baseline gate without --baseline, unless score.require_baseline is false), 2 a
+    usage error (click's: an unknown flag, a value that is not a number), 3 a failed gate."""
+    hyp, ref, _, _ = files
+    params = tmp_path / "params.yaml"
+    params.write_text("")
+    io = ["--hyp", str(hyp), "--ref", str(ref)]
+    assert score_cli(*io, params=params)[0] == 0
+    code, text = score_cli(*io, "--max-drop", "0.5", params=params)
+    assert code == 1 and "score.max_drop set but no --baseline given" in text and "--no-require-baseline" in text
+    code, text = score_cli(*io, "--max-rise-ter", "1", "--max-drop-chrf", "1", params=params)
+    assert code == 1 and "score.max_drop_chrf, score.max_rise_ter set but no --baseline" in text, text
+    code, text = score_cli(*io, "--max-drop", "0.5", "--no-require-baseline", params=params)
+    assert code == 0 and "baseline gates are skipped" in text, text
+    params.write_text("score:\n  max_drop: 0.5\n  require_baseline: false\n")  # the same from params.yaml
+    assert score_cli(*io, params=params)[0] == 0
+    params.write_text("")
+    assert score_cli(*io, "--no-such-flag", params=params)[0] == 2
+    assert score_cli(*io, "--min-bleu", "high", params=params)[0] == 2
+    assert score_cli(*io, "--min-bleu", "100", params=params)[0] == 3
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Paper BLEU
 # --------------------------------------------------------------------------------------------------------------------
@@ -320,7 +378,9 @@ def test_bad_input(tmp_path: Path) -> None:
     assert "baseline is not a metrics JSON" in _bad(tmp_path, ref, ref, "--baseline", str(bad_json), "--max-drop", "1")
     bad_json.write_text(json.dumps({"chrf": 50}))
     assert "no numeric 'bleu'" in _bad(tmp_path, ref, ref, "--baseline", str(bad_json), "--max-drop", "1")
-    assert "also give --max-drop" in _bad(tmp_path, ref, ref, "--baseline", str(bad_json))
+    assert "also give --max-drop, --max-drop-chrf, --max-rise-ter" in _bad(tmp_path, ref, ref, "--baseline",
+                                                                           str(bad_json))
+    assert "no numeric 'ter'" in _bad(tmp_path, ref, ref, "--baseline", str(bad_json), "--max-rise-ter", "1")
     assert "unknown sacreBLEU tokenizer 'nope'" in _bad(tmp_path, ref, ref, "--tokenize", "nope")
     binary = tmp_path / "bin.txt"
     binary.write_bytes(b"\xff\xfe\x00bad\n")

@@ -75,9 +75,10 @@ def model(tmp_path_factory) -> dict:
 
 
 class Server:
-    """``python -m mtpipe serve`` on 127.0.0.1, port 0 (a free one, read back from its start-up line)."""
+    """``python -m mtpipe serve`` on 127.0.0.1, port 0 (a free one, read back from its start-up line). ``ready``
+    False: returned as soon as the port serves, while the model still loads (its first line)."""
 
-    def __init__(self, model: dict, *flags: str) -> None:
+    def __init__(self, model: dict, *flags: str, ready: bool = True) -> None:
         cmd = [sys.executable, "-m", "mtpipe", "serve", "--params", str(model["params"]), "--checkpoint",
                str(model["checkpoint"]), "--tokens", str(model["tokens"]), "--host", "127.0.0.1", "--port", "0",
                "--threads", "1", *flags]
@@ -90,8 +91,9 @@ class Server:
         def read() -> None:  # keep the pipe drained for as long as the server logs
             for line in self.proc.stderr:
                 self.log.append(line)
-                if "listening on " in line and not found.is_set():
-                    self.url = line.split("listening on ")[1].split()[0]
+                said = "listening on " if ready or "listening on " in line else "loading the model; "
+                if said in line and not found.is_set():
+                    self.url = line.split(said)[1].split()[0]
                     found.set()
             found.set()
 
@@ -118,7 +120,7 @@ class Server:
     def stop(self) -> None:
         self.client.close()
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(signal.SIGINT)  # as Ctrl-C: without SIGTERM's serve.drain_grace_s
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:

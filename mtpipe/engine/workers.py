@@ -91,17 +91,21 @@ class WorkerProcess:
     """One decoding process (spawned: a fresh interpreter, its model in its own main thread, ``cfg.threads`` CPU
     threads), as a :class:`~mtpipe.engine.protocol.Lane`: requests go down its pipe as they are taken and come back as they
     finish. Driven by one thread. A worker that dies (e.g. killed for memory) fails the requests it held; with
-    ``restart`` (a server's) the next request starts a new one. ``role`` names the setting in error messages."""
+    ``restart`` (a server's) a new one is started (:meth:`revive`, which the server's thread calls as soon as it sees
+    the death, or the next request). ``role`` names the setting in error messages; ``log`` takes one line for each
+    death and restart (with the exit code). ``down`` (readable from any thread) is True from a death until the new
+    process is ready; ``restarts`` counts the new processes started."""
 
     def __init__(self, index: int, cfg: DecodeConfig, checkpoint: Path, tokens: Path | None,
                  batching: str = "batch", beams: tuple[int, ...] = (), *, role: str = "serve.workers",
-                 restart: bool = True) -> None:
+                 restart: bool = True, log: Callable[[str], None] | None = None) -> None:
         self.index = index
-        self.role, self.restart = role, restart
+        self.role, self.restart, self.log = role, restart, log
         self.continuous = batching == "continuous"
         self._args = (cfg, str(checkpoint), str(tokens) if tokens is not None else None, batching, tuple(beams))
         self._held: set[int] = set()
         self._outbox: list[tuple[int, list[list[int]], Any]] = []  # sent at the next poll, as one message
+        self.down, self.restarts = False, 0
         self._start()
 
     def _start(self) -> None:
@@ -126,12 +130,52 @@ class WorkerProcess:
             raise MtpipeError(f"{self.role}: worker process {self.index} could not open the model ({payload})")
         return payload
 
-    def add(self, key: int, sources: list[list[int]], rules: Any) -> None:
-        if self._dead:
-            self._conn.close()
-            self._start()
+    def exited(self) -> bool:
+        """Whether the process has died, without a word (:meth:`dead` logs it)."""
+        return self._dead or not self._proc.is_alive()
+
+    def dead(self) -> bool:
+        """Whether the process has died; the first time, its death is logged with its exit code and :attr:`down`
+        set. The server's thread asks before it takes work (:meth:`exited`, which says nothing, while it waits)."""
+        if not self._dead and not self._proc.is_alive():
+            self._dead = True
+        if self._dead and not self.down:
+            self.down = True
+            self._proc.join(5)
+            if self.log is not None:
+                self.log(f"{self.role}: decoding worker process {self.index} (pid {self._proc.pid}) exited (code "
+                         f"{self._proc.exitcode})" + ("; restarting it" if self.restart else ""))
+        return self._dead
+
+    def revive(self) -> None:
+        """Start a new process in place of a dead one and wait until it is warm (one line in the log); a failed
+        start raises :class:`MtpipeError` and leaves the worker dead."""
+        import time
+
+        self.dead()  # its death logged first
+        self._conn.close()
+        start = time.monotonic()
+        self._start()
+        try:
             self.ready()
+        except MtpipeError as e:
+            self._dead = True
+            if self.log is not None:
+                self.log(str(e))
+            raise
+        self.down = False
+        self.restarts += 1
+        if self.log is not None:
+            self.log(f"{self.role}: decoding worker process {self.index} restarted (pid {self._proc.pid}), ready in "
+                     f"{time.monotonic() - start:.1f} s")
+
+    def add(self, key: int, sources: list[list[int]], rules: Any) -> None:
         self._held.add(key)
+        if self._dead:
+            try:
+                self.revive()
+            except MtpipeError:  # logged; the next poll fails the request, as the dead process's others
+                return
         self._outbox.append((key, [list(s) for s in sources], rules))
 
     def busy(self) -> bool:
@@ -172,7 +216,7 @@ class WorkerProcess:
         except (EOFError, OSError):
             self._dead = True
         if self._dead and self._held:
-            self._proc.join(5)
+            self.dead()  # logged
             error = RuntimeError(f"worker process {self.index} exited (code {self._proc.exitcode})"
                                  + ("; it is restarted for the next request" if self.restart else ""))
             finished += [(key, error) for key in self._held]

@@ -7,36 +7,48 @@ Endpoints (FastAPI on uvicorn, ``pip install 'mtpipe[serve]'``):
   ``{"translations": [...], "scores": [...], "model": <manifest hash of the checkpoint>, "batch": {...}}`` (with
   ``nbest`` / ``nbest_scores`` lists when nbest > 1). ``batch`` says which worker decoded the request, the most
   requests and sentences decoded together with it (itself included), and how long it waited and took.
-* ``GET /health``: ``{"status": "ok", ...}``; ``GET /info``: the model, the engine, the settings, the counters.
+* ``GET /health/live`` (and ``/health``, its alias): 200 while the process answers; ``GET /health/ready``: 200 once
+  the model is loaded and warm, while every decoding process is alive, the queue is below ``serve.max_queue`` and
+  no SIGTERM has come, else 503 with the reason; ``GET /metrics``: Prometheus' text format
+  (:mod:`mtpipe.serve.metrics`); ``GET /info``: the model, the engine, the settings, the counters.
+
+The port listens, and ``/health/live`` answers, from the start: the model loads and warms up meanwhile, and until
+it is warm ``/health/ready`` (and ``/translate``) answers 503, so that a load balancer or Kubernetes sends nothing to
+a server still warming up, while its liveness probe sees a process that answers.
 
 The search is :func:`mtpipe.engine.search.beam_search` under the ``decode`` section's rules (paper section 6.1), through
 the same engines, opened the same way, as ``mtpipe decode`` (:func:`mtpipe.engine.opening.open_model`), so a sentence
 translates exactly as ``mtpipe decode`` translates it: beam search is per sentence, and the padding of a mixed batch
 is masked (the tests compare with ``mtpipe decode``). This package is the HTTP side only: requests
 (:mod:`mtpipe.serve.requests`), the queue and its workers (:mod:`mtpipe.serve.batcher`), the connections' bounds
-(:mod:`mtpipe.serve.guard`), and here the application and the command.
+(:mod:`mtpipe.serve.guard`), the metrics (:mod:`mtpipe.serve.metrics`), the application (:mod:`mtpipe.serve.routes`),
+and here the command.
 
 The model runs in the process's main thread while uvicorn's event loop runs in a second one: torch's CPU thread pool
 (OpenMP) parallelises the small operations of a decoding step well only from the main thread. With ``serve.workers``
 N > 1, N worker processes (:class:`mtpipe.engine.workers.WorkerProcess`) each run a copy of the model in their own
 main thread with 1/N of the CPU threads, and each decodes its own requests: a server's batches are small, and the
-small matrix products of a few sentences use several cores poorly, where separate batches use them fully.
+small matrix products of a few sentences use several cores poorly, where separate batches use them fully. A worker
+process that dies is logged (its exit code), restarted at once, and logged again once warm; ``/health/ready`` is 503
+meanwhile.
 
 Every phase of a request is bounded, so that no client can hold the server: reading it (:mod:`mtpipe.serve.guard`),
 decoding it (``serve.max_request_work``, ``max_sentences``, ``max_chars``, ``max_beam`` and
 ``serve.max_output_tokens`` per sentence: :class:`mtpipe.engine.streaming.ServedRules`), waiting for it
-(``serve.max_queue``: one more gets 503 with Retry-After). A client that leaves mid-body or before its answer is one
-line in the log, not a traceback. ``/info``'s ``counters`` count all of these.
+(``serve.max_queue``: one more gets 503 with Retry-After), answering it (``serve.request_timeout_s``: 504, and what
+is left of its decoding is cancelled). A client that leaves mid-body or before its answer is one line in the log,
+not a traceback. ``/info``'s ``counters`` count all of these.
 
-SIGTERM (or Ctrl-C): uvicorn stops accepting connections and waits for the requests in flight (the worker goes on
-decoding them); the worker then decodes whatever is still queued and stops; the process exits 0. ``serve.drain_s``
-after the signal (or at a second one) whatever is left is dropped: requests not yet answered get 503, connections
-still sending a request are closed, the workers stop after the chunk in hand, and the process exits 0.
+SIGTERM: ``/health/ready`` answers 503 at once while requests are still accepted and served for
+``serve.drain_grace_s``, so that a load balancer stops sending before the server stops accepting. Then (at once for
+Ctrl-C) uvicorn stops accepting connections and waits for the requests in flight (the worker goes on decoding them);
+the worker then decodes whatever is still queued and stops; the process exits 0. ``serve.drain_s`` after that (or at
+a second signal) whatever is left is dropped: requests not yet answered get 503, connections still sending a request
+are closed, the workers stop after the chunk in hand, and the process exits 0.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import signal
@@ -47,172 +59,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mtpipe.config import DecodeConfig, ServeConfig, to_dict
+from mtpipe.config import DecodeConfig, ServeConfig
 from mtpipe.engine.opening import OpenModel, open_model
-from mtpipe.engine.search import DecodeRules, LengthPenalty
-from mtpipe.engine.streaming import ServedRules
+from mtpipe.engine.search import DecodeRules
 from mtpipe.engine.workers import WorkerProcess, worker_threads
 from mtpipe.errors import MtpipeError
-from mtpipe.serve.batcher import Batcher, Job, QueueFull, ServerStopping
-from mtpipe.serve.guard import CLOSED_BY_SERVER, ConnectionGuard
-from mtpipe.serve.requests import (
-    RETRY_AFTER_S,
-    ClientGone,
-    RequestError,
-    TranslateRequest,
-    max_body_bytes,
-    parse_request,
-    read_body,
-)
-
-# --------------------------------------------------------------------------------------------------------------------
-# The HTTP application
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def error(status: int, reason: str, headers: dict[str, str] | None = None) -> Any:
-    """An error answer: one line of JSON, ``{"error": reason}``."""
-    from fastapi.responses import JSONResponse
-
-    return JSONResponse({"error": reason}, status_code=status, headers=headers)
-
-
-class Routes:
-    """The handlers of ``/translate``, ``/health`` and ``/info`` on one model, batcher and set of bounds."""
-
-    def __init__(self, model: OpenModel, batcher: Batcher, cfg: ServeConfig, defaults: DecodeConfig,
-                 guard: ConnectionGuard) -> None:
-        self.model, self.batcher, self.cfg, self.defaults, self.guard = model, batcher, cfg, defaults, guard
-        self.counters = guard.counters
-        self.counters["rejected_work"] = 0
-        self.limit = max_body_bytes(cfg)
-        self.limit_src = model.max_positions - 1  # one position is the EOS (mtpipe.engine.search.max_source_len)
-        decode_rules = DecodeRules.from_config(defaults)
-        self.base_rules = ServedRules(**{f.name: getattr(decode_rules, f.name)
-                                         for f in dataclasses.fields(decode_rules)},
-                                      max_output=cfg.max_output_tokens)
-
-    def gone(self, request: Any, what: str) -> None:
-        """One line for a client that left (none where the server closed the connection itself: it said why)."""
-        if CLOSED_BY_SERVER in request.scope:
-            return
-        self.counters["client_disconnects"] += 1
-        client = "%s:%d" % tuple(request.scope["client"][:2]) if request.scope.get("client") else "a client"
-        self.guard.log.info("%s: POST /translate: the client went away %s", client, what)
-
-    async def translate(self, request: Any) -> Any:
-        """``POST /translate``: read and check the body (every bad input its own status and line), queue the job,
-        wait for its answer or for the client to go."""
-        try:
-            req = parse_request(await read_body(request, self.limit), self.cfg, self.defaults)
-        except RequestError as e:
-            return error(e.status, e.reason)
-        except ClientGone as e:
-            self.gone(request, f"before sending the whole body ({e.received} bytes of "
-                               f"{request.headers.get('content-length', '?')})")
-            return error(400, "body: incomplete")  # nobody reads it
-        sources = self.model.sp.encode(req.sentences, out_type=int)
-        truncated = sum(len(s) > self.limit_src for s in sources)
-        sources = [s[: self.limit_src] for s in sources]  # as mtpipe decode cuts them to the model's positions
-        # Work, not characters: what decoding a request costs grows with its tokens times its beam.
-        work = sum(len(s) + 1 for s in sources) * req.beam
-        if work > self.cfg.max_request_work:
-            self.counters["rejected_work"] += 1
-            return error(413, f"work: {work:,} (source tokens with EOS x beam, summed over the sentences) is more "
-                              f"than the server's limit (serve.max_request_work = {self.cfg.max_request_work:,}); "
-                              "send fewer or shorter sentences, or a smaller beam")
-        # Every rule from the decode section (as `mtpipe decode` builds them), then what the request may change.
-        rules = dataclasses.replace(self.base_rules, beam=req.beam, nbest=req.nbest,
-                                    penalty=LengthPenalty(self.defaults.length_penalty, req.alpha))
-        loop = asyncio.get_running_loop()
-        job = Job(sources, rules, loop.create_future(), loop, time.monotonic())
-        try:
-            self.batcher.submit(job)
-        except QueueFull:
-            return error(503, f"busy: {self.batcher.max_queue} requests already waiting (serve.max_queue); retry "
-                              "later", {"Retry-After": str(RETRY_AFTER_S)})
-        return await self.answer(request, req, job, truncated)
-
-    async def answer(self, request: Any, req: TranslateRequest, job: Job, truncated: int) -> Any:
-        """Wait for ``job``'s answer, or for the client to go: after the body, uvicorn's receive() returns only then
-        (http.disconnect). A request whose client has gone is cancelled: what no worker has started is dropped."""
-        from fastapi.responses import JSONResponse
-
-        left = asyncio.ensure_future(request.receive())
-        try:
-            await asyncio.wait({job.future, left}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:  # uvicorn gave up on the request (its graceful shutdown's limit)
-            self.batcher.cancel(job)
-            raise
-        finally:
-            left.cancel()
-        if not job.future.done():
-            dropped = self.batcher.cancel(job)
-            self.gone(request, f"before its answer: request cancelled, {dropped} of its {len(job.sources)} "
-                               "sentences not decoded")
-            return error(400, "cancelled")  # nobody reads it
-        try:
-            answer = job.future.result()
-        except ServerStopping as e:
-            return error(503, str(e), {"Retry-After": str(RETRY_AFTER_S)})
-        except RuntimeError as e:
-            return error(500, str(e))
-        out: dict[str, Any] = {
-            "translations": [hyps[0][0] for hyps in answer.hypotheses],
-            "scores": [hyps[0][1] for hyps in answer.hypotheses],
-        }
-        if req.nbest > 1:
-            out["nbest"] = [[text for text, _ in hyps] for hyps in answer.hypotheses]
-            out["nbest_scores"] = [[score for _, score in hyps] for hyps in answer.hypotheses]
-        out.update({"model": self.model.info["model"], "settings": {"beam": req.beam, "alpha": req.alpha,
-                    "nbest": req.nbest}, "truncated": truncated, "batch": answer.batch})
-        return JSONResponse(out)
-
-    async def health(self, request: Any) -> Any:
-        from fastapi.responses import JSONResponse
-
-        return JSONResponse({"status": "ok", "model": self.model.info["model"],
-                             "queued": self.batcher.snapshot()["queued"]})
-
-    async def info(self, request: Any) -> Any:
-        from fastapi.responses import JSONResponse
-
-        counters = {**self.batcher.snapshot(), **self.counters, "open_connections": len(self.guard.open)}
-        return JSONResponse({**self.model.info, "decode": to_dict(self.defaults), "serve": to_dict(self.cfg),
-                             "counters": counters})
-
-
-def build_app(model: OpenModel, batcher: Batcher, cfg: ServeConfig, defaults: DecodeConfig,
-              guard: ConnectionGuard | None = None) -> Any:
-    """The FastAPI application: ``/translate``, ``/health``, ``/info``; every error answered as ``{"error": ...}``.
-    ``guard``: the connections' bounds, whose counters ``/info`` shows (None: a guard of ``cfg``'s, counting only)."""
-    from fastapi import FastAPI, Request
-    from starlette.exceptions import HTTPException
-
-    if guard is None:
-        guard = ConnectionGuard(cfg.read_timeout_s, cfg.max_connections)
-    routes = Routes(model, batcher, cfg, defaults, guard)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Any) -> Any:
-        guard.loop = asyncio.get_running_loop()  # for the drain after SIGTERM (serve_model), from another thread
-        yield  # the batcher runs already (serve_model: in the main thread)
-        # uvicorn has let the requests in flight finish; the worker drains what is left, off the event loop.
-        batcher.close()
-        await asyncio.to_thread(batcher.join)
-
-    app = FastAPI(title="mtpipe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> Any:  # 404, 405: one line of JSON too
-        return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", exc.headers)
-
-    # Plain routes: the body is parsed by the handler (parse_request), so that every bad input gets its own status.
-    app.add_route("/translate", routes.translate, methods=["POST"])
-    app.add_route("/health", routes.health, methods=["GET"])
-    app.add_route("/info", routes.info, methods=["GET"])
-    return app
-
+from mtpipe.serve.batcher import Batcher
+from mtpipe.serve.guard import ConnectionGuard
+from mtpipe.serve.routes import Routes, build_app
 
 # --------------------------------------------------------------------------------------------------------------------
 # The command
@@ -285,11 +139,26 @@ def warm_beams(cfg: ServeConfig, defaults: DecodeConfig) -> tuple[int, ...]:
     return tuple(sorted({1, defaults.beam, cfg.max_beam}))
 
 
+def check_source(defaults: DecodeConfig, checkpoint: Path) -> None:
+    """What can be checked of the model before the port opens, without loading it: that it is there and is what
+    ``decode.engine`` reads (a missing or wrong checkpoint fails with one line, before anything listens)."""
+    from mtpipe import artifacts
+    from mtpipe.engine.opening import refuse_export
+
+    if defaults.engine == "ctranslate2":
+        from mtpipe.engine import ct2
+
+        ct2.decode_source(checkpoint)
+        return
+    refuse_export(checkpoint, "serve")
+    artifacts.read_manifest(checkpoint, "checkpoint")
+
+
 def open_served(cfg: ServeConfig, defaults: DecodeConfig, rules: DecodeRules, checkpoint: Path,
-                tokens: Path | None, workers: list[WorkerProcess]) -> OpenModel:
+                tokens: Path | None, workers: list[WorkerProcess], log: Any = None) -> OpenModel:
     """The model opened and warmed up at every beam a request may bring: in this process, or (``serve.workers`` >
     1) in worker processes, appended to ``workers``, this process keeping worker 0's vocabulary to encode, queue and
-    detokenise with."""
+    detokenise with. ``log``: takes a line for each death and restart of a worker process."""
     from mtpipe.console import info
 
     beams = warm_beams(cfg, defaults)
@@ -305,7 +174,7 @@ def open_served(cfg: ServeConfig, defaults: DecodeConfig, rules: DecodeRules, ch
     info(f"starting {cfg.workers} decoding processes, {threads} CPU thread(s) each")
     worker_cfg = dataclasses.replace(defaults, threads=threads)
     for i in range(cfg.workers):
-        workers.append(WorkerProcess(i, worker_cfg, checkpoint, tokens, cfg.batching, beams))
+        workers.append(WorkerProcess(i, worker_cfg, checkpoint, tokens, cfg.batching, beams, log=log))
     descriptions = [w.ready() for w in workers]
     model = OpenModel.described(descriptions[0])
     model.info["workers"] = cfg.workers
@@ -314,7 +183,7 @@ def open_served(cfg: ServeConfig, defaults: DecodeConfig, rules: DecodeRules, ch
 
 
 def startup_table(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, model: OpenModel,
-                  seconds: float) -> None:
+                  seconds: float, metrics: bool = True) -> None:
     """What the server runs with, before its address."""
     from mtpipe.console import table
 
@@ -329,8 +198,13 @@ def startup_table(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, mo
         ["batching", f"{model.info['batching']}, wait {cfg.batch_wait_ms:g} ms, {cfg.batch_tokens:,} tokens, "
                      f"queue {cfg.max_queue}, {cfg.workers} worker(s)"],
         ["connections", f"idle ones closed after {cfg.keep_alive_s:g} s (serve.keep_alive_s)"],
-        ["requests", f"read within {cfg.read_timeout_s:g} s, {cfg.max_connections:,} connections at most, "
-                     f"drained {cfg.drain_s:g} s after SIGTERM"],
+        ["requests", f"read within {cfg.read_timeout_s:g} s, answered within "
+                     + (f"{cfg.request_timeout_s:g} s (else 504)" if cfg.request_timeout_s > 0 else "any time")
+                     + f", {cfg.max_connections:,} connections at most"],
+        ["stopping", f"SIGTERM: not ready but serving for {cfg.drain_grace_s:g} s, then drained within "
+                     f"{cfg.drain_s:g} s"],
+        ["observing", ("GET /metrics (Prometheus)" if metrics else "no GET /metrics (pip install prometheus_client)")
+                      + f", access log {'on' if cfg.access_log else 'off'}"],
         ["work", f"{cfg.max_request_work:,} per request (tokens x beam), chunks of {cfg.chunk_work:,}, "
                  f"{cfg.max_output_tokens} output tokens a sentence"],
         ["start-up", f"{seconds:.1f} s: loading, warm-up"
@@ -340,23 +214,26 @@ def startup_table(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, mo
 
 
 class Stopper:
-    """SIGTERM / SIGINT: the first asks uvicorn to stop (stop accepting, finish the requests in flight, then the
-    lifespan shutdown closes the batcher); ``serve.drain_s`` later, or at a second signal, what is left is dropped
-    (:meth:`drain`)."""
+    """SIGTERM / SIGINT. The first SIGTERM makes ``/health/ready`` answer 503 while requests are still accepted and
+    served for ``serve.drain_grace_s`` (a load balancer notices and sends no more); then (at once for SIGINT) uvicorn
+    is asked to stop (stop accepting, finish the requests in flight, then the lifespan shutdown closes the batcher);
+    ``serve.drain_s`` later, or at a second signal, what is left is dropped (:meth:`drain`)."""
 
-    def __init__(self, server: Any, batcher: Batcher, guard: ConnectionGuard, drain_s: float) -> None:
-        self.server, self.batcher, self.guard, self.drain_s = server, batcher, guard, drain_s
+    def __init__(self, server: Any, routes: Routes, guard: ConnectionGuard, cfg: ServeConfig) -> None:
+        self.server, self.routes, self.guard = server, routes, guard
+        self.drain_s, self.grace_s = cfg.drain_s, cfg.drain_grace_s
         self.drained = threading.Event()  # set once the drain has run
-        self.timer = threading.Timer(drain_s, self.drain)
+        self.grace_over = threading.Event()  # set by a second signal, or when the server stops
+        self.timer = threading.Timer(self.drain_s, self.drain)
         self.timer.daemon = True
 
     def drain(self) -> None:
         from mtpipe.console import info
 
-        if self.drained.is_set():
+        if self.drained.is_set() or self.routes.batcher is None:
             return
         self.drained.set()
-        abandoned = self.batcher.abandon()
+        abandoned = self.routes.batcher.abandon()
         loop = self.guard.loop
         if loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop has closed: nothing left to drop
@@ -364,44 +241,81 @@ class Stopper:
         info(f"drain (serve.drain_s = {self.drain_s:g} s after the signal, or a second signal): {abandoned} "
              "request(s) not yet decoded answered 503, connections still sending a request closed")
 
-    def stop(self, *_: Any) -> None:
-        if self.server.should_exit:
-            self.server.force_exit = True
-            threading.Thread(target=self.drain, daemon=True).start()  # not in the handler: abandon takes a lock
+    def stop(self, signum: int | None = None, *_: Any) -> None:
+        """The signal handler (the main thread's): nothing here that takes a lock another thread may hold."""
+        if self.routes.stopping is None:  # the first signal: not ready from now on
+            self.routes.stopping = signal.Signals(signum).name if signum else "stop"
+            if signum == signal.SIGTERM and self.grace_s > 0:
+                threading.Thread(target=self._grace, name="mtpipe-grace", daemon=True).start()
+            else:
+                self._exit()
+            return
+        # A second signal: no more grace; whatever is left is dropped now.
+        self.grace_over.set()
         self.server.should_exit = True
-        if not self.timer.is_alive() and not self.drained.is_set():
+        self.server.force_exit = True
+        threading.Thread(target=self.drain, daemon=True).start()  # not in the handler: abandon takes a lock
+
+    def _grace(self) -> None:
+        self.guard.log.info("SIGTERM: /health/ready answers 503; requests are still served for %g s "
+                            "(serve.drain_grace_s), then the drain", self.grace_s)
+        if not self.grace_over.wait(self.grace_s):
+            self._exit()
+
+    def _exit(self) -> None:
+        """Stop accepting, and start the drain's clock."""
+        self.server.should_exit = True
+        if not self.drained.is_set():
             with contextlib.suppress(RuntimeError):  # started already
                 self.timer.start()
 
+    def cancel(self) -> None:
+        self.grace_over.set()
+        self.timer.cancel()
 
-def run_until_stopped(server: Any, sock: socket.socket, batcher: Batcher, stopper: Stopper, lanes: list[Any],
-                      workers: list[WorkerProcess]) -> None:
-    """uvicorn in a second thread, the first lane's worker in this, the main thread (see the module docstring),
-    the others' in threads of their own; until the server has stopped. Signals reach the main thread only."""
+
+def start_http(server: Any, sock: socket.socket, routes: Routes, url: str) -> threading.Thread:
+    """uvicorn in a thread of its own, serving from now on (while the model loads, ``/health/live`` answers and
+    ``/health/ready`` is 503); returns once it accepts, or raises with one line if it could not start."""
 
     def run_server() -> None:
         try:
             server.run(sockets=[sock])
         finally:
-            batcher.close()  # when the lifespan shutdown did not run (a failed start-up)
+            if routes.batcher is not None:
+                routes.batcher.close()  # when the lifespan shutdown did not run (a failed start-up)
 
-    previous = {sig: signal.signal(sig, stopper.stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     thread = threading.Thread(target=run_server, name="mtpipe-http", daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise MtpipeError(f"{url}: the server did not start (see uvicorn's log above)")
+        time.sleep(0.01)
+    return thread
+
+
+def run_until_stopped(thread: threading.Thread, batcher: Batcher, stopper: Stopper, lanes: list[Any],
+                      workers: list[WorkerProcess]) -> None:
+    """The first lane's worker in this, the main thread (see the module docstring), the others' in threads of their
+    own, uvicorn in ``thread``; until the server has stopped. Signals reach the main thread only."""
+    previous = {sig: signal.signal(sig, stopper.stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        thread.start()
         for w in workers[1:]:
             batcher.start(w, w.index)
+        if not thread.is_alive():  # uvicorn stopped while the model loaded
+            batcher.close()
         batcher.run(lanes[0])
         while thread.is_alive():
             thread.join(0.5)  # in slices, so that a second signal still reaches stop()
     finally:
-        stopper.timer.cancel()
+        stopper.cancel()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
 def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, tokens: Path | None) -> None:
-    """Serve ``checkpoint`` until SIGTERM or Ctrl-C; the requests in flight are answered first, then exit 0."""
+    """Serve ``checkpoint`` until SIGTERM or Ctrl-C; the requests in flight are answered first, then exit 0. The
+    port opens before the model loads: ``/health/ready`` answers 503 until it is warm."""
     _, uvicorn = require_serve()
     from mtpipe.console import info, table
 
@@ -410,40 +324,50 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
     if defaults.processes > 1:  # set for the decode stage, say, in the params.yaml a server shares
         info(f"decode.processes={defaults.processes} applies to mtpipe decode; the server's decoding processes are "
              f"serve.workers ({cfg.workers})")
+    check_source(defaults, checkpoint)
     sock = listen(cfg.host, cfg.port)
+    url = url_of(sock)
     workers: list[WorkerProcess] = []
+    guard = ConnectionGuard(cfg.read_timeout_s, cfg.max_connections)
+    routes = Routes(cfg, defaults, guard, workers)
+    # uvicorn's graceful shutdown waits for every connection and task; the drain ends them after serve.drain_s, and
+    # uvicorn's own limit, a little later, is only a backstop.
+    server = uvicorn.Server(uvicorn.Config(build_app(routes), log_level="info", access_log=False, lifespan="on",
+                                            timeout_keep_alive=cfg.keep_alive_s, http=guard.protocol(),
+                                            timeout_graceful_shutdown=cfg.drain_s + 5))
+    thread: threading.Thread | None = None
     stopper = None
     try:
+        thread = start_http(server, sock, routes, url)
+        sys.stderr.write(f"mtpipe serve: loading the model; {url} answers GET /health/live, and GET /health/ready "
+                         "with 503 until the model is warm\n")
+        sys.stderr.flush()
         started = time.monotonic()
-        model = open_served(cfg, defaults, rules, checkpoint, tokens, workers)
+        model = open_served(cfg, defaults, rules, checkpoint, tokens, workers, log=guard.log.warning)
         model.info["batching"] = cfg.batching
         batcher = Batcher(model.detokenise, max_queue=cfg.max_queue, wait_s=cfg.batch_wait_ms / 1000,
                           batch_tokens=cfg.batch_tokens, chunk_work=cfg.chunk_work)
-        guard = ConnectionGuard(cfg.read_timeout_s, cfg.max_connections)
-        # uvicorn's graceful shutdown waits for every connection and task; the drain ends them after serve.drain_s,
-        # and uvicorn's own limit, a little later, is only a backstop.
-        server = uvicorn.Server(uvicorn.Config(build_app(model, batcher, cfg, defaults, guard), log_level="info",
-                                                access_log=False, lifespan="on", timeout_keep_alive=cfg.keep_alive_s,
-                                                http=guard.protocol(), timeout_graceful_shutdown=cfg.drain_s + 5))
-        url = url_of(sock)
-        startup_table(cfg, defaults, checkpoint, model, time.monotonic() - started)
-        # One plain line (never wrapped) that scripts and the tests read the address from.
-        sys.stderr.write(f"mtpipe serve: listening on {url} (POST /translate, GET /health, GET /info)\n")
+        routes.attach(model, batcher)
+        startup_table(cfg, defaults, checkpoint, model, time.monotonic() - started, routes.metrics is not None)
+        # One plain line (never wrapped) that scripts and the tests read the address from: ready from now on.
+        sys.stderr.write(f"mtpipe serve: listening on {url} (POST /translate, GET /health/ready, /health/live, "
+                         f"/metrics, /info)\n")
         sys.stderr.flush()
-        stopper = Stopper(server, batcher, guard, cfg.drain_s)
+        stopper = Stopper(server, routes, guard, cfg)
         lanes = workers or [model.lane(cfg.batching == "continuous")]
-        run_until_stopped(server, sock, batcher, stopper, lanes, workers)
+        run_until_stopped(thread, batcher, stopper, lanes, workers)
     finally:
+        if stopper is None and thread is not None and thread.is_alive():  # failed, or interrupted, while loading
+            server.should_exit = True
+            thread.join(10)
         sock.close()
         drained = stopper is not None and stopper.drained.is_set()
         for w in workers:
             w.close(wait=1 if drained else 30)  # drained: what the worker decodes now, nobody waits for
-    if not server.started:
-        raise MtpipeError(f"{url}: the server did not start (see uvicorn's log above)")
-    counters = {**batcher.snapshot(), **guard.counters}
+    counters = {k: v for k, v in routes.state().items() if k not in ("queued", "open_connections", "ready", "workers_down")}
     info(f"stopped after {counters['requests']:,} requests")
-    table("served", ["", "value"], [[k.replace("_", " "), v] for k, v in counters.items() if k != "queued"])
+    table("served", ["", "value"], [[k.replace("_", " "), v] for k, v in counters.items()])
 
 
-__all__ = ["Routes", "Stopper", "build_app", "check_open_files", "listen", "open_served", "require_serve",
-           "serve_model", "startup_table", "url_of", "warm_beams"]
+__all__ = ["Stopper", "check_open_files", "check_source", "listen", "open_served", "require_serve", "serve_model",
+           "start_http", "startup_table", "url_of", "warm_beams"]

@@ -21,7 +21,8 @@ it take turns, so the short one waits for a chunk, not for the large one, in bot
 of workers. A request whose client goes away before its answer is cancelled: its chunks not yet taken leave the
 queue, and a lane drops what it holds of it at its next step (a continuous lane lets the sentences already in its
 search end). At most ``serve.max_queue`` requests wait (being gathered counts as waiting); one more is refused
-(:class:`QueueFull`).
+(:class:`QueueFull`). A worker whose decoding process died (``serve.workers`` > 1) starts a new one before it takes
+more work, also while it is idle (:meth:`mtpipe.engine.workers.WorkerProcess.revive`).
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ class Answer:
 
     hypotheses: list[list[tuple[str, float]]]
     batch: dict[str, Any]
+    lengths: list[int] = field(default_factory=list)  # per sentence the best hypothesis's tokens (no EOS)
 
 
 class Batcher:
@@ -113,11 +115,15 @@ class Batcher:
     sentence), the least served waiting request first, and no more than one chunk of a request at once (two in a
     continuous lane, so that the next is ready when one ends): a request of a thousand sentences and one of a single
     sentence take turns, and the short one waits for a chunk, not for the large one. ``chunk_work`` None: a request
-    is one chunk."""
+    is one chunk. ``on_batch(requests, sentences)``: told what a lane holds each time it takes requests."""
+
+    REVIVE_EVERY_S = 5.0  # a decoding process that could not be restarted is tried again this much later
 
     def __init__(self, detok: Callable[[list[list[int]]], list[str]], *, max_queue: int, wait_s: float,
-                 batch_tokens: int, chunk_work: int | None = None) -> None:
+                 batch_tokens: int, chunk_work: int | None = None,
+                 on_batch: Callable[[int, int], None] | None = None) -> None:
         self._detok = detok
+        self.on_batch = on_batch
         self.max_queue, self.wait_s, self.batch_tokens, self.chunk_work = max_queue, wait_s, batch_tokens, chunk_work
         self._jobs: list[Job] = []  # jobs with sentences not yet taken, in arrival order (at most max_queue)
         self._live: set[Job] = set()  # jobs not yet done: queued, or decoding in a lane
@@ -227,14 +233,16 @@ class Batcher:
             taken.append(self._cut(job, worker, end, size, now))
             tokens += size
 
-    def _take(self, worker: int, held: int, last_end: float, continuous: bool = True) -> list[Piece] | None:
+    def _take(self, worker: int, held: int, last_end: float, continuous: bool = True,
+              exited: Callable[[], bool] | None = None) -> list[Piece] | None:
         """Chunks of requests for ``worker``'s lane, which decodes ``held`` source tokens. An idle lane waits for a
         request, then until the oldest has waited ``wait_s`` (from the later of its arrival and ``last_end``, the end
         of the lane's last work) or the waiting requests fill ``batch_tokens``, and takes at least one chunk, and no
         more than its share of what waits when other lanes are idle too; a busy lane takes, without waiting, the
         chunks that fit, while it holds no more than the least busy of the other lanes (so that with several workers
         the load is shared, not taken by whichever asks first). None once closed and drained, or abandoned. A lane
-        that is not ``continuous`` takes nothing while it is busy."""
+        that is not ``continuous`` takes nothing while it is busy. An idle lane whose ``exited()`` turns true (its
+        decoding process died) gets nothing at once, so that its worker restarts it."""
         room = self.batch_tokens - held
         per_job = 2 if continuous else 1
         with self._cond:
@@ -253,6 +261,8 @@ class Batcher:
             while not self._jobs:
                 if self._closing:
                     return None
+                if exited is not None and exited():
+                    return []
                 self._cond.wait(0.5)  # in slices: in the main thread, signal handlers run between them
             # Under closed-loop load the clients just answered send their next requests within a millisecond or
             # two: without waiting from the end of the last work, the requests that queued meanwhile would leave at
@@ -295,17 +305,37 @@ class Batcher:
                 if self._running == 0:
                     self._done.set()
 
+    def _tend(self, lane: Lane) -> bool:
+        """A lane whose decoding process died restarted (:meth:`mtpipe.engine.workers.WorkerProcess.revive`); False
+        while it cannot be (tried again :data:`REVIVE_EVERY_S` later; its log says why). Other lanes: True."""
+        dead = getattr(lane, "dead", None)
+        if dead is None or self._closing or not dead():  # closing: a lane given work restarts when it is added
+            return True
+        try:
+            lane.revive()  # type: ignore[attr-defined]
+            return True
+        except Exception:  # noqa: BLE001 - logged by the lane; the other workers serve meanwhile
+            with self._cond:
+                if not self._closing:
+                    self._cond.wait(self.REVIVE_EVERY_S)
+            return False
+
     def _serve(self, lane: Lane, worker: int) -> None:
         held: dict[int, Piece] = {}  # lane key -> the chunk it decodes
         last_end = 0.0
+        exited = getattr(lane, "exited", None)  # a decoding process's: whether it died
         while True:
+            if not held and not self._tend(lane):
+                if self._closing:
+                    return
+                continue
             gone = [key for key, piece in held.items() if piece.job.done]  # cancelled, failed or abandoned
             if gone:
                 with self._cond:
                     for key in gone:
                         held.pop(key).job.in_lanes[worker] -= 1
                 lane.cancel(gone)
-            pieces = self._take(worker, sum(p.tokens for p in held.values()), last_end, lane.continuous)
+            pieces = self._take(worker, sum(p.tokens for p in held.values()), last_end, lane.continuous, exited)
             if pieces is None:
                 return
             for piece in pieces:
@@ -319,6 +349,8 @@ class Batcher:
                     job.together = (max(job.together[0], together[0]), max(job.together[1], together[1]))
                 with self._cond:
                     self.counters["max_requests_together"] = max(self.counters["max_requests_together"], len(jobs))
+                if self.on_batch is not None:
+                    self.on_batch(*together)
             for key, result in lane.poll():
                 piece = held.pop(key, None)
                 if piece is not None:  # else cancelled meanwhile
@@ -369,7 +401,7 @@ class Batcher:
         with self._cond:
             self.counters["requests"] += 1
             self.counters["sentences"] += len(job.sources)
-        _settle(job, Answer(hypotheses, batch))
+        _settle(job, Answer(hypotheses, batch, [len(hyps[0].tokens) for hyps in result]))
 
 
 def _settle(job: Job, result: Answer | Exception) -> None:

@@ -5,7 +5,9 @@ a request is bounded, so that no client can hold the server.
   is closed after as long; 408 to one that sent part of a request), ``serve.keep_alive_s`` between requests (uvicorn's
   own timer), at most ``serve.max_connections`` connections (one more: 503, closed at once), checked against the
   open-file limit at start-up (:func:`mtpipe.serve.app.check_open_files`);
-* the drain after SIGTERM: ``serve.drain_s`` later, the connections still sending a request are closed.
+* the drain after SIGTERM: ``serve.drain_s`` later, the connections still sending a request are closed;
+* a request the HTTP parser rejects (a malformed request line or header, a negative Content-Length, headers too
+  large) is answered 400 with one line of JSON, as every other error, not uvicorn's plain text.
 
 It is a small layer on uvicorn's h11 protocol (:meth:`ConnectionGuard.protocol`), which times only the wait between
 requests.
@@ -57,7 +59,7 @@ class ConnectionGuard:
         self.log = logging.getLogger("uvicorn.error")  # uvicorn's log: its format, its level
         self.open: set[Any] = set()  # the connections served (event loop thread only)
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once it runs
-        self.counters = {"refused_connections": 0, "read_timeouts": 0, "client_disconnects": 0}
+        self.counters = {"refused_connections": 0, "read_timeouts": 0, "client_disconnects": 0, "bad_requests": 0}
         self._logged_refusals = (0.0, 0)  # when a refusal was last logged, and the count then
         self.busy = _plain_response(503, "Service Unavailable", f"busy: {max_connections} connections already open "
                                     "(serve.max_connections); retry later")
@@ -113,9 +115,34 @@ class ConnectionGuard:
                           client, self.read_timeout_s)
         proto.transport.close()  # a connection that sent nothing is closed without a word
 
+    def bad_request(self, proto: Any) -> None:
+        """A request h11 cannot parse (uvicorn's protocol ``proto`` would answer it in plain text): 400 with one
+        line of JSON naming h11's reason, and the connection closed."""
+        self.counters["bad_requests"] += 1
+        why = " ".join(getattr(proto, "parse_error", "").split())
+        proto.transport.write(_plain_response(400, "Bad Request", f"invalid HTTP request: {why}" if why
+                                              else "invalid HTTP request"))
+        proto.transport.close()
+
     def protocol(self) -> type:
         """uvicorn's h11 protocol with these bounds (``uvicorn.Config(http=guard.protocol())``)."""
         return _guarded_h11(self)
+
+
+def _keep_parse_errors(proto: Any) -> None:
+    """Keep h11's reason for rejecting a request in ``proto.parse_error`` (uvicorn answers every one alike)."""
+    import h11
+
+    next_event = proto.conn.next_event
+
+    def parsed() -> Any:
+        try:
+            return next_event()
+        except h11.RemoteProtocolError as e:
+            proto.parse_error = str(e)
+            raise
+
+    proto.conn.next_event = parsed
 
 
 def _guarded_h11(guard: ConnectionGuard) -> type:
@@ -123,9 +150,8 @@ def _guarded_h11(guard: ConnectionGuard) -> type:
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class GuardedH11Protocol(H11Protocol):
-        """uvicorn's h11 protocol, plus a read deadline per request and a cap on open connections
-        (:class:`ConnectionGuard`). uvicorn's own keep-alive timer still closes idle connections between
-        requests."""
+        """uvicorn's h11 protocol, plus a read deadline per request, a cap on open connections and the parser's 400
+        in JSON (:class:`ConnectionGuard`). uvicorn's own keep-alive timer still closes idle connections."""
 
         refused = False
         read_timer: asyncio.TimerHandle | None = None
@@ -136,6 +162,7 @@ def _guarded_h11(guard: ConnectionGuard) -> type:
                 guard.refuse(transport)
                 return
             super().connection_made(transport)
+            _keep_parse_errors(self)
             guard.open.add(self)
             self._arm()  # the first request must come within the read timeout of the connection's opening
 
@@ -154,6 +181,9 @@ def _guarded_h11(guard: ConnectionGuard) -> type:
             super().data_received(data)
             if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
                 self._disarm()  # the request is in (or the connection failed): the handler's time, not the client's
+
+        def send_400_response(self, msg: str) -> None:
+            guard.bad_request(self)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()

@@ -21,9 +21,12 @@ Output: a metrics JSON (written atomically) that DVC reads as metrics: ``bleu``,
 ``ratio``, ``hyp_len``, ``ref_len``, ``p1``..``p4``, the number of segments ``n``, ``signatures``, the ``inputs``,
 the ``gate`` outcome, and ``paper_bleu`` when asked for.
 
-Exit status: 0 when scored (and every gate passed); 1 on bad input (nothing is written); 3 when a gate fails
-(``--min-bleu``, or ``--baseline`` with ``--max-drop``). On a gate failure the metrics JSON **is still written**, so
-CI keeps the numbers that failed; the error message says so.
+Gates (:data:`GATES`): a floor or ceiling on BLEU, chrF2 and TER (``--min-bleu``, ``--min-chrf``, ``--max-ter``),
+and against a ``--baseline`` metrics JSON how far each may get worse (``--max-drop`` for BLEU, ``--max-drop-chrf``,
+``--max-rise-ter``). Exit status: 0 when scored (and every gate passed); 1 on bad input, a baseline gate without a
+baseline (unless ``score.require_baseline`` is false) or a baseline without a gate (nothing is written); 3 when a
+gate fails. On a gate failure the metrics JSON **is still written**, so CI keeps the numbers that failed; the error
+message says so.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from mtpipe import artifacts, writing
 from mtpipe.config import ScoreConfig
@@ -229,17 +232,42 @@ def compute(cfg: ScoreConfig, hyps: list[str], refs: list[str]) -> dict[str, Any
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def read_baseline(path: Path) -> dict[str, Any]:
-    """A previous metrics JSON with a numeric ``bleu``."""
+class Gate(NamedTuple):
+    """One metric's gates: its bound (``limit``, a ScoreConfig key) and how far it may get worse than the baseline
+    (``worse``, a ScoreConfig key); ``higher``: higher is better (BLEU, chrF2; not TER)."""
+
+    key: str  # the metrics JSON's key
+    name: str
+    higher: bool
+    limit: str
+    worse: str
+
+
+GATES = (Gate("bleu", "BLEU", True, "min_bleu", "max_drop"), Gate("chrf", "chrF2", True, "min_chrf", "max_drop_chrf"),
+         Gate("ter", "TER", False, "max_ter", "max_rise_ter"))
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def baseline_gates(cfg: ScoreConfig) -> list[Gate]:
+    """The metrics gated against the baseline."""
+    return [g for g in GATES if getattr(cfg, g.worse) is not None]
+
+
+def read_baseline(path: Path, gates: list[Gate]) -> dict[str, Any]:
+    """A previous metrics JSON with a number for each metric of ``gates``."""
     if not path.exists():
         raise MtpipeError(f"{path}: baseline metrics file not found")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise MtpipeError(f"{path}: baseline is not a metrics JSON ({e})") from None
-    bleu = data.get("bleu") if isinstance(data, dict) else None
-    if isinstance(bleu, bool) or not isinstance(bleu, (int, float)) or not math.isfinite(bleu):
-        raise MtpipeError(f"{path}: baseline has no numeric 'bleu' (is it an `mtpipe score` metrics JSON?)")
+    for g in gates:
+        value = data.get(g.key) if isinstance(data, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise MtpipeError(f"{path}: baseline has no numeric '{g.key}' (is it an `mtpipe score` metrics JSON?)")
     return data
 
 
@@ -247,32 +275,60 @@ def _strip_version(sig: str) -> str:
     return "|".join(p for p in sig.split("|") if not p.startswith("version:"))
 
 
+def _worse_by(g: Gate, value: float, base: float) -> float:
+    return base - value if g.higher else value - base
+
+
 def check_gates(cfg: ScoreConfig, metrics: dict[str, Any], baseline: Path | None,
-                base: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
-    """(the ``gate`` entry of the metrics JSON, the failure messages)."""
-    bleu = metrics["bleu"]
-    failures = []
-    if cfg.min_bleu is not None and bleu < cfg.min_bleu:
-        failures.append(f"BLEU {bleu:.2f} is below --min-bleu {cfg.min_bleu:.2f}")
-    base_bleu = None
-    if base is not None:
-        base_bleu = float(base["bleu"])
-        base_sig = (base.get("signatures") or {}).get("bleu")
-        if isinstance(base_sig, str) and _strip_version(base_sig) != _strip_version(metrics["signatures"]["bleu"]):
-            warn(f"baseline {baseline} was scored with BLEU signature {base_sig}, this run with "
-                 f"{metrics['signatures']['bleu']}: the comparison may be meaningless")
-        if bleu < base_bleu - cfg.max_drop:
-            failures.append(f"BLEU {bleu:.2f} is {base_bleu - bleu:.2f} below the baseline {base_bleu:.2f} of "
-                            f"{baseline} (--max-drop {cfg.max_drop:.2f}, so at least {base_bleu - cfg.max_drop:.2f} "
-                            "is needed)")
-    gate = {
-        "min_bleu": cfg.min_bleu,
-        "baseline": str(baseline) if baseline is not None else None,
-        "baseline_bleu": base_bleu,
-        "max_drop": cfg.max_drop if base is not None else None,
-        "passed": not failures,
-    }
-    return gate, failures
+                base: dict[str, Any] | None) -> tuple[dict[str, Any], list[str], list[str]]:
+    """(the ``gate`` entry of the metrics JSON, the failure messages, the checks passed)."""
+    failures, passed = [], []
+    gate: dict[str, Any] = {"baseline": str(baseline) if baseline is not None else None}
+    for g in GATES:
+        value, limit, worse = metrics[g.key], getattr(cfg, g.limit), getattr(cfg, g.worse)
+        gate[g.limit] = limit
+        if limit is not None:
+            if value < limit if g.higher else value > limit:
+                failures.append(f"{g.name} {value:.2f} is {'below' if g.higher else 'above'} {_flag(g.limit)} "
+                                f"{limit:.2f}")
+            else:
+                passed.append(f"{g.name} {value:.2f} {'>=' if g.higher else '<='} {_flag(g.limit)} {limit:.2f}")
+        on_base = base is not None and worse is not None
+        gate[f"baseline_{g.key}"] = float(base[g.key]) if on_base else None
+        gate[g.worse] = worse if on_base else None
+        if not on_base:
+            continue
+        was = float(base[g.key])
+        base_sig = (base.get("signatures") or {}).get(g.key)
+        if isinstance(base_sig, str) and _strip_version(base_sig) != _strip_version(metrics["signatures"][g.key]):
+            warn(f"baseline {baseline} was scored with {g.name} signature {base_sig}, this run with "
+                 f"{metrics['signatures'][g.key]}: the comparison may be meaningless")
+        bound = was - worse if g.higher else was + worse
+        if _worse_by(g, value, was) > worse:
+            failures.append(f"{g.name} {value:.2f} is {abs(value - was):.2f} {'below' if g.higher else 'above'} the "
+                            f"baseline {was:.2f} of {baseline} ({_flag(g.worse)} {worse:.2f}, so "
+                            f"{'at least' if g.higher else 'at most'} {bound:.2f} is needed)")
+        else:
+            passed.append(f"{g.name} {value:.2f} {'>=' if g.higher else '<='} baseline {was:.2f} "
+                          f"{'-' if g.higher else '+'} {_flag(g.worse)} {worse:.2f}")
+    gate["passed"] = not failures
+    return gate, failures, passed
+
+
+def check_gate_inputs(cfg: ScoreConfig, baseline: Path | None) -> list[Gate]:
+    """The baseline gates this run applies; a baseline without one, or one without a baseline (unless
+    ``score.require_baseline`` is false), is bad input: a CI gate that silently checks nothing is worse than none."""
+    gates = baseline_gates(cfg)
+    flags = ", ".join(_flag(g.worse) for g in GATES)
+    if baseline is not None and not gates:
+        raise MtpipeError(f"--baseline {baseline}: also give {flags} (how far below it fails)")
+    if gates and baseline is None:
+        given = ", ".join(f"score.{g.worse}" for g in gates)
+        if cfg.require_baseline:
+            raise MtpipeError(f"{given} set but no --baseline given: pass the metrics JSON to compare with, or "
+                              "--no-require-baseline to skip the baseline gates")
+        warn(f"{given} set but no --baseline given (score.require_baseline is false): the baseline gates are skipped")
+    return gates
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -290,19 +346,16 @@ def score_hypotheses(cfg: ScoreConfig, hyp: Path, ref: Path, baseline: Path | No
     hyp, ref = Path(hyp), Path(ref)
     out = Path(out) if out is not None else None
     # Bad input must fail before anything is written, so every check (baseline included) comes first.
-    if baseline is not None and cfg.max_drop is None:
-        raise MtpipeError(f"--baseline {baseline}: also give --max-drop (how many BLEU points below it fail)")
-    if cfg.max_drop is not None and baseline is None:
-        warn("score.max_drop is set but no --baseline was given: the drop gate is not applied")
+    gates = check_gate_inputs(cfg, baseline)
     if out is not None:
         writing.check_output_place(out, [hyp, ref, baseline])
         writing.check_replaceable_metrics(out, force=force)
-    base = read_baseline(Path(baseline)) if baseline is not None else None
+    base = read_baseline(Path(baseline), gates) if baseline is not None else None
 
     hyps, refs, split = load_pairs(cfg, hyp, ref)
     metrics = compute(cfg, hyps, refs)
     metrics["inputs"] = {"hyp": str(hyp), "ref": str(ref), "split": split}
-    metrics["gate"], failures = check_gates(cfg, metrics, baseline, base)
+    metrics["gate"], failures, passed = check_gates(cfg, metrics, baseline, base)
 
     if out is not None:
         writing.atomic_write_text(out, json.dumps(metrics, indent=2) + "\n")
@@ -326,11 +379,6 @@ def score_hypotheses(cfg: ScoreConfig, hyp: Path, ref: Path, baseline: Path | No
     if failures:
         raise GateFailed("gate failed: " + "; ".join(failures)
                          + (f" (metrics still written to {out})" if out is not None else ""))
-    if cfg.min_bleu is not None or base is not None:
-        checks = []
-        if cfg.min_bleu is not None:
-            checks.append(f">= --min-bleu {cfg.min_bleu:.2f}")
-        if base is not None:
-            checks.append(f">= baseline {metrics['gate']['baseline_bleu']:.2f} - --max-drop {cfg.max_drop:.2f}")
-        info(f"[green]gate passed[/green]: BLEU {metrics['bleu']:.2f} {' and '.join(checks)}")
+    if passed:
+        info(f"[green]gate passed[/green]: {'; '.join(passed)}")
     return metrics
