@@ -4,10 +4,12 @@ and their decoding processes (:mod:`mtpipe.engine.workers`) all open it here, so
 and written the same way by each:
 
 * :func:`locate`: the model checked, with its vocabulary (:func:`mtpipe.engine.loading.vocab_source`), before any
-  slow work; :meth:`ModelSource.open` then starts the engine (:class:`~mtpipe.engine.translate.MtpipeEngine` or
-  :class:`~mtpipe.engine.ct2.Ct2Engine`).
-* :func:`clean_line` (how a line of raw text is cleaned before it is encoded) and :func:`detokenise` (pieces ->
-  one line of text).
+  slow work; :meth:`ModelSource.open` then starts the engine (:class:`~mtpipe.engine.translate.MtpipeEngine`,
+  :class:`~mtpipe.engine.ct2.Ct2Engine`, or for ``decode.ensemble`` :class:`~mtpipe.engine.ensemble.EnsembleEngine`,
+  each further model located by :func:`locate_member`).
+* :func:`clean_line` (how a line of raw text is cleaned before it is encoded), :func:`encode_lines` (how it is
+  encoded: a line without a letter or a digit is not translated) and :func:`detokenise` (pieces -> one line of
+  text).
 * :func:`open_model`: an :class:`OpenModel`, the engine with what a server needs besides (its vocabulary, the facts
   ``/info`` shows, the warm-up), which a server's process can also rebuild without weights from a worker
   process's :meth:`~OpenModel.description`.
@@ -37,6 +39,25 @@ def clean_line(text: str) -> str:
     return unicodedata.normalize("NFC", text).strip()
 
 
+def has_words(text: str) -> bool:
+    """Whether ``text`` holds a letter or a digit (Unicode categories L and N): something to translate."""
+    return any(unicodedata.category(c)[0] in "LN" for c in text)
+
+
+def encode_lines(sp: Any, lines: Sequence[str]) -> list[list[int]]:
+    """Cleaned lines (:func:`clean_line`) as source token ids, the one place where ``mtpipe decode`` and ``mtpipe
+    serve`` encode raw text. A line without a letter or a digit (only punctuation, symbols, emoji, control or
+    invisible characters such as NUL, zero-width spaces or direction marks) is the empty source, translated as a
+    blank line is: the empty output at score 0, not decoded (:func:`mtpipe.engine.protocol.blank_results`). Such a
+    line has nothing to translate, and SentencePiece gives it as ``<unk>`` or a stray piece, from which the model
+    invents a sentence."""
+    worded = [i for i, line in enumerate(lines) if has_words(line)]
+    sources: list[list[int]] = [[] for _ in lines]
+    for i, ids in zip(worded, sp.encode([lines[i] for i in worded], out_type=int)):
+        sources[i] = ids
+    return sources
+
+
 def detokenise(sp: Any, hyp_tokens: list[list[int]]) -> list[str]:
     """Hypotheses as text, one line each no matter what the model emits."""
     return [s.replace("\r", " ").replace("\n", " ") for s in sp.decode(hyp_tokens)]
@@ -61,11 +82,15 @@ class ModelSource:
     tokens: Path | None  # the bpe artifact the vocabulary came from; None: the model's own
     manifest: Any = field(default=None, repr=False)  # engine ctranslate2: the export's or checkpoint's manifest
     loaded: Any = field(default=None, repr=False)  # engine mtpipe: the mtpipe.engine.loading.ModelAndVocab
+    # decode.ensemble: the other models (mtpipe.engine.loading.ModelAndVocab), decoded with this one
+    ensemble: list[Any] = field(default_factory=list, repr=False)
 
     @property
     def upstream(self) -> dict[str, Path]:
-        """The lineage a hypotheses manifest records."""
-        return {"checkpoint": self.checkpoint, **({"tokens": self.tokens} if self.tokens is not None else {})}
+        """The lineage a hypotheses manifest records (an ensemble's models: checkpoint, checkpoint_2, ...)."""
+        return {"checkpoint": self.checkpoint,
+                **{f"checkpoint_{i}": m.checkpoint for i, m in enumerate(self.ensemble, start=2)},
+                **({"tokens": self.tokens} if self.tokens is not None else {})}
 
     def open(self, lone_graph: bool = False) -> Engine:
         """The engine (``lone_graph``: see :meth:`mtpipe.engine.translate.MtpipeEngine.open`)."""
@@ -73,6 +98,10 @@ class ModelSource:
             from mtpipe.engine.ct2 import Ct2Engine
 
             return Ct2Engine.open(self.checkpoint, self.manifest, self.tokens, self.cfg)
+        if self.ensemble:
+            from mtpipe.engine.ensemble import EnsembleEngine
+
+            return EnsembleEngine.open_models([self.loaded.model, *(m.model for m in self.ensemble)], self.cfg)
         from mtpipe.engine.translate import MtpipeEngine
 
         return MtpipeEngine.open(self.loaded.model, self.cfg, lone_graph=lone_graph)
@@ -83,7 +112,8 @@ class ModelSource:
         model = (artifacts.manifest_hash(self.checkpoint)
                  if (self.checkpoint / artifacts.MANIFEST).is_file() else None)
         return {"checkpoint": str(self.checkpoint), "model": model, "step": self.step, "engine": self.cfg.engine,
-                "vocab_size": self.sp.get_piece_size(), **engine.facts(DecodeRules.from_config(self.cfg))}
+                "vocab_size": self.sp.get_piece_size(), **engine.facts(DecodeRules.from_config(self.cfg)),
+                **({"ensemble_checkpoints": [str(m.checkpoint) for m in self.ensemble]} if self.ensemble else {})}
 
 
 def locate(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, command: str = "decode") -> ModelSource:
@@ -102,7 +132,23 @@ def locate(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, command: st
 
     refuse_export(checkpoint, command)
     loaded = load_model_and_vocab(checkpoint, tokens)
-    return ModelSource(cfg, checkpoint, loaded.sp, loaded.ck.step, loaded.tokens, loaded=loaded)
+    others = [locate_member(Path(p), tokens, loaded, command) for p in cfg.ensemble]
+    return ModelSource(cfg, checkpoint, loaded.sp, loaded.ck.step, loaded.tokens, loaded=loaded, ensemble=others)
+
+
+def locate_member(checkpoint: Path, tokens: Path | None, first: Any, command: str) -> Any:
+    """A model of ``decode.ensemble`` (:class:`mtpipe.engine.loading.ModelAndVocab`), checked as :func:`locate`
+    checks the first (``first``) and against it: an ensemble's models share one vocabulary, whose ids their
+    distributions are averaged over (one line naming the checkpoint otherwise)."""
+    from mtpipe.engine.loading import bare_sha, load_model_and_vocab
+
+    refuse_export(checkpoint, command)
+    member = load_model_and_vocab(checkpoint, tokens)
+    mine, theirs = bare_sha(member.ck.vocab.get("spm_sha256")), bare_sha(first.ck.vocab.get("spm_sha256"))
+    if mine != theirs:
+        raise MtpipeError(f"{checkpoint}: trained with another vocabulary than {first.checkpoint} (SentencePiece "
+                          f"sha256 {mine[:12]}... vs {theirs[:12]}...): an ensemble's models must share one")
+    return member
 
 
 @dataclass
@@ -157,5 +203,5 @@ def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, command
     return OpenModel(engine, source.sp, engine.max_positions, source.facts(engine))
 
 
-__all__ = ["ModelSource", "OpenModel", "WARM_UP_TEXTS", "clean_line", "detokenise", "locate", "open_model",
-           "refuse_export"]
+__all__ = ["ModelSource", "OpenModel", "WARM_UP_TEXTS", "clean_line", "detokenise", "encode_lines", "has_words",
+           "locate", "locate_member", "open_model", "refuse_export"]

@@ -35,6 +35,9 @@ The search (:func:`beam_search`), per sentence:
   output is never empty); under ``stop=finished`` an empty output that finishes at the first step fills one of the
   finished places, so the two tools' output needs ``min_len`` 1 to be reproduced exactly.
 * **beam 1 is greedy search**: the single best extension is taken each step, and when it is EOS the beam is empty.
+* **sampling** (``decode.sampling_topk`` != 0): each slot's next token is drawn from the model's distribution
+  instead (:mod:`mtpipe.engine.sampling`); ``beam`` is then the number of samples per sentence, and the rest of the
+  above (finishing, the length limit, ``min_len``, the early stop, ``nbest``) holds as it is.
 
 The search works on any ``step(tokens [N], state) -> (log_probs [N, V], state)`` whose state has
 ``select(index, beams)`` (:class:`mtpipe.model.transformer.DecoderState`, or the tests' own: the uncached
@@ -52,6 +55,7 @@ from torch import Tensor
 
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID
 from mtpipe.config import DecodeConfig
+from mtpipe.engine.sampling import Sampler
 from mtpipe.errors import MtpipeError
 
 PENALTIES = ("gnmt", "fairseq")
@@ -121,6 +125,11 @@ class DecodeRules:
     stop: str = "bound"  # "bound": the exact early stop; "finished": fairseq's and CTranslate2's quota
     patience: float = 1.0
     min_len: int = 0  # fewest tokens before EOS (fairseq's and CTranslate2's default: 1)
+    # Sampling instead of search (:mod:`mtpipe.engine.sampling`): 0 = search; K > 0: the K most likely; -1: all
+    sampling_topk: int = 0
+    sampling_topp: float = 1.0
+    temperature: float = 1.0
+    seed: int = 1
 
     def __post_init__(self) -> None:
         if self.beam < 1:
@@ -138,13 +147,28 @@ class DecodeRules:
                               "patience hypotheses have finished)")
         if self.min_len < 0:
             raise MtpipeError(f"decode.min_len: {self.min_len} is not >= 0")
+        if self.sampling_topk < -1:
+            raise MtpipeError(f"decode.sampling_topk: {self.sampling_topk} is not >= -1 (0: search; K > 0: sample "
+                              "from the K most likely tokens; -1: from all)")
+        if not 0 < self.sampling_topp <= 1:
+            raise MtpipeError(f"decode.sampling_topp: {self.sampling_topp} is not in (0, 1]")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise MtpipeError(f"decode.temperature: {self.temperature} is not a number > 0")
 
     @classmethod
     def from_config(cls, cfg: DecodeConfig, stop: str | None = None) -> "DecodeRules":
         """The rules of ``cfg``; ``stop`` overrides ``cfg.stop`` (CTranslate2 always stops by ``finished``)."""
         return cls(beam=cfg.beam, nbest=cfg.nbest, penalty=LengthPenalty(cfg.length_penalty, cfg.alpha),
                    max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b, stop=stop or cfg.stop, patience=cfg.patience,
-                   min_len=cfg.min_len)
+                   min_len=cfg.min_len, sampling_topk=cfg.sampling_topk, sampling_topp=cfg.sampling_topp,
+                   temperature=cfg.temperature, seed=cfg.seed)
+
+    @property
+    def sampler(self) -> Sampler | None:
+        """What each step samples from (:mod:`mtpipe.engine.sampling`), or None: search (``sampling_topk`` 0)."""
+        if self.sampling_topk == 0:
+            return None
+        return Sampler(self.sampling_topk, self.sampling_topp, self.temperature, self.seed)
 
     def max_output_len(self, src_len: int, max_positions: int) -> int:
         """``floor(max_len_a * S + max_len_b)`` tokens before EOS (S without EOS; the paper: S + 50), capped so that
@@ -232,18 +256,21 @@ class BeamSearch:
 
     ``step(tokens [N], state) -> (log_probs, state)`` as in :func:`beam_search`; the state also needs
     ``admit(fresh)`` when sentences join a non-empty search (:class:`mtpipe.model.transformer.DecoderState`).
-    (The step body is one method on purpose: it reads as the algorithm it is.)
+    ``sampler`` (:class:`mtpipe.engine.sampling.Sampler`): each slot's next token is drawn instead of the best
+    extensions taken (``beam`` samples per sentence, each continued in its own slot); :meth:`admit` then takes each
+    sentence's sampling key. (The step body is one method on purpose: it reads as the algorithm it is.)
     """
 
     def __init__(self, step: StepFn, beam: int, penalty: LengthPenalty, nbest: int = 1,
                  device: torch.device | str = "cpu", stop_after: int | None = None, start_id: int = BOS_ID,
-                 min_len: int = 0) -> None:
+                 min_len: int = 0, sampler: Sampler | None = None) -> None:
         if stop_after is not None and stop_after < nbest:
             raise MtpipeError(f"beam search: stop_after {stop_after} is below nbest {nbest}")
         if beam < 1:
             raise MtpipeError(f"decode.beam: {beam} is not >= 1")
         self.step_fn, self.beam, self.penalty, self.nbest = step, beam, penalty, nbest
         self.device, self.stop_after, self.start_id, self.min_len = device, stop_after, start_id, min_len
+        self.sampler = sampler
         self._banned = torch.tensor([PAD_ID, BOS_ID], device=device)  # never generated
         self.state: Any = None
         self.keys: list[Any] = []  # the sentences in the batch, in the order of their row blocks
@@ -260,17 +287,20 @@ class BeamSearch:
         self.history = torch.zeros(0, 0, dtype=torch.long, device=device)  # [n*k, W] tokens after BOS, right-aligned
         self.limits = torch.zeros(0, dtype=torch.long, device=device)  # [n] the most tokens before EOS
         self.steps = torch.zeros(0, dtype=torch.long, device=device)  # [n] tokens each sentence has decoded
+        self.sample_keys = torch.zeros(0, dtype=torch.long, device=device)  # [n] sampling only: each one's key
         self.state = None
 
     def __len__(self) -> int:
         """Sentences in the batch."""
         return len(self.keys)
 
-    def admit(self, keys: Sequence[Any], state: State, max_lens: Sequence[int]) -> None:
+    def admit(self, keys: Sequence[Any], state: State, max_lens: Sequence[int],
+              sample_keys: Sequence[int] | None = None) -> None:
         """Let sentences in: ``state`` has one row per sentence and nothing decoded yet (:meth:`Transformer.start`),
         ``max_lens[i]`` the most tokens sentence ``keys[i]`` may have before its EOS. Into a running search they join
         with ``k`` slots each, the first holding BOS at log-probability 0 and the others empty (-inf), which ranks
-        exactly as one slot would."""
+        exactly as one slot would. ``sample_keys``: with a sampler, each sentence's key
+        (:func:`mtpipe.engine.sampling.sentence_key`)."""
         m = len(keys)
         if m == 0:
             return
@@ -288,6 +318,11 @@ class BeamSearch:
         self.history = torch.cat([self.history, self.history.new_zeros(m * k, self.history.size(1))])
         self.limits = torch.cat([self.limits, limits])
         self.steps = torch.cat([self.steps, torch.zeros(m, dtype=torch.long, device=device)])
+        if self.sampler is not None:
+            if sample_keys is None or len(sample_keys) != m:
+                raise MtpipeError("beam search: sampling needs each sentence's sample key")
+            self.sample_keys = torch.cat([self.sample_keys,
+                                          torch.tensor(list(sample_keys), dtype=torch.long, device=device)])
         self.keys.extend(keys)
         self.pools.extend([] for _ in range(m))
         self.n_finished.extend(0 for _ in range(m))
@@ -327,7 +362,11 @@ class BeamSearch:
                 logp.masked_fill_(f, neg_inf)[:, EOS_ID] = eos
             if any_early:
                 logp[:, EOS_ID].masked_fill_(early[lo:hi].repeat_interleave(k), neg_inf)  # [c*k]
-            top, idx = top_candidates(logp, self.scores[lo:hi], candidates)  # [c, candidates], best first
+            if self.sampler is None:
+                top, idx = top_candidates(logp, self.scores[lo:hi], candidates)  # [c, candidates], best first
+            else:  # [c, beam] drawn, in slot order
+                top, idx = self.sampler.pick(logp, self.scores[lo:hi], self.sample_keys[lo:hi], self.steps[lo:hi],
+                                             beam)
             tops.append(top)
             idxs.append(idx)
         top, idx = (tops[0], idxs[0]) if len(tops) == 1 else (torch.cat(tops), torch.cat(idxs))  # [n, cands]
@@ -401,6 +440,8 @@ class BeamSearch:
                                   self.tokens[:, None]], dim=1)  # [n'*width, span]
         self.scores = live.index_select(0, keep_t)
         self.limits = self.limits.index_select(0, keep_t)
+        if self.sampler is not None:
+            self.sample_keys = self.sample_keys.index_select(0, keep_t)
         if len(keep) < n:
             self.keys = [self.keys[i] for i in keep]
             self.pools = [self.pools[i] for i in keep]
@@ -412,7 +453,9 @@ class BeamSearch:
 def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, penalty: LengthPenalty,
                 nbest: int = 1, device: torch.device | str = "cpu",
                 on_done: Callable[[int], None] | None = None,
-                stop_after: int | None = None, start_id: int = BOS_ID, min_len: int = 0) -> list[list[Hypothesis]]:
+                stop_after: int | None = None, start_id: int = BOS_ID, min_len: int = 0,
+                sampler: Sampler | None = None,
+                sample_keys: Sequence[int] | None = None) -> list[list[Hypothesis]]:
     """Beam search for ``len(max_lens)`` sentences at once (:class:`BeamSearch` over one batch); returns each
     sentence's ``nbest`` best, best first.
 
@@ -426,11 +469,12 @@ def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, 
     finished (fairseq's and CTranslate2's rule, ``decode.stop=finished``; m >= nbest). See the module docstring for
     the search rules. ``start_id``: the decoder's first input (the model's ``start_id``: BOS, or EOS for
     ``model.decoder_start=eos``). ``min_len``: EOS may not follow fewer tokens than this (``decode.min_len``), unless
-    the length limit forces it.
+    the length limit forces it. ``sampler``: sample instead (:mod:`mtpipe.engine.sampling`), each sentence by its
+    ``sample_keys`` entry.
     """
-    search = BeamSearch(step, beam, penalty, nbest, device, stop_after, start_id, min_len)
+    search = BeamSearch(step, beam, penalty, nbest, device, stop_after, start_id, min_len, sampler)
     results: list[list[Hypothesis]] = [[] for _ in max_lens]
-    search.admit(range(len(max_lens)), state, max_lens)
+    search.admit(range(len(max_lens)), state, max_lens, sample_keys)
     while len(search):
         done = search.advance()
         for key, hyps in done:

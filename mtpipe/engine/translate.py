@@ -17,7 +17,6 @@ batches, stdin's lines, a server's requests).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -26,6 +25,7 @@ import torch
 from mtpipe.artifacts import EOS_ID, PAD_ID
 from mtpipe.config import DecodeConfig, to_dict
 from mtpipe.engine.protocol import Lane, blank_results
+from mtpipe.engine.sampling import sentence_key
 from mtpipe.engine.search import DecodeRules, Hypothesis, beam_search
 
 
@@ -55,12 +55,14 @@ def search_batches(model: Any, sources: Sequence[Sequence[int]], rules: DecodeRu
     batch encoded once, its decoding state started (``start(memory, src_mask)``, by default the model's own:
     cross-attention keys/values projected once) and searched with ``step`` (by default the model's cached step,
     its log-probabilities made on demand). A reference step without a cache passes its own ``step`` and
-    ``start``."""
+    ``start``. Under ``rules.sampler`` each sentence is sampled, keyed by its own tokens
+    (:func:`mtpipe.engine.sampling.sentence_key`: its sample does not depend on its batch)."""
     max_positions = model.cfg.max_positions
     lengths = [len(s) + 1 for s in sources]  # + EOS
     results, todo = blank_results(sources, on_done)
     step = step or (lambda tokens, state: model.step(tokens, state, lazy=True))
     start = start or model.start
+    sampler = rules.sampler  # None: search
     for sub in batches_by_tokens([lengths[i] for i in todo], max_tokens):
         batch = [todo[j] for j in sub]
         width = lengths[batch[0]]
@@ -72,7 +74,8 @@ def search_batches(model: Any, sources: Sequence[Sequence[int]], rules: DecodeRu
         state = start(memory, src_mask)
         max_lens = [rules.max_output_len(lengths[i] - 1, max_positions) for i in batch]
         hyps = beam_search(step, state, max_lens, rules.beam, rules.penalty, rules.nbest, device, on_done,
-                           rules.stop_after, start_id=model.start_id, min_len=rules.min_len)
+                           rules.stop_after, start_id=model.start_id, min_len=rules.min_len, sampler=sampler,
+                           sample_keys=None if sampler is None else [sentence_key(sources[i]) for i in batch])
         for i, h in zip(batch, hyps):
             results[i] = h
     return results
@@ -116,6 +119,18 @@ def translate(model: Any, sources: Sequence[Sequence[int]], cfg: DecodeConfig, d
                              cuda_graphs=cfg.cuda_graphs)
 
 
+def open_device(cfg: DecodeConfig) -> torch.device:
+    """Where an engine decodes (``decode.device``, :func:`mtpipe.engine.variants.decoding_device`), the CPU's
+    allocator tuned for decoding when it is the CPU."""
+    from mtpipe.engine import runtime
+    from mtpipe.engine.variants import decoding_device
+
+    device = decoding_device(cfg.device, cfg.precision)
+    if device.type == "cpu":
+        runtime.tune_cpu_allocator()
+    return device
+
+
 @dataclass
 class MtpipeEngine:
     """mtpipe's beam search on a checkpoint's model, as an :class:`~mtpipe.engine.protocol.Engine`, holding the
@@ -136,18 +151,15 @@ class MtpipeEngine:
         ``lone_graph`` (decode.compile): a lone sentence in a graph of its own, for processes that translate one
         sentence at a time for long (``mtpipe serve``, stdin) and build it in their warm-up; else it runs as two."""
         from mtpipe.console import info
-        from mtpipe.engine import runtime
         from mtpipe.engine.pruning import prune, prune_plan
         from mtpipe.engine.step_package import PackageCache
-        from mtpipe.engine.variants import decoding_device, prepare
+        from mtpipe.engine.variants import prepare
 
         plan = prune_plan(model.cfg, cfg.prune, where="decode.prune")
         if plan is not None:
             info(f"pruned (decode.prune={cfg.prune!r}): {plan.describe(model.cfg)}")
             model = prune(model, plan)
-        device = decoding_device(cfg.device, cfg.precision)
-        if device.type == "cpu":
-            runtime.tune_cpu_allocator()
+        device = open_device(cfg)
         prepared = prepare(model.to(device), cfg.precision, device, compile=cfg.compile,
                            cuda_graphs=cfg.cuda_graphs, lone_graph=lone_graph,
                            cache=PackageCache(cfg.package_cache, cfg.package_cache_gb))
@@ -209,5 +221,5 @@ class MtpipeEngine:
         """Nothing to release: the prepared model goes with the engine."""
 
 
-__all__ = ["MtpipeEngine", "batches_by_tokens", "search_batches", "search_prepared", "translate",
+__all__ = ["MtpipeEngine", "batches_by_tokens", "open_device", "search_batches", "search_prepared", "translate",
            "translate_batches"]

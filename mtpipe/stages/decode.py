@@ -37,14 +37,23 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from mtpipe import artifacts, writing
 from mtpipe.config import DecodeConfig, to_dict
-from mtpipe.engine.opening import WARM_UP_TEXTS, ModelSource, clean_line, detokenise, locate
+from mtpipe.engine.opening import WARM_UP_TEXTS, ModelSource, detokenise, encode_lines, locate
 from mtpipe.engine.protocol import Engine
 from mtpipe.engine.search import DecodeRules, Hypothesis, max_source_len
 from mtpipe.errors import MtpipeError
+from mtpipe.stages.decode_corpus import (
+    LineChunks,
+    Partial,
+    fingerprint,
+    line_offset,
+    scan_lines,
+    shard_range,
+    text_lines,
+)
 
 INPUT_SPLIT = "input"  # file name ({INPUT_SPLIT}.parquet / .txt) of the output when translating --input text
 
@@ -52,20 +61,6 @@ INPUT_SPLIT = "input"  # file name ({INPUT_SPLIT}.parquet / .txt) of the output 
 # --------------------------------------------------------------------------------------------------------------------
 # Reading the sources
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def text_lines(data: bytes, name: str, first: int = 1) -> list[str]:
-    """Whole lines (``data`` without the newline that ends the last one) as text: UTF-8 (an error names the line,
-    counting from ``first``), NFC-normalised and stripped as ``fetch`` cleans text (a trailing ``\\r`` included).
-
-    Lines are split on ``\\n`` only, so the output has one line per input line.
-    """
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = first + data[: e.start].count(b"\n")
-        raise MtpipeError(f"{name}: line {line} is not valid UTF-8") from None
-    return [clean_line(line) for line in text.split("\n")]
 
 
 def read_lines(path: Path) -> list[str]:
@@ -154,21 +149,22 @@ def read_sources(cfg: DecodeConfig, tokens: Path | None, input: Path | None,
         t = artifacts.read_table(tokens, f"{cfg.split}.parquet", "tokens", columns=["id", "src"])
         return t.column("id").to_pylist(), t.column("src").to_pylist(), cfg.split, f"{tokens}/{cfg.split}.parquet"
     lines = read_lines(input)
-    return list(range(len(lines))), sp.encode(lines, out_type=int), None, "stdin" if str(input) == "-" else str(input)
+    return list(range(len(lines))), encode_lines(sp, lines), None, "stdin" if str(input) == "-" else str(input)
 
 
 def fit_sources(sources: list[list[int]], max_positions: int,
-                where: Callable[[int], str]) -> tuple[list[list[int]], int]:
+                where: Callable[[int], str], quiet: bool = False) -> tuple[list[list[int]], int]:
     """``(sources cut to what the model takes with its EOS, how many were cut)``, with a warning naming the first
-    (``where(row)``)."""
+    (``where(row)``) unless ``quiet`` (a file's later chunks: their total is reported at the end)."""
     from mtpipe.console import warn
 
     limit = max_source_len(max_positions)
     long_rows = [i for i, s in enumerate(sources) if len(s) > limit]
     if not long_rows:
         return sources, 0
-    warn(f"{len(long_rows)} source(s) longer than the model's {limit} tokens (max_positions {max_positions} with "
-         f"EOS) truncated, the first {where(long_rows[0])}")
+    if not quiet:
+        warn(f"{len(long_rows)} source(s) longer than the model's {limit} tokens (max_positions {max_positions} "
+             f"with EOS) truncated, the first {where(long_rows[0])}")
     return [s[:limit] for s in sources], len(long_rows)
 
 
@@ -206,16 +202,17 @@ def resolve_inputs(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None,
     return Inputs(ids, sources, split, desc, source.sp, source.step, source.upstream, truncated, pruned), engine
 
 
-def translate_sources(engine: Engine, sources: list[list[int]],
-                      rules: DecodeRules) -> tuple[list[list[Hypothesis]], float]:
-    """``(hypotheses, seconds)``: the engine's translations, with a progress bar and its sentences per second."""
+@contextlib.contextmanager
+def sentence_bar(total: int, completed: int = 0) -> Iterator[Callable[[int], None]]:
+    """A progress bar over ``total`` sentences, ``completed`` of them done before (by an earlier, killed run), with
+    this run's sentences per second and the time left; yields ``on_done(n)``, to call as n sentences finish."""
     from rich.progress import TextColumn
 
     from mtpipe.console import progress
 
     start = time.perf_counter()
     with progress(TextColumn("{task.fields[rate]}")) as bar:
-        task = bar.add_task("decode", total=len(sources), rate="")
+        task = bar.add_task("decode", total=total, completed=completed, rate="")
         done = 0
 
         def on_done(n: int) -> None:
@@ -224,6 +221,14 @@ def translate_sources(engine: Engine, sources: list[list[int]],
             rate = done / max(time.perf_counter() - start, 1e-9)
             bar.update(task, advance=n, rate=f"{rate:,.1f} sent/s")
 
+        yield on_done
+
+
+def translate_sources(engine: Engine, sources: list[list[int]],
+                      rules: DecodeRules) -> tuple[list[list[Hypothesis]], float]:
+    """``(hypotheses, seconds)``: the engine's translations, with a progress bar and its sentences per second."""
+    start = time.perf_counter()
+    with sentence_bar(len(sources)) as on_done:
         results = engine.translate(sources, rules, on_done=on_done)
     return results, time.perf_counter() - start
 
@@ -245,30 +250,44 @@ def closing(engine: Engine) -> Iterator[None]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def hypothesis_rows(results: list[list[Hypothesis]], inputs: Inputs, nbest: int) -> dict[str, list[Any]]:
-    """The hypotheses table (:data:`mtpipe.artifacts.HYPOTHESES_SCHEMA`), detokenised; n-best columns only when
-    ``nbest`` > 1."""
+def hypothesis_rows(results: list[list[Hypothesis]], ids: list[int], sp: Any, nbest: int) -> dict[str, list[Any]]:
+    """The hypotheses table (:data:`mtpipe.artifacts.HYPOTHESES_SCHEMA`) of the sentences ``ids``, detokenised with
+    ``sp``; n-best columns only when ``nbest`` > 1."""
     best = [r[0] for r in results]
     return {
-        "id": inputs.ids,
-        "hypothesis": detokenise(inputs.sp, [h.tokens for h in best]),
+        "id": ids,
+        "hypothesis": detokenise(sp, [h.tokens for h in best]),
         "tokens": [h.tokens for h in best],
         "score": [h.score for h in best],
-        "nbest": [detokenise(inputs.sp, [h.tokens for h in r]) if nbest > 1 else [] for r in results],
+        "nbest": [detokenise(sp, [h.tokens for h in r]) if nbest > 1 else [] for r in results],
         "nbest_scores": [[h.score for h in r] if nbest > 1 else [] for r in results],
     }
 
 
-def write_hypotheses(out: Path, rows: dict[str, list[Any]], inputs: Inputs, cfg: DecodeConfig, checkpoint: Path,
-                     device: str, *, force: bool = False) -> None:
-    """The ``hypotheses`` artifact: ``{split}.parquet`` and ``{split}.txt`` (``input.*`` for raw text)."""
+def rows_table(rows: dict[str, list[Any]]) -> Any:
+    """:func:`hypothesis_rows` as a ``pyarrow.Table`` of the hypotheses schema."""
     import pyarrow as pa
 
+    return pa.table(rows, schema=artifacts.HYPOTHESES_SCHEMA)
+
+
+def write_hypotheses(out: Path, tables: Iterable[Any], inputs: Inputs, cfg: DecodeConfig, checkpoint: Path,
+                     device: str, *, force: bool = False, extra: dict[str, Any] | None = None) -> None:
+    """The ``hypotheses`` artifact: ``{split}.parquet`` and ``{split}.txt`` (``input.*`` for raw text), from
+    ``tables`` (:func:`rows_table`) in order, one Parquet row group each: a file translated in chunks streams
+    through, one chunk in memory at a time (one table is written as ``pyarrow.parquet.write_table`` writes it)."""
     name = inputs.split if inputs.split is not None else INPUT_SPLIT
     with writing.ArtifactWriter(out, "hypotheses", {"decode": to_dict(cfg)}, upstream=inputs.upstream,
                                 force=force) as w:
-        w.write_table(f"{name}.parquet", pa.table(rows, schema=artifacts.HYPOTHESES_SCHEMA))
-        w.path(f"{name}.txt").write_text("".join(s + "\n" for s in rows["hypothesis"]), encoding="utf-8")
+        rows = 0
+        with w.parquet_writer(f"{name}.parquet") as parquet, \
+                open(w.path(f"{name}.txt"), "w", encoding="utf-8") as text:
+            for table in tables:
+                parquet.write_table(table)
+                text.write("".join(s + "\n" for s in table.column("hypothesis").to_pylist()))
+                rows += table.num_rows
+        w.rows[f"{name}.parquet"] = rows
+        w.extra.update(extra or {})
         w.extra.update({
             "split": inputs.split,
             "input": None if inputs.split is not None else inputs.desc,
@@ -281,13 +300,16 @@ def write_hypotheses(out: Path, rows: dict[str, list[Any]], inputs: Inputs, cfg:
         })
 
 
-def write_lines(lines: list[str]) -> None:
-    """Translations to stdout, one line each, flushed: a reader waiting for them gets them at once."""
-    sys.stdout.write("".join(s + "\n" for s in lines))
-    sys.stdout.flush()
+def write_lines(lines: list[str], stdout: Any = None) -> None:
+    """Translations to stdout, one line each, flushed: a reader waiting for them gets them at once. ``stdout``: the
+    stream taken before a progress bar started, which on a terminal puts its own in ``sys.stdout`` (rich's
+    redirection prints there to the console, stderr), else ``sys.stdout``."""
+    stream = stdout if stdout is not None else sys.stdout
+    stream.write("".join(s + "\n" for s in lines))
+    stream.flush()
 
 
-def _log_start(what: str, checkpoint: Path, step: int, engine: Engine, cfg: DecodeConfig, rules: DecodeRules) -> None:
+def log_start(what: str, checkpoint: Path, step: int, engine: Engine, cfg: DecodeConfig, rules: DecodeRules) -> None:
     from mtpipe.console import info
 
     info(f"{what} with {checkpoint} (step {step:,}) on {engine.describe()}, beam {cfg.beam}, {cfg.length_penalty} "
@@ -305,6 +327,7 @@ class Totals:
     score: float = 0.0  # sum of the best hypotheses' scores
     seconds: float = 0.0
     build: float = 0.0  # decode.compile's warm-up before the timed decoding
+    resumed: int = 0  # sentences an earlier, killed run translated (decode.chunk_lines' finished chunks)
 
     def add(self, results: list[list[Hypothesis]], seconds: float) -> None:
         self.sentences += len(results)
@@ -337,7 +360,7 @@ def translate_stream(cfg: DecodeConfig, rules: DecodeRules, checkpoint: Path, to
 
     source = locate(cfg, checkpoint, tokens)
     engine = source.open(lone_graph=True)  # lines come one at a time (decode.compile: a lone sentence's own graph)
-    _log_start("translating stdin as lines arrive", checkpoint, source.step, engine, cfg, rules)
+    log_start("translating stdin as lines arrive", checkpoint, source.step, engine, cfg, rules)
     if cfg.processes > 1:
         info(f"decode.processes={cfg.processes} applies to a file or a split: stdin is translated in this process")
     warm_stdin(engine, source.sp, rules)
@@ -345,7 +368,7 @@ def translate_stream(cfg: DecodeConfig, rules: DecodeRules, checkpoint: Path, to
     results: list[list[Hypothesis]] = []
     totals, truncated = Totals(), 0
     for first, data in stream_batches(fd):
-        batch, cut = fit_sources(source.sp.encode(text_lines(data, "stdin", first), out_type=int),
+        batch, cut = fit_sources(encode_lines(source.sp, text_lines(data, "stdin", first)),
                                  engine.max_positions, lambda row: f"on stdin line {first + row}")
         start = time.perf_counter()
         hyps = engine.translate(batch, rules)
@@ -368,14 +391,119 @@ def translate_file(cfg: DecodeConfig, rules: DecodeRules, checkpoint: Path, toke
     inputs, engine = resolve_inputs(cfg, checkpoint, tokens, input)
     totals = Totals()
     with closing(engine):  # decode.processes: the processes end with the decoding
-        _log_start(f"decoding {len(inputs.sources):,} sentences of {inputs.desc}", checkpoint, inputs.step,
-                   engine, cfg, rules)
+        log_start(f"decoding {len(inputs.sources):,} sentences of {inputs.desc}", checkpoint, inputs.step,
+                  engine, cfg, rules)
         if engine.compiled and inputs.sources:  # decode.compile: building is not part of the decoding seconds
             # several sentences, then one alone, which runs in the same graph as two copies of itself
             totals.build = engine.warm_up([inputs.sources[:8], inputs.sources[:1]], rules)
         results, seconds = translate_sources(engine, inputs.sources, rules)
     totals.add(results, seconds)
-    return inputs, hypothesis_rows(results, inputs, cfg.nbest), totals, engine.describe()
+    return inputs, hypothesis_rows(results, inputs.ids, inputs.sp, cfg.nbest), totals, engine.describe()
+
+
+def resume_chunks(partial: Partial | None, n_chunks: int) -> list[dict[str, Any]]:
+    """The chunks an earlier, killed run of the same command finished (:meth:`Partial.open`), their translations
+    written to stdout again, as an uninterrupted run writes them there."""
+    from mtpipe.console import info
+
+    done = partial.open() if partial is not None else []
+    if partial is not None and done:
+        info(f"resuming after chunk {len(done):,} of {n_chunks:,}: {sum(c['rows'] for c in done):,} lines "
+             f"translated by an earlier run ({partial.dir})")
+        for table in partial.tables():
+            write_lines(table.column("hypothesis").to_pylist())
+    return done
+
+
+def translate_chunks(engine: Engine, reader: LineChunks, rules: DecodeRules, cfg: DecodeConfig, sp: Any,
+                     partial: Partial | None, keep: bool, totals: Totals, truncated: int,
+                     total: int) -> tuple[list[Any], int]:
+    """Translate ``reader``'s chunks one at a time, each kept in ``partial`` (or, ``keep``, returned) and written
+    to stdout as it finishes, with a progress bar over the ``total`` lines (``totals.resumed`` of them done before):
+    ``(the chunks' tables when keep, the sources truncated in all, from ``truncated`` resumed)``."""
+    from mtpipe.console import info
+
+    warned, kept = truncated, []  # warned: the truncations a warning told of (one warning, the first chunk's)
+    stdout = sys.stdout  # not the bar's redirection (write_lines)
+
+    def encoded() -> Iterator[tuple[int, list[list[int]], int]]:
+        nonlocal warned
+        for line, lines in reader:
+            sources, cut = fit_sources(encode_lines(sp, lines), engine.max_positions,
+                                       lambda row: f"with id {line + row}", quiet=warned > 0)
+            del lines
+            warned = warned or cut
+            yield line, sources, cut
+            del sources  # before the next chunk is read
+
+    chunks = encoded()
+    head = next(chunks, None)
+    if engine.compiled and head is not None and head[1]:  # decode.compile: built before the timed decoding
+        totals.build = engine.warm_up([head[1][:8], head[1][:1]], rules)
+
+    def in_order() -> Iterator[tuple[int, list[list[int]], int]]:
+        nonlocal head
+        if head is not None:
+            item, head = head, None
+            yield item
+            del item
+        yield from chunks
+
+    with sentence_bar(total, completed=totals.resumed) as on_done:
+        for line, sources, cut in in_order():
+            start = time.perf_counter()
+            results = engine.translate(sources, rules, on_done=on_done)
+            totals.add(results, time.perf_counter() - start)
+            rows = hypothesis_rows(results, list(range(line, line + len(sources))), sp, cfg.nbest)
+            del results, sources
+            truncated += cut
+            if partial is not None:
+                partial.save(rows_table(rows), cut, reader.offset)
+            elif keep:
+                kept.append(rows_table(rows))
+            write_lines(rows["hypothesis"], stdout)
+            del rows
+    if truncated > warned:
+        info(f"{truncated:,} source(s) truncated in all (the warning above named the first chunk's)")
+    return kept, truncated
+
+
+def translate_corpus(cfg: DecodeConfig, rules: DecodeRules, source: ModelSource, open_engine: Callable[[], Engine],
+                     input: Path, out: Path | None, checkpoint: Path, *, force: bool = False) -> Totals:
+    """Translate the text file ``input`` (``decode.shard``'s part of it) chunk by chunk
+    (:mod:`mtpipe.stages.decode_corpus` tells how, and what a rerun of a killed run does): each chunk's
+    translations to stdout as it finishes, and with ``out`` the hypotheses artifact ``input.*`` at the end. Returns
+    the totals of what this run translated."""
+    size = cfg.chunk_lines
+    total = scan_lines(input)
+    part = cfg.shard_part()
+    first, end = shard_range(part, total)
+    n_chunks = -(-(end - first) // size)
+    engine = open_engine()
+    totals = Totals()
+    with closing(engine):  # decode.processes: the processes end with the decoding
+        device, pruned = engine.describe(), engine.facts(rules)["pruned"]
+        where = (f" (shard {part[0]}/{part[1]}: lines {first:,} to {end - 1:,} of {total:,}, counted from 0)"
+                 if part else "")
+        chunked = f", in {n_chunks:,} chunks of {size:,} lines" if n_chunks > 1 else ""
+        log_start(f"decoding {end - first:,} sentences of {input}{where}{chunked}", checkpoint, source.step, engine,
+                  cfg, rules)
+        partial = Partial(out, fingerprint(cfg, source, input)) if out is not None and n_chunks > 1 else None
+        done = resume_chunks(partial, n_chunks)
+        totals.resumed = sum(c["rows"] for c in done)
+        reader = LineChunks(input, first + totals.resumed, end, size,
+                            done[-1]["end_offset"] if done else line_offset(input, first))
+        kept, truncated = translate_chunks(engine, reader, rules, cfg, source.sp, partial, out is not None, totals,
+                                           sum(c["truncated"] for c in done), end - first)
+    if out is not None:
+        inputs = Inputs([], [], None, str(input), source.sp, source.step, source.upstream, truncated, pruned)
+        extra = ({"shard": {"part": part[0], "of": part[1], "first_line": first, "lines": end - first,
+                            "input_lines": total}} if part else {})
+        write_hypotheses(out, partial.tables() if partial is not None else kept, inputs, cfg, checkpoint, device,
+                         force=force, extra=extra)
+        if partial is not None:
+            partial.remove()
+    return totals
 
 
 def _isatty(stream: Any) -> bool:
@@ -402,6 +530,7 @@ def summary(cfg: DecodeConfig, totals: Totals, out: Path | None, from_stdin: boo
         *([["processes x threads", f"{cfg.processes} x {worker_threads(cfg, cfg.processes)}"]]
           if not from_stdin and cfg.processes > 1 else []),
         ["written to", str(out) if out is not None else "stdout"],
+        *([["resumed (translated by an earlier run)", totals.resumed]] if totals.resumed else []),
         *([["compile seconds (before decoding)", round(totals.build, 2)]] if totals.build else []),
     ])
 
@@ -412,31 +541,39 @@ def translate_inputs(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None = 
 
     The translations go to stdout, one line per sentence in id order; with ``out`` also a ``hypotheses`` artifact
     (``{split}.parquet`` / ``{split}.txt``, or ``input.*`` for raw text) is written there. All checks run before any
-    output is written. Stdin is translated as its lines arrive (:func:`translate_stream`), a file or a split in
-    length-sorted batches. ``stats``: print the summary table (None: unless the input is stdin or stdout a
-    terminal, where it would interleave with the translations).
+    output is written. Stdin is translated as its lines arrive (:func:`translate_stream`), a file in chunks of
+    length-sorted batches (:func:`translate_corpus`: decode.chunk_lines, decode.shard,
+    resuming a killed run), a split in length-sorted batches. ``stats``: print the summary table (None: unless the
+    input is stdin or stdout a terminal, where it would interleave with the translations).
     """
     rules = DecodeRules.from_config(cfg)  # decode's rules across keys hold already (DecodeConfig.check)
+    from_stdin = input is not None and str(input) == "-"
+    if cfg.shard and (input is None or from_stdin):
+        raise MtpipeError(f"decode.shard: '{cfg.shard}' applies to --input FILE; a split or stdin is translated whole")
     if out is not None:
         writing.prepare_output(out, "hypotheses", inputs=[checkpoint, tokens, input], force=force)
-    from_stdin = input is not None and str(input) == "-"
     fd = stdin_fd() if from_stdin else None
     if fd is not None:
         inputs, results, totals, device = translate_stream(cfg, rules, checkpoint, tokens, fd, keep=out is not None)
         if out is not None:
-            write_hypotheses(out, hypothesis_rows(results, inputs, cfg.nbest), inputs, cfg, checkpoint, device,
-                             force=force)
+            write_hypotheses(out, [rows_table(hypothesis_rows(results, inputs.ids, inputs.sp, cfg.nbest))], inputs,
+                             cfg, checkpoint, device, force=force)
+    elif input is not None and not from_stdin:
+        source = locate(cfg, checkpoint, tokens)
+        totals = translate_corpus(cfg, rules, source, lambda: open_engine(cfg, source, tokens), input, out,
+                                  checkpoint, force=force)
     else:
         inputs, rows, totals, device = translate_file(cfg, rules, checkpoint, tokens, input)
         if out is not None:
-            write_hypotheses(out, rows, inputs, cfg, checkpoint, device, force=force)
+            write_hypotheses(out, [rows_table(rows)], inputs, cfg, checkpoint, device, force=force)
         write_lines(rows["hypothesis"])
     # The table would land between translations a user reads at a terminal, or after a stdin session ends.
     if stats if stats is not None else not from_stdin and not _isatty(sys.stdout):
         summary(cfg, totals, out, from_stdin)
 
 
-__all__ = ["INPUT_SPLIT", "Inputs", "Totals", "closing", "fit_sources", "hypothesis_rows", "open_engine",
-           "read_lines", "read_sources", "resolve_inputs", "stdin_fd", "stream_batches", "summary", "text_lines",
-           "translate_file", "translate_inputs", "translate_sources", "translate_stream", "warm_stdin",
-           "write_hypotheses", "write_lines"]
+__all__ = ["INPUT_SPLIT", "Inputs", "Totals", "closing", "fit_sources", "hypothesis_rows", "log_start",
+           "open_engine", "read_lines", "read_sources", "resolve_inputs", "resume_chunks", "rows_table",
+           "sentence_bar", "stdin_fd", "stream_batches", "summary", "text_lines", "translate_chunks",
+           "translate_corpus", "translate_file", "translate_inputs", "translate_sources", "translate_stream",
+           "warm_stdin", "write_hypotheses", "write_lines"]
