@@ -156,6 +156,20 @@ def test_results_files_render_as_tables_and_no_file_as_not_measured(tmp_path: Pa
         "decode")(tmp_path)
     assert "| 4,800.0 / 5,000.0 / 5,100.0 | 1.25x fairseq (1.20-1.30) | >= 1.5x: MISSED |" in docs._anchors(
         "train")(tmp_path)
+    # a corpus in chunks: each size's peak RSS, the ratio of the largest to the smallest, the resume in words
+    runs = [{"lines": n, "chunk_lines": c, "reading": "chunks" if c < n or n == 10 ** 6 else "one chunk",
+             "corpus_mb": n / 1e4, "seconds": n / 1e3, "lines_per_s": 1e3, "peak_rss_mb": rss}
+            for n, c, rss in ((500_000, 50_000, 700.0), (500_000, 500_000, 1300.0), (10 ** 6, 50_000, 714.0))]
+    write_result(tmp_path, "decode_corpus", {"model": "tiny", "decode": "--beam 1", "threads": 1, "runs": runs,
+                                             "peak_rss_mb_largest_over_smallest": 1.02, "resume": {
+        "lines": 500_000, "seconds_into_unfinished_chunk": 22.2, "finished_chunks_at_kill": 3, "lines_resumed": 150_000,
+        "lines_translated_by_rerun": 350_000, "lines_lost_estimate": 25_000, "seconds_lost": 118.0,
+        "identical_to_uninterrupted": True}})
+    corpus = docs.render_decode_corpus(tmp_path)
+    assert "| 500,000 | one chunk (the whole file) | 50 | 500 | 1,000 | 1,300 |" in corpus
+    assert "| 1,000,000 | chunks of 50,000 | 100 | 1,000 | 1,000 | 714 |" in corpus
+    assert "Peak RSS at 1,000,000 lines is 1.02x that at 500,000" in corpus
+    assert "the rerun resumed 150,000 lines and translated 350,000" in corpus and "byte-identical" in corpus
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -166,6 +180,26 @@ def test_results_files_render_as_tables_and_no_file_as_not_measured(tmp_path: Pa
 def test_readme_is_a_short_guide() -> None:
     lines = (REPO / "README.md").read_text(encoding="utf-8").count("\n")
     assert lines < 200, f"README.md has {lines} lines: move detail into docs/"
+
+
+def test_reproduce_states_each_recipes_kept_checkpoints_as_computed() -> None:
+    """reproduce.md's disk for the checkpoints each recipe keeps: its model's parameters (counted on the meta
+    device: nothing allocated) x 12 bytes (fp32 weights, Adam's two moments) x its train.keep_last."""
+    import torch
+
+    from mtpipe.config import ModelConfig
+    from mtpipe.model.transformer import Transformer
+
+    cells = []
+    for recipe in sorted((REPO / "recipes").glob("*.yaml")):
+        params = yaml.safe_load(recipe.read_text(encoding="utf-8"))
+        with torch.device("meta"):
+            n = sum(p.numel() for p in Transformer(ModelConfig(**params["model"]),
+                                                   params["bpe"]["vocab_size"]).parameters())
+        keep, one = params["train"]["keep_last"], n * 12 / 1e9
+        cells.append(f"{keep} x {one:.2f} GB = ~{keep * one:.0f} GB ({n / 1e6:.1f}M parameters)")
+    row = "| kept checkpoints (`train.keep_last` x 12 bytes a parameter) | " + " | ".join(cells) + " |"
+    assert row in (REPO / "docs" / "reproduce.md").read_text(encoding="utf-8").splitlines()
 
 
 def slug(heading: str) -> str:

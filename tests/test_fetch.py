@@ -377,3 +377,91 @@ def test_the_output_split_name_itself_is_tried_first(tmp_path: Path):
         assert res.exit_code == 0, res.output
         assert read_manifest(out).extra["source_splits"] == {"train": "train", "valid": want, "test": "test"}
         assert read_manifest(out).rows["valid.parquet"] == rows
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Slices, corpus artifacts as sources, synthetic sides (hypotheses), tags, several train sources
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def hypotheses_artifact(out: Path, ids: list[int], texts: list[str], split: str | None = "train") -> Path:
+    """A hypotheses artifact as `mtpipe decode --out` writes it (rows in any order: decode sorts by length)."""
+    from mtpipe.writing import ArtifactWriter
+
+    with ArtifactWriter(out, "hypotheses", {}) as w:
+        w.write_table(f"{split or 'input'}.parquet", pa.table({
+            "id": ids, "hypothesis": texts, "tokens": [[5]] * len(ids), "score": [0.0] * len(ids),
+            "nbest": [[]] * len(ids), "nbest_scores": [[]] * len(ids)}))
+        w.extra["split"] = split
+    return out
+
+
+def test_train_slice_through_the_cli_keeps_line_ids(tmp_path: Path):
+    en, de = small_pairs(30)
+    src = parallel_dir(tmp_path / "src", {"train": (en, de), "val": (en[:5], de[:5]), "test": (en[:3], de[:3])})
+    for sl, want in (("3:7", [3, 4, 5, 6]), ("27:", [27, 28, 29]), (":2", [0, 1])):
+        out = tmp_path / f"out{want[0]}"
+        res = CliRunner().invoke(app, ["fetch", "--params", str(tmp_path / "none.yaml"), "--source", str(src),
+                                       *SPLIT_ARGS, "--train-slice", sl, "--out", str(out)])
+        assert res.exit_code == 0, res.output
+        t = table(out, "train")
+        assert t["id"] == want and t["src"] == [en[i] for i in want]
+        assert len(table(out, "valid")["id"]) == 5  # valid and test are never sliced
+    assert "need 0 <= START < END" in cli_error(tmp_path, "--source", str(src), *SPLIT_ARGS, "--train-slice", "7:3")
+
+
+def test_a_corpus_artifact_is_a_source_in_either_direction(tmp_path: Path):
+    en, de = small_pairs(20)
+    src = parallel_dir(tmp_path / "src", {"train": (en, de), "val": (en[:5], de[:5]), "test": (en[:3], de[:3])})
+    fetch.fetch_corpus(cfg(src), tmp_path / "corpus")
+    fetch.fetch_corpus(cfg(tmp_path / "corpus", src_lang="de", tgt_lang="en", train_slice="10:"), tmp_path / "rev")
+    t = table(tmp_path / "rev", "train")
+    assert t["id"] == list(range(10, 20)) and t["src"] == de[10:] and t["tgt"] == en[10:]
+    assert table(tmp_path / "rev", "test")["src"] == de[:3]
+    msg = cli_error(tmp_path, "--source", str(tmp_path / "corpus"), "--tgt-lang", "fr")
+    assert "a corpus artifact of en-de, not of en-fr" in msg
+
+
+def test_synthetic_sides_tags_and_several_train_sources(tmp_path: Path):
+    """Back-translation as the example builds it: half A of a corpus, plus half B's target side with a reverse
+    model's translations (a hypotheses artifact, rows in decode's order) as its source side, tagged."""
+    en, de = small_pairs(20)
+    src = parallel_dir(tmp_path / "src", {"train": (en, de), "val": (en[:5], de[:5]), "test": (en[:3], de[:3])})
+    fetch.fetch_corpus(cfg(src), tmp_path / "corpus")
+    fetch.fetch_corpus(cfg(tmp_path / "corpus", src_lang="de", tgt_lang="en", train_slice="10:"), tmp_path / "mono")
+    ids = [19, 12, 10, 11, 13, 14, 16, 17, 18, 15]  # every id of B, in another order
+    hyps = hypotheses_artifact(tmp_path / "bt", ids, [f"synthetic {i}" for i in ids])
+    out = tmp_path / "out"
+    c = cfg(tmp_path / "corpus", train_slice=":10",
+            add_train=[{"source": str(tmp_path / "mono"), "hypotheses": str(hyps), "tag": "<BT>"}])
+    fetch.fetch_corpus(c, out)
+    t = table(out, "train")
+    assert t["src"][:10] == en[:10] and t["tgt"][:10] == de[:10]  # A as it was
+    # B: the German side real, the English side the translations matched by id, tagged; ids follow A's rows
+    b = dict(zip(t["id"][10:], zip(t["src"][10:], t["tgt"][10:])))
+    assert b == {10 + i: (f"<BT> synthetic {10 + i}", de[10 + i]) for i in range(10)}
+    m = read_manifest(out, "corpus")
+    assert [s["pairs_out"] for s in m.extra["train_sources"]] == [10, 10]
+    assert m.extra["train_sources"][1]["first_id"] == 10 and "hypotheses_1" in m.upstream
+    assert table(out, "test")["src"] == en[:3]  # valid and test: fetch.source's, untagged
+
+    # Distillation: the source's own target side replaced (no tag), and a missing translation named.
+    fetch.fetch_corpus(cfg(tmp_path / "mono", src_lang="de", tgt_lang="en", hypotheses=str(hyps)), tmp_path / "kd")
+    assert table(tmp_path / "kd", "train")["tgt"] == [f"synthetic {i}" for i in range(10, 20)]
+    short = hypotheses_artifact(tmp_path / "short", ids[1:], ["x"] * 9)
+    with pytest.raises(MtpipeError, match=r"short: has no translation of id 19 of .*mono/train.parquet"):
+        fetch.fetch_corpus(cfg(tmp_path / "mono", src_lang="de", tgt_lang="en", hypotheses=str(short)),
+                           tmp_path / "bad")
+    test_split = hypotheses_artifact(tmp_path / "test_hyps", [0], ["x"], split="test")
+    with pytest.raises(MtpipeError, match=r"translates split 'test', not a corpus's train split"):
+        fetch.fetch_corpus(cfg(tmp_path / "corpus", hypotheses=str(test_split)), tmp_path / "bad")
+    with pytest.raises(MtpipeError, match=r"src: hypotheses replace a side of a corpus artifact"):
+        fetch.fetch_corpus(cfg(src, hypotheses=str(hyps)), tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_add_train_entries_are_validated(tmp_path: Path):
+    msg = cli_error(tmp_path, "--source", str(tmp_path), "--add-train", '[{"source": "x", "slice": "1:2"}]')
+    assert "fetch.add_train[0]: unknown key 'slice'" in msg
+    msg = cli_error(tmp_path, "--source", str(tmp_path), "--add-train", '[{"source": "x", "train_slice": "a:b"}]')
+    assert "fetch.add_train[0].train_slice = 'a:b': expected START:END" in msg

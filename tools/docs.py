@@ -423,6 +423,81 @@ def render_allreduce_quality(directory: Path = RESULTS) -> str:
             + _table(["metric", "bf16 - fp32, per seed", "fp32: seed-to-seed spread"], diff) + "\n" + describe(doc))
 
 
+def render_decode_corpus(directory: Path = RESULTS) -> str:
+    """decoding.md: decode --input in chunks at each corpus size (peak RSS, speed), and a killed run's resume."""
+    doc = _newest("decode_corpus", directory)
+    if doc is None:
+        return NOT_MEASURED.format(command="python bench/decode_corpus.py")
+    f = doc["figures"]
+    body = [[_num(r["lines"], 0), f"chunks of {r['chunk_lines']:,}" if r["reading"] == "chunks" else
+             "one chunk (the whole file)", _num(r["corpus_mb"], 0), _num(r["seconds"], 0), _num(r["lines_per_s"], 0),
+             _num(r["peak_rss_mb"], 0)] for r in f["runs"]]
+    threads = " (torch's default)" if not f["threads"] else ""
+    text = (f"{f['model']}; `{f['decode']} --threads {f['threads']}`{threads}.\n\n"
+            + _table(["lines", "read in", "corpus MB", "seconds", "lines/s", "peak RSS MB"], body))
+    chunked = [r for r in f["runs"] if r["reading"] == "chunks"]
+    if len(chunked) > 1:
+        text += (f"\nPeak RSS at {chunked[-1]['lines']:,} lines is {_num(f['peak_rss_mb_largest_over_smallest'])}x "
+                 f"that at {chunked[0]['lines']:,}.\n")
+    r = f.get("resume")
+    if r:
+        text += (f"\nKilled (SIGKILL) at {r['lines']:,} lines, {r['seconds_into_unfinished_chunk']:,} s into the chunk "
+                 f"after {r['finished_chunks_at_kill']} finished ones: the rerun resumed {r['lines_resumed']:,} lines "
+                 f"and translated {r['lines_translated_by_rerun']:,}; the killed run's work lost was about "
+                 f"{round(r['lines_lost_estimate'], -3):,.0f} lines; killed run plus rerun took "
+                 f"{_num(r['seconds_lost'], 0)} s more than the uninterrupted run; the artifact is "
+                 f"{'byte-identical to' if r['identical_to_uninterrupted'] else '**not** identical to'} the "
+                 "uninterrupted run's.\n")
+    return text + "\n" + describe(doc)
+
+
+def _example_cells(r: dict[str, Any], base: dict[str, Any] | None = None) -> list[str]:
+    """One row of an example's results (bench/example_runs.py): BLEU of each seed, its mean (and its difference
+    from ``base``'s mean), chrF's mean, the updates and training minutes of each seed."""
+    mean = _num(r["bleu_mean"]) + (f" ({r['bleu_mean'] - base['bleu_mean']:+.2f})" if base is not None else "")
+    return [" / ".join(_num(b) for b in r["bleu"]), mean, _num(r["chrf_mean"], 1),
+            " / ".join(_num(u, 0) for u in r["updates"]), " / ".join(_num(m, 1) for m in r["train_minutes"])]
+
+
+def _example_lead(f: dict[str, Any]) -> str:
+    pairs = "every training pair" if f["pairs"] == "all" else f"the first {f['pairs']:,} training pairs"
+    return (f"Each model trained for {_num(f['budget_minutes'], 0)} minutes on {pairs}; test2016, cased sacreBLEU "
+            "(13a) and chrF; a cell per seed.\n\n")
+
+
+EXAMPLE_HEADER = ["BLEU (each seed)", "BLEU (mean)", "chrF (mean)", "updates", "training minutes"]
+
+
+def render_backtranslation(directory: Path = RESULTS) -> str:
+    """examples.md: each en->de training corpus of examples/backtranslation, its BLEU against A alone's."""
+    doc = _newest("backtranslation", directory)
+    if doc is None:
+        return NOT_MEASURED.format(command="python bench/backtranslation.py --data DIR")
+    f = doc["figures"]
+    res = f["results"]
+    base = res.get("a")
+    body = [[f["rows"].get(k, k), *_example_cells(r, base if k != "a" else None)] for k, r in res.items()]
+    return (_example_lead(f) + _table(["training corpus", *EXAMPLE_HEADER[:1], "BLEU (mean, against A alone)",
+                                       *EXAMPLE_HEADER[2:]], body) + "\n" + describe(doc))
+
+
+def render_distillation(directory: Path = RESULTS) -> str:
+    """examples.md: teacher and students of examples/distillation, beam and greedy, and their decoding speed."""
+    doc = _newest("distillation", directory)
+    if doc is None:
+        return NOT_MEASURED.format(command="python bench/distillation.py --data DIR")
+    f = doc["figures"]
+    body = [[f["models"].get(model, model), search, *_example_cells(r)]
+            for (model, search), r in ((k.rsplit("_", 1), r) for k, r in f["results"].items())]
+    speed = f["speed_sentences_per_s"]
+    teacher = speed["teacher"]
+    fast = [[f["models"].get(m, m), *(f"{_num(v[s]['median'], 1)} ({_num(v[s]['median'] / teacher[s]['median'])}x)"
+                                      for s in ("beam", "greedy"))] for m, v in speed.items()]
+    return (_example_lead(f) + _table(["model", "search", *EXAMPLE_HEADER], body) + "\n"
+            + f"Decoding speed, test2016 with {f['speed_threads']} threads: sentences/s (median of the rounds; "
+              "against the teacher's).\n\n" + _table(["model", "beam 4", "greedy"], fast) + "\n" + describe(doc))
+
+
 def render_equivalence(directory: Path = RESULTS) -> str:
     """development.md: the newest fingerprints (bench/equivalence.py) against the oldest recorded, entry by entry."""
     found = results("equivalence", directory)
@@ -547,6 +622,8 @@ RENDERERS: dict[str, Callable[..., str]] = {
     "wmt_data": render_wmt_data,
     "faults": render_faults, "equivalence": render_equivalence, "checkouts": render_checkouts,
     "gpu_paper": render_gpu_paper, "allreduce_quality": render_allreduce_quality,
+    "decode_corpus": render_decode_corpus,
+    "backtranslation": render_backtranslation, "distillation": render_distillation,
 }
 
 

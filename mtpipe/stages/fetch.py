@@ -15,6 +15,14 @@ are dropped by the first of these filters that applies, and every filter is coun
 5. ``ratio``: one side has more than ``max_ratio`` times the other's words (Moses ``clean-corpus-n.perl``);
 6. ``duplicate``: the exact (src, tgt) pair was seen before (``dedup``).
 
+Train's sources
+---------------
+Train may be built from several sources (``fetch.add_train`` after ``fetch.source``), each cut to the rows
+``train_slice`` names, its target side perhaps replaced by a hypotheses artifact's translations (``hypotheses``:
+back-translation, distillation) and its source sentences perhaps tagged (``tag``), all cleaned together (one set of
+duplicates). A row's id is its row in its source, plus, for an added source, where the rows before it ended, so ids
+stay unique and traceable; the manifest lists each source (``train_sources``). Valid and test are fetch.source's.
+
 The corpus is streamed in Arrow record batches, vectorised with ``pyarrow.compute``; duplicate detection keeps one
 64-bit XXH3 hash per kept pair in a numpy open-addressing table, so a 4.5M-pair corpus (WMT14 en-de) runs in a few
 hundred MB. Row ids are the 0-based line (row) index in the source split, so a pair can always be traced back.
@@ -23,17 +31,17 @@ hundred MB. Row ids are the 0-based line (row) index in the source split, so a p
 from __future__ import annotations
 
 import unicodedata
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from mtpipe import console
-from mtpipe.artifacts import CORPUS_SCHEMA, from_numpy, to_numpy
-from mtpipe.config import FetchConfig, to_dict
+from mtpipe.artifacts import CORPUS_SCHEMA, from_numpy, read_manifest, read_table, to_numpy
+from mtpipe.config import FetchConfig, to_dict, train_slice
 from mtpipe.errors import MtpipeError
 from mtpipe.stages.sources import Batch, SplitReader, local_source, open_source, resolve_splits
 from mtpipe.writing import ArtifactWriter, prepare_output
@@ -172,12 +180,16 @@ class SplitStats:
 
 
 class Cleaner:
-    """Normalises every split and filters train; one instance per split."""
+    """Normalises every split and filters train; one instance per source of a split, which share ``stats`` and
+    ``seen`` (train's sources are deduplicated together). A row's id is ``id_offset`` + its row in its source; ``tag``
+    goes before every kept source sentence."""
 
-    def __init__(self, cfg: FetchConfig, split: str, reader: SplitReader, seen: Optional[SeenHashes]):
+    def __init__(self, cfg: FetchConfig, split: str, reader: SplitReader, seen: Optional[SeenHashes],
+                 stats: Optional[SplitStats] = None, id_offset: int = 0, tag: str = ""):
         self.cfg, self.split, self.reader, self.seen = cfg, split, reader, seen
         self.train = split == "train"
-        self.stats = SplitStats()
+        self.stats = stats if stats is not None else SplitStats()
+        self.id_offset, self.tag = id_offset, tag
 
     def _drop(self, name: str, mask: np.ndarray, alive: np.ndarray, start: int, side: str = "") -> None:
         hit = mask & alive
@@ -213,7 +225,7 @@ class Cleaner:
                 if bad is not None:
                     self._drop("invalid_utf8", bad, alive, start, str(f[0]) if f else "")
         src, tgt = normalise(src), normalise(tgt)
-        ids = np.arange(start, start + n, dtype=np.int64)
+        ids = np.arange(start, start + n, dtype=np.int64) + self.id_offset
         if self.train:
             c = self.cfg
             ws, wt = word_counts(src), word_counts(tgt)
@@ -232,7 +244,67 @@ class Cleaner:
                 idx = from_numpy(np.flatnonzero(alive))
                 src, tgt, ids = src.take(idx), tgt.take(idx), ids[alive]
         self.stats.rows_out += len(ids)
+        if self.tag:  # after the filters: they judge the sentence, not the tag
+            src = pc.binary_join_element_wise(pa.scalar(self.tag), src, " ")
         return pa.RecordBatch.from_arrays([from_numpy(ids), src, tgt], schema=CORPUS_SCHEMA)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Train's sources: fetch.source's train split, then fetch.add_train's; each sliced, its target side perhaps replaced
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def train_parts(cfg: FetchConfig) -> list[dict[str, Any]]:
+    """fetch.source's train settings, then each fetch.add_train entry's, with the same keys."""
+    own = {"source": cfg.source, "train_slice": cfg.train_slice, "hypotheses": cfg.hypotheses, "tag": cfg.tag}
+    return [own, *({"train_slice": "", "hypotheses": None, "tag": "", **e} for e in cfg.add_train)]
+
+
+class Hypotheses:
+    """A hypotheses artifact of a corpus artifact's train split: its translations, looked up by the corpus's ids.
+
+    Why: back-translation (Sennrich et al. 2016) and sequence-level distillation (Kim and Rush 2016) train on a
+    corpus whose one side another model wrote; the decode that wrote it kept the corpus's ids, so the pairs are
+    rebuilt exactly, whatever order or subset the decode ran on."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        m = read_manifest(path, "hypotheses")
+        if m.extra.get("split") != "train":
+            what = f"split '{m.extra['split']}'" if m.extra.get("split") else "--input text"
+            raise MtpipeError(f"{path}: translates {what}, not a corpus's train split (decode.split: train)")
+        t = read_table(path, "train.parquet", "hypotheses", columns=["id", "hypothesis"])
+        ids = to_numpy(t.column("id").combine_chunks())
+        order = np.argsort(ids, kind="stable")
+        self.ids, self.text = ids[order], t.column("hypothesis").combine_chunks().take(from_numpy(order))
+
+    def lookup(self, ids: pa.Array, where: str) -> pa.Array:
+        want = to_numpy(ids)
+        pos = np.minimum(np.searchsorted(self.ids, want), max(len(self.ids) - 1, 0))
+        found = self.ids[pos] == want if len(self.ids) else np.zeros(len(want), bool)
+        if not found.all():
+            raise MtpipeError(f"{self.path}: has no translation of id {int(want[~found][0])} of {where} (decode the "
+                              "train split of that corpus's bpe artifact)")
+        return self.text.take(from_numpy(pos))
+
+
+def train_rows(reader: SplitReader, part: dict[str, Any], hyps: Optional[Hypotheses]) -> Iterator[tuple[Batch, int]]:
+    """``(batch, first row)`` of the rows ``part["train_slice"]`` keeps, the target side replaced by ``hyps``."""
+    first, last = train_slice(part["train_slice"], "train_slice")
+    start = 0
+    for batch in reader.batches():
+        n = len(batch.tgt)
+        lo, hi = max(first - start, 0), n if last is None else min(last - start, n)
+        if hi > lo:
+            if (lo, hi) != (0, n):
+                batch = Batch(*(a.slice(lo, hi - lo) if isinstance(a, pa.Array) else a for a in batch))
+            if hyps is not None:
+                side = hyps.lookup(batch.ids, reader.where)
+                batch = batch._replace(**{"src" if reader.swapped else "tgt": side})
+            yield batch, start + lo
+        start += n
+        if last is not None and start >= last:
+            return
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -243,42 +315,42 @@ class Cleaner:
 def fetch_corpus(cfg: FetchConfig, out: Path, *, force: bool = False) -> dict[str, SplitStats]:
     """Read ``cfg.source``, clean train, write the ``corpus`` artifact to ``out``; returns per-split statistics."""
     out = Path(out)
-    prepare_output(out, "corpus", inputs=[local_source(cfg.source)], force=force)
+    parts = train_parts(cfg)
+    hyp_dirs = {i: Path(p["hypotheses"]) for i, p in enumerate(parts) if p["hypotheses"]}
+    prepare_output(out, "corpus", inputs=[*(local_source(p["source"]) for p in parts), *hyp_dirs.values()],
+                   force=force)
     source = open_source(cfg)
     mapping = resolve_splits(cfg, source)
-    readers = {split: source.open(name) for split, name in mapping.items()}  # fails early on a missing language
+    # Every source opened first: a missing language or split fails before anything is written.
+    readers = {split: [source.open(name)] for split, name in mapping.items()}
+    readers["train"] += [_train_reader(cfg, p["source"]) for p in parts[1:]]
+    for i in hyp_dirs:
+        if readers["train"][i].swapped is None:
+            raise MtpipeError(f"{parts[i]['source']}: hypotheses replace a side of a corpus artifact (mtpipe fetch "
+                              "--out) whose train split was decoded; this source is not one")
+    hyps = {i: Hypotheses(d) for i, d in hyp_dirs.items()}
     stats: dict[str, SplitStats] = {}
-    with ArtifactWriter(out, "corpus", {"fetch": to_dict(cfg)}, force=force) as w, console.progress() as bar:
-        for split, reader in readers.items():
-            cleaner = Cleaner(cfg, split, reader, SeenHashes() if cfg.dedup and split == "train" else None)
-            task = bar.add_task(f"{split} ({reader.unit})", total=reader.total)
+    given: dict[str, list[dict[str, Any]]] = {}  # per split, what each of its sources gave
+    upstream = {f"hypotheses_{i}": d for i, d in hyp_dirs.items()}
+    with ArtifactWriter(out, "corpus", {"fetch": to_dict(cfg)}, upstream=upstream, force=force) as w, \
+            console.progress() as bar:
+        for split, split_readers in readers.items():
             writer = w.parquet_writer(f"{split}.parquet")
             try:
-                start = 0
-                for batch in reader.batches():
-                    writer.write_batch(cleaner(batch, start))
-                    start += len(batch.tgt)
-                    bar.update(task, completed=min(batch.position, reader.total))
+                s = stats[split] = SplitStats()
+                given[split] = _write_split(cfg, split, split_readers, parts, hyps, s, writer, bar)
             finally:
                 writer.close()
-            bar.update(task, completed=reader.total)
-            s = stats[split] = cleaner.stats
             w.rows[f"{split}.parquet"] = s.rows_out
-            if s.rows_out == 0:
-                what = "after cleaning" if split == "train" and s.rows_in else "(no lines)"
-                kept = ", ".join(f"{k} {v:,}" for k, v in s.filters.items() if v)
-                raise MtpipeError(f"{reader.where}: split '{split}' is empty {what}"
-                                  + (f" ({s.rows_in:,} pairs in; dropped: {kept})" if kept else ""))
-            if s.replaced_utf8:
-                console.warn(f"{reader.where}: {s.replaced_utf8:,} lines of {split} are not valid UTF-8 (first: "
-                             f"{s.samples['invalid_utf8']}); kept with U+FFFD since {split} is never filtered")
+            _check_split(split, s, split_readers[0])
         w.extra.update({
             "source": cfg.source,
             "src_lang": cfg.src_lang,
             "tgt_lang": cfg.tgt_lang,
             "source_splits": mapping,
-            "source_files": {split: {p.name: p.stat().st_size for p in r.files} for split, r in readers.items()
-                             if r.files},
+            "source_files": {split: {p.name: p.stat().st_size for r in rs for p in r.files}
+                             for split, rs in readers.items() if any(r.files for r in rs)},
+            "train_sources": given["train"],
             "normalisation": "NFC, leading/trailing whitespace stripped",
             "pairs_in": {k: s.rows_in for k, s in stats.items()},
             "pairs_out": {k: s.rows_out for k, s in stats.items()},
@@ -287,6 +359,46 @@ def fetch_corpus(cfg: FetchConfig, out: Path, *, force: bool = False) -> dict[st
         })
     _summary(cfg, mapping, stats, out)
     return stats
+
+
+def _train_reader(cfg: FetchConfig, source: str) -> SplitReader:
+    """The train split of one fetch.add_train source."""
+    more = replace(cfg, source=source, splits={"train": cfg.splits["train"]})
+    opened = open_source(more)
+    return opened.open(resolve_splits(more, opened)["train"])
+
+
+def _write_split(cfg: FetchConfig, split: str, readers: list[SplitReader], parts: list[dict[str, Any]],
+                 hyps: dict[int, Hypotheses], s: SplitStats, writer: Any, bar: Any) -> list[dict[str, Any]]:
+    """One split's sources cleaned into ``writer``, counted in ``s``; what each of train's sources gave."""
+    seen = SeenHashes() if cfg.dedup and split == "train" else None
+    offset, sources_out = 0, []
+    for i, reader in enumerate(readers):
+        part = parts[i] if split == "train" else {"train_slice": "", "tag": ""}
+        cleaner = Cleaner(cfg, split, reader, seen, s, offset, part["tag"])
+        task = bar.add_task(f"{split} ({reader.unit})" + (f" + {part['source']}" if i else ""), total=reader.total)
+        before, end = (s.rows_in, s.rows_out), 0
+        for batch, start in train_rows(reader, part, hyps.get(i) if split == "train" else None):
+            writer.write_batch(cleaner(batch, start))
+            end = start + len(batch.tgt)
+            bar.update(task, completed=min(batch.position, reader.total))
+        bar.update(task, completed=reader.total)
+        sources_out.append({**part, "first_id": offset, "pairs_in": s.rows_in - before[0],
+                            "pairs_out": s.rows_out - before[1]})
+        offset += end
+    return sources_out
+
+
+def _check_split(split: str, s: SplitStats, reader: SplitReader) -> None:
+    """An empty split is an error; replaced bytes in valid or test a warning."""
+    if s.rows_out == 0:
+        what = "after cleaning" if split == "train" and s.rows_in else "(no lines)"
+        kept = ", ".join(f"{k} {v:,}" for k, v in s.filters.items() if v)
+        raise MtpipeError(f"{reader.where}: split '{split}' is empty {what}"
+                          + (f" ({s.rows_in:,} pairs in; dropped: {kept})" if kept else ""))
+    if s.replaced_utf8:
+        console.warn(f"{reader.where}: {s.replaced_utf8:,} lines of {split} are not valid UTF-8 (first: "
+                     f"{s.samples['invalid_utf8']}); kept with U+FFFD since {split} is never filtered")
 
 
 def _summary(cfg: FetchConfig, mapping: dict[str, str], stats: dict[str, SplitStats], out: Path) -> None:

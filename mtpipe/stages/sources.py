@@ -13,7 +13,10 @@ Sources (``fetch.source``)
   - ``S.{src_lang}-{tgt_lang}.tsv[.gz]`` (or the reverse pair, columns swapped accordingly), or ``S.tsv[.gz]`` whose
     first column is ``src_lang`` and second ``tgt_lang``: one pair per line, ``src<TAB>tgt``, no header;
   - ``S.parquet``, shards ``S-*.parquet`` (the Hugging Face Hub layout) or ``S/*.parquet``;
-  - or the whole directory is a ``save_to_disk`` directory (it has ``dataset_dict.json``).
+  - or the whole directory is a ``save_to_disk`` directory (it has ``dataset_dict.json``);
+  - or the whole directory is a corpus artifact (``mtpipe fetch --out``, it has ``manifest.json``): its splits, in
+    its languages (read in the other order when fetch asks for the other direction), e.g. halves of a corpus fetched
+    once, or its train split with another model's translations as one side (``fetch.hypotheses``).
 
   Parquet files and datasets hold either a ``translation`` struct column keyed by language (WMT style) or one string
   column per language (Multi30k style: ``en``, ``de``).
@@ -60,6 +63,7 @@ class Batch(NamedTuple):
     tgt: pa.Array
     position: int  # progress so far, in the reader's unit
     malformed: Optional[pa.Array] = None  # TSV: lines without exactly one tab (their src/tgt are placeholders)
+    ids: Optional[pa.Array] = None  # a corpus artifact: its rows' ids (what its hypotheses are matched by)
 
 
 @dataclass
@@ -73,6 +77,7 @@ class SplitReader:
     unit: str
     batches: Callable[[], Iterator[Batch]]
     files: list[Path] = field(default_factory=list)
+    swapped: Optional[bool] = None  # a corpus artifact: read in the other language order (None: not an artifact)
 
 
 class Source:
@@ -342,7 +347,36 @@ def _hf_source(spec: str, cfg: FetchConfig) -> Source:
 _TEXT_SUFFIX = re.compile(r"^(?P<split>[^/]+?)\.(?P<lang>[A-Za-z][A-Za-z0-9_]*)(\.gz)?$")
 
 
+def _artifact_source(root: Path, cfg: FetchConfig) -> Source:
+    """A corpus artifact: its split files, its two sides put in the order ``fetch`` asks for."""
+    from mtpipe import artifacts
+
+    m = artifacts.read_manifest(root, "corpus")
+    langs = (m.extra.get("src_lang"), m.extra.get("tgt_lang"))
+    if set(langs) != {cfg.src_lang, cfg.tgt_lang}:
+        raise MtpipeError(f"{root}: a corpus artifact of {langs[0]}-{langs[1]}, not of {cfg.src_lang}-{cfg.tgt_lang} "
+                          "(fetch.src_lang, fetch.tgt_lang)")
+    swap = langs[0] != cfg.src_lang
+
+    def opener(s: str) -> SplitReader:
+        pf = artifacts.open_parquet(root, f"{s}.parquet", "corpus")
+
+        def batches() -> Iterator[Batch]:
+            done = 0
+            for b in pf.iter_batches(batch_size=BATCH_ROWS):
+                done += b.num_rows
+                src, tgt = b.column("src"), b.column("tgt")
+                yield Batch(*((tgt, src) if swap else (src, tgt)), done, ids=b.column("id"))
+
+        return SplitReader(s, f"{root}/{s}.parquet", pf.metadata.num_rows, "rows", batches,
+                           files=[root / f"{s}.parquet"], swapped=swap)
+
+    return Source(str(root), artifacts.splits_of(root, "corpus"), opener)
+
+
 def _local_source(root: Path, cfg: FetchConfig) -> Source:
+    if (root / "manifest.json").is_file():
+        return _artifact_source(root, cfg)
     if _is_saved_dataset(root):
         return _hf_source(str(root), cfg)
     if root.is_file():
