@@ -170,6 +170,12 @@ def test_results_files_render_as_tables_and_no_file_as_not_measured(tmp_path: Pa
     assert "| 1,000,000 | chunks of 50,000 | 100 | 1,000 | 1,000 | 714 |" in corpus
     assert "Peak RSS at 1,000,000 lines is 1.02x that at 500,000" in corpus
     assert "the rerun resumed 150,000 lines and translated 350,000" in corpus and "byte-identical" in corpus
+    assert "Not measured" in docs.render_fairseq_ensemble(tmp_path)
+    write_result(tmp_path, "fairseq_ensemble", {"updates": 150, "search": "--beam 4", "cases": {
+        "model 1": {"sentences": 200, "identical": 200, "identical_share": 1.0},
+        "ensemble of both": {"sentences": 200, "identical": 199, "identical_share": 0.995}}})
+    ensemble = docs.render_fairseq_ensemble(tmp_path)
+    assert "| model 1 | 200 of 200 | 100.0 % |" in ensemble and "| ensemble of both | 199 of 200 | 99.5 % |" in ensemble
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -451,6 +451,21 @@ def render_decode_corpus(directory: Path = RESULTS) -> str:
     return text + "\n" + describe(doc)
 
 
+def render_fairseq_ensemble(directory: Path = RESULTS) -> str:
+    """decoding.md: mtpipe's ensemble of two imported fairseq models against fairseq-generate's, sentence by
+    sentence, beside each model alone."""
+    doc = _newest("fairseq_ensemble", directory)
+    if doc is None:
+        return NOT_MEASURED.format(command="python bench/fairseq_ensemble.py")
+    f = doc["figures"]
+    body = [[case, f"{c['identical']:,} of {c['sentences']:,}", f"{100 * c['identical_share']:.1f} %"]
+            for case, c in f["cases"].items()]
+    text = (f"Two fairseq 0.12.2 models of {f['updates']:,} updates each, search `{f['search']}`; outputs of "
+            "`mtpipe decode` identical to `fairseq-generate`'s, piece for piece:\n\n"
+            + _table(["decoded", "identical outputs", "share"], body))
+    return text + "\n" + describe(doc)
+
+
 def _example_cells(r: dict[str, Any], base: dict[str, Any] | None = None) -> list[str]:
     """One row of an example's results (bench/example_runs.py): BLEU of each seed, its mean (and its difference
     from ``base``'s mean), chrF's mean, the updates and training minutes of each seed."""
@@ -622,7 +637,7 @@ RENDERERS: dict[str, Callable[..., str]] = {
     "wmt_data": render_wmt_data,
     "faults": render_faults, "equivalence": render_equivalence, "checkouts": render_checkouts,
     "gpu_paper": render_gpu_paper, "allreduce_quality": render_allreduce_quality,
-    "decode_corpus": render_decode_corpus,
+    "decode_corpus": render_decode_corpus, "fairseq_ensemble": render_fairseq_ensemble,
     "backtranslation": render_backtranslation, "distillation": render_distillation,
 }
 
