@@ -62,9 +62,11 @@ def train_flags(updates: int) -> list[str]:
     return flags
 
 
-def prepare(work: Path, sentences: int) -> tuple[Path, Path]:
-    """The corpus, its bpe and buckets, a model trained on it, and ``sentences`` lines of raw text to decode."""
-    shutil.copy(REPO / "params.yaml", work / "params.yaml")
+def prepare(work: Path, sentences: int, before: Path) -> tuple[Path, Path]:
+    """The corpus, its bpe and buckets, a model trained on it, and ``sentences`` lines of raw text to decode.
+    params.yaml is the earlier checkout's: a key added since is unknown to it (an error), while the later one reads
+    a key it lacks as its default."""
+    shutil.copy(before / "params.yaml", work / "params.yaml")
     corpus(work / "data")
     run(REPO, work, "fetch", "--source", str(work / "data"), "--out", "fetch")
     run(REPO, work, "bpe", "--corpus", "fetch", "--vocab-size", "600", "--out", "bpe")
@@ -95,7 +97,7 @@ def main() -> None:
     raw: dict[str, dict[str, list[float]]] = {side: {} for side in sides}
     with tempfile.TemporaryDirectory(prefix="mtpipe-checkouts-") as tmp:
         work = Path(tmp)
-        model, text = prepare(work, args.sentences)
+        model, text = prepare(work, args.sentences, args.before)
         for r in range(args.rounds):
             for side in (("before", "after") if r % 2 == 0 else ("after", "before")):
                 out = work / f"train-{side}-{r}"
