@@ -38,7 +38,8 @@ def main() -> int:
     probe = machine.probe()
     runs = example_runs.run_seeds("backtranslation", "backtranslation", args, collect)
     machine.write_results("backtranslation", {
-        "budget_minutes": args.budget_minutes, "pairs": args.pairs or "all", "rows": ROWS,
+        "budget_minutes": 0 if args.budget_updates else args.budget_minutes,
+        "budget_updates": args.budget_updates, "pairs": args.pairs or "all", "rows": ROWS,
         "results": example_runs.rows(runs, list(ROWS)), "runs": runs}, args.results, machine=probe)
     return 0
 

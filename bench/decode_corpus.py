@@ -90,9 +90,9 @@ def make_model(work: Path) -> Path:
     model = Transformer(ModelConfig(**{**TINY, "dropout": 0.0}), 1000)
     checkpoint = work / "model"
     spm_model = work / "spm.model"
-    writing.write_checkpoint(checkpoint, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
-                             vocab={"spm_sha256": artifacts.file_hash(spm_model), "size": 1000}, step=0,
-                             spm=spm_model)
+    writing.write_checkpoint(checkpoint, state_dict=model.state_dict(), meta=artifacts.CheckpointManifest(
+        model_config=to_dict(model.cfg), step=0, vocab={"spm_sha256": artifacts.file_hash(spm_model), "size": 1000}),
+        spm=spm_model)
     return checkpoint
 
 

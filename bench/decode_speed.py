@@ -15,7 +15,7 @@ GPU (``decode.cuda_graphs`` on; ``--plain cuda-graphs``: the eager step). ``--pr
 mtpipe's row (``--compiled``: the compiled one) instead, with CUDA time on a GPU.
 
     python bench/decode_speed.py --checkpoint artifacts/average --tokens artifacts/bpe
-    python bench/decode_speed.py --checkpoint ... --tokens ... --no-naive --plain ranking,projection --precisions fp32
+    python bench/decode_speed.py --checkpoint ... --tokens ... --no-naive --plain attention --precisions fp32
     python bench/decode_speed.py --checkpoint ... --tokens ... --no-naive --compiled --plain twice,package \\
         --batches 8000,8sent,1sent --precisions fp32 --sentences 200
     python bench/decode_speed.py --random-preset base --tokens artifacts/bpe --max-len-b 5 --no-naive
@@ -56,12 +56,8 @@ DATA = Path(mtenv.get("MTPIPE_MULTI30K") or REPO / "data" / "multi30k")  # {spli
 
 # Tricks --plain switches off, one row each: (whose trick: the eager step's or the compiled one's, what replaces it)
 PLAIN = {
-    "ranking": ("eager", "one top-k over every extension instead of mtpipe.engine.search.top_candidates' chunks"),
-    "projection": ("eager", "the model's own logits (F.linear on the [V, D] matrix) instead of the float32 CPU "
-                   "variant's kept copy (mtpipe.engine.packed.PackedProjection)"),
-    "packing": ("eager", "PackedProjection's [D, V] copy and addmm instead of oneDNN's packed copy"),
-    "layer-packing": ("eager", "the linear layers on their weights as they are instead of kept packed copies"),
-    "onednn": ("eager", "torch's own float32 products (MKL on x86) instead of oneDNN's (mtpipe.model.ops.mm)"),
+    "attention": ("eager", "torch's fused scaled_dot_product_attention for a decoding step's cross-attention and the "
+                  "encoder instead of two matmuls (mtpipe.model.ops.prefer_explicit_attention)"),
     "cuda-graphs": ("engine", "the eager step on a GPU instead of decode.cuda_graphs' replayed graphs"),
     "twice": ("compiled", "a lone sentence in its own graph (serve's, stdin's) instead of as two (mtpipe decode's)"),
     "package": ("compiled", "torch.compile's step built in the process (decode.compile=jit) instead of the one "
@@ -72,17 +68,16 @@ PLAIN = {
 
 def switched_off(trick: str | None) -> contextlib.AbstractContextManager:
     """One of :data:`PLAIN`'s tricks switched off (nothing for the tricks an engine's settings switch off: cuda-graphs,
-    twice, package), around the opening of the row's engine, which prepares its variant (the packed copies are made
-    then), and around each of its calls (the warm-up's too: the compiled step is built then)."""
-    from mtpipe.engine import packed, runners, search
+    twice, package), around the opening of the row's engine, which prepares its variant, and around each of its calls
+    (the warm-up's too: the compiled step is built then)."""
+    from mtpipe.engine import runners
     from mtpipe.model import ops
 
-    switches = {"ranking": (search, "_CHUNK", 1 << 40),
-                "projection": (packed, "packable", lambda model: False),  # the variant keeps the model's logits
-                "packing": (packed, "PACK_DECODING_PROJECTION", False),
-                "layer-packing": (packed, "PACK_DECODING_LINEARS", False), "onednn": (ops, "ONEDNN_FP32", False),
-                "gather": (runners, "_GATHER_IN_GRAPH_BYTES", 1 << 40)}
-    return machine.patched(*([switches[trick]] if trick in switches else []))
+    if trick == "attention":
+        return ops.fused_attention()
+    if trick == "gather":
+        return runners.gather_in_graph_from(1 << 40)  # more bytes than any row: always before the graph
+    return contextlib.nullcontext()
 
 
 def read_text(path: Path, n: int) -> list[str]:

@@ -80,7 +80,8 @@ def main() -> int:
     runs = example_runs.run_seeds("distillation", "distillation", args, collect, again)
     rows = [f"{m}_{s}" for m in MODELS for s in SEARCHES]
     machine.write_results("distillation", {
-        "budget_minutes": args.budget_minutes, "pairs": args.pairs or "all", "models": MODELS,
+        "budget_minutes": 0 if args.budget_updates else args.budget_minutes,
+        "budget_updates": args.budget_updates, "pairs": args.pairs or "all", "models": MODELS,
         "teacher_seed": runs[0]["seed"], "results": example_runs.rows(runs, rows),
         "speed_sentences_per_s": measured, "speed_threads": args.threads or 2, "runs": runs},
         args.results, machine=probe)

@@ -27,6 +27,8 @@ def add_flags(ap: argparse.ArgumentParser, budget: float) -> None:
     ap.add_argument("--data", type=Path, required=True, help="local Multi30k: {train,val,test_2016_flickr}.{en,de}.gz")
     ap.add_argument("--seeds", default="1,2", help="comma list of train.seed values, one fresh copy each")
     ap.add_argument("--budget-minutes", type=float, default=budget, help="train.max_time of every model")
+    ap.add_argument("--budget-updates", type=int, default=0, help="train.max_steps of every model instead of a time "
+                    "budget (train.max_time 0): the same work for every row however loaded the machine is")
     ap.add_argument("--pairs", type=int, default=0, help="only the first N training pairs (the slices scaled); 0: all")
     ap.add_argument("--vocab-size", type=int, default=0, help="bpe.vocab_size (0: the example's; for a small --pairs)")
     ap.add_argument("--threads", type=int, default=0, help="train.threads and decode.threads (0: torch's default)")
@@ -41,7 +43,7 @@ def _scaled(text: str, pairs: int) -> str:
 
 def configure(repo: Path, args: argparse.Namespace, seed: int) -> None:
     """Every params file of the copy: the corpus ``--data`` (``--pairs``: its first N training pairs, every
-    train_slice scaled to them), ``train.seed``, ``train.max_time``, and ``--vocab-size`` and ``--threads`` when
+    train_slice scaled to them), ``train.seed``, ``train.max_time`` (or ``train.max_steps`` with ``--budget-updates``), and ``--vocab-size`` and ``--threads`` when
     given; nothing else."""
     for path in sorted(p for p in repo.rglob("*.yaml") if p.name != "dvc.yaml"):
         params = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
@@ -53,8 +55,9 @@ def configure(repo: Path, args: argparse.Namespace, seed: int) -> None:
         elif args.pairs and "train_slice" in fetch:
             fetch["train_slice"] = _scaled(fetch["train_slice"], args.pairs)
         if "train" in params:
-            params["train"].update(seed=seed, max_time=args.budget_minutes, **({"threads": args.threads}
-                                                                               if args.threads else {}))
+            budget = ({"max_steps": args.budget_updates, "max_time": 0} if args.budget_updates
+                      else {"max_time": args.budget_minutes})
+            params["train"].update(seed=seed, **budget, **({"threads": args.threads} if args.threads else {}))
         if "bpe" in params and args.vocab_size:
             params["bpe"]["vocab_size"] = args.vocab_size
         if "decode" in params and args.threads:

@@ -416,9 +416,9 @@ def save(t: Trainer, out: Path) -> Path:
     the trainer state; no upstream artifacts to hash here) under run directory ``out``; returns its path."""
     ts = trainer_state(t.state, t.updater.optimizer, t.updater.scaler, [rng_state(t.device)], 1, t.data.accum,
                        t.cfg.seed)
-    checkpoints.write(out, t.model, to_dict(t.model.cfg), t.data.vocab, ts, t.cfg, upstream={},
-                      extra={"epoch": t.state.epoch, "world_size": 1, "precision": t.precision, "valid": {},
-                             "decode": {}}, seconds=0.0)
+    meta = artifacts.CheckpointManifest(model_config=to_dict(t.model.cfg), vocab=t.data.vocab, step=int(ts["step"]),
+                                        epoch=t.state.epoch, world_size=1, precision=t.precision, valid={}, decode={})
+    checkpoints.write(out, t.model, meta, ts, t.cfg, upstream={}, seconds=0.0)
     return artifacts.checkpoint_path(out, t.state.step)
 
 

@@ -13,7 +13,7 @@ it. Importing this module loads no torch (the anchors' venvs import it).
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from mtpipe import env as mtenv
 
@@ -57,20 +57,21 @@ def cpu_info() -> dict[str, Any]:
     text = Path("/proc/cpuinfo").read_text(errors="replace") if Path("/proc/cpuinfo").exists() else ""
     field = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in text.splitlines()[:40]) if v}
     flags = sorted({f for f in field.get("flags", "").split() if f.startswith(("avx", "amx", "fma"))})
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    from mtpipe import platform as mtplatform  # loads no torch
+
+    cpus = mtplatform.cpu_count()
     return {"model": field.get("model name", platform.processor() or "unknown"), "family": field.get("cpu family"),
             "flags": flags, "cpus": cpus}
 
 
 def rates(native_bf16: bool) -> dict[str, float]:
-    """G(FL)OP/s, the best of a few: n^3 matmuls in float32 by torch's route (MKL's on x86) and by mtpipe's layers'
-    (oneDNN's), in bf16 (far below fp32 without native bf16), and mtpipe's int8 decoding layer (fbgemm's)."""
+    """G(FL)OP/s, the best of a few: n^3 matmuls in float32 (torch's route, MKL's on x86, which mtpipe's layers
+    take), in bf16 (far below fp32 without native bf16), and mtpipe's int8 decoding layer (fbgemm's)."""
     import warnings
 
     import torch
 
     from mtpipe.engine.variants import _int8_linear
-    from mtpipe.model.ops import mm
 
     def best(run: Callable[[], Any], ops: float, reps: int = 5) -> float:
         run()  # allocation and kernel choice
@@ -81,25 +82,24 @@ def rates(native_bf16: bool) -> dict[str, float]:
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         layer, x = _int8_linear(torch.randn(8000, 512), None), torch.randn(64, 512)
-        return {"fp32_gflops": best(lambda: a @ b, 2 * n**3), "fp32_mtpipe_gflops": best(lambda: mm(a, b), 2 * n**3),
-                "bf16_gflops": best(lambda: c @ d, 2 * m**3), "int8_gops": best(lambda: layer(x), 2 * 64 * 512 * 8000,
-                                                                               20)}
+        return {"fp32_gflops": best(lambda: a @ b, 2 * n**3), "bf16_gflops": best(lambda: c @ d, 2 * m**3),
+                "int8_gops": best(lambda: layer(x), 2 * 64 * 512 * 8000, 20)}
 
 
 def probe(speed: bool = False) -> dict[str, Any]:
     """What this process runs on: CPU, torch's dispatched capability and threads, native bf16 (what ``precision:
-    auto`` sees), the ISA variables set (a restriction), versions, GPU; ``speed``: :func:`rates` too."""
+    auto`` sees) and the kernel libraries (:mod:`mtpipe.platform`), the ISA variables set (a restriction), versions, GPU; ``speed``: :func:`rates` too."""
     out: dict[str, Any] = {"cpu": cpu_info(), "python": sys.version.split()[0],
                            "environment": {k: mtenv.get(k) for k in ISA_VARIABLES if mtenv.get(k) is not None}}
     import torch
 
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from mtpipe.engine.runtime import cpu_supports_bf16
+    from mtpipe import platform as mtplatform
 
-    gpu = torch.cuda.is_available()
-    out.update(torch=torch.__version__, torch_capability=torch.backends.cpu.get_cpu_capability(),
-               threads=torch.get_num_threads(), native_bf16=cpu_supports_bf16(),
+    gpu, cpu = torch.cuda.is_available(), mtplatform.cpu()
+    out.update(torch=torch.__version__, torch_capability=cpu.capability, threads=torch.get_num_threads(),
+               native_bf16=cpu.native_bf16, kernels=dataclasses.asdict(mtplatform.kernels()),
                gpu=gpu and {"name": torch.cuda.get_device_name(), "bf16": torch.cuda.is_bf16_supported(),
                             "cuda": torch.version.cuda})
     return {**out, **(rates(out["native_bf16"]) if speed else {})}
@@ -235,20 +235,6 @@ def stats(values: Sequence[float]) -> dict[str, float]:  # for the results file
 def spread(values: Sequence[float], unit: str = "") -> str:
     """Rounds as "median (min-max)", two decimals."""
     return f"{statistics.median(values):.2f}{unit} ({min(values):.2f}-{max(values):.2f})"
-
-
-@contextlib.contextmanager
-def patched(*changes: tuple[Any, str, Any]) -> Iterator[None]:
-    """Each ``(owner, name, value)``: ``owner.name`` set to ``value`` for the block (a baseline row switching one of
-    mtpipe's tricks off), the old values put back afterwards, also when the block raises."""
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in changes]
-    try:
-        for owner, name, value in changes:
-            setattr(owner, name, value)
-        yield
-    finally:
-        for owner, name, old in reversed(saved):
-            setattr(owner, name, old)
 
 
 def cpu_ticks() -> tuple[float, float]:

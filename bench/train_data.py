@@ -73,7 +73,8 @@ def make_tokens(out: Path, pairs: int, seed: int = 0) -> None:
     import numpy as np
     import pyarrow as pa
 
-    from mtpipe.artifacts import TOKENS_SCHEMA, from_numpy
+    from mtpipe.artifacts import TOKENS_SCHEMA
+    from mtpipe.reading import from_numpy
     from mtpipe.writing import ArtifactWriter
 
     rng = np.random.default_rng(seed)
@@ -283,7 +284,7 @@ def main() -> None:
     cache = Path(tempfile.mkdtemp(prefix="mtpipe-bench-verified-"))
     env = {**os.environ, "PYTHONPATH": str(REPO), "MTPIPE_CACHE_DIR": str(cache)}
     try:
-        # The verification record is written only for a file older than artifacts.RACY_NS (2 s).
+        # The verification record is written only for a file older than reading.RACY_NS (2 s).
         time.sleep(max(0.0, 2.5 - (time.time() - (batches / "train.arrow").stat().st_mtime)))
         runs = {
             "mapped_fresh_cold": first_batch(a, batches, env, cold=True),  # no record yet: hashes train.arrow

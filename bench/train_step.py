@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
 from torch import Tensor, nn
 
+from mtpipe import platform
 from mtpipe.config import TrainConfig
-from mtpipe.engine import runtime
 from mtpipe.training.plan import TrainBatch, loss_positions
 from mtpipe.training.update import Updater, learning_rate
 
@@ -20,9 +19,8 @@ def make_train_step(model: nn.Module, cfg: TrainConfig) -> Callable[[Tensor, Ten
     (section 5.3), precision and optimizer of ``cfg``: one micro-batch per update, its gradient scaled by its real
     target tokens as ``mtpipe train`` scales an update's."""
     device = next(model.parameters()).device
-    if cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)
-    updater = Updater(model, cfg, device, runtime.resolve_precision(cfg.precision, device))
+    platform.set_threads(cfg.threads)
+    updater = Updater(model, cfg, device, platform.training_precision(cfg.precision, device))
     d_model = model.cfg.d_model
     count = [0]
 

@@ -56,10 +56,11 @@ DIMS = {
 TARGETS = {"fp32": 1.3, "bf16": 3.0}  # mtpipe's tokens/s over the reference's in fp32
 # CPU tricks of mtpipe.model.ops and mtpipe.training.loss that --plain switches off, a row each: what replaces each.
 PLAIN = {
-    "dropout": "F.dropout (torch's bernoulli masks) instead of mtpipe.model.ops.keep_mask",
-    "attention": "F.scaled_dot_product_attention instead of two matmuls",
-    "loss": "the whole [N, V] logits, then the textbook loss through autograd, instead of mtpipe.training.loss's blocks",
-    "onednn": "torch's own float32 products (MKL on x86) instead of oneDNN's (mtpipe.model.ops.mm)",
+    "dropout": "F.dropout (torch's bernoulli masks) instead of mtpipe.model.ops.keep_mask "
+               "(mtpipe.model.ops.fused_dropout)",
+    "attention": "F.scaled_dot_product_attention instead of two matmuls (mtpipe.model.ops.fused_attention)",
+    "loss": "the whole [N, V] logits, then the textbook loss through autograd, instead of mtpipe.training.loss's "
+            "blocks (mtpipe.training.loss.whole_logits)",
 }
 
 
@@ -176,23 +177,15 @@ def reference_step(vocab: int, dims: dict, seed: int) -> Callable[[Batch], float
 
 @contextlib.contextmanager
 def plain_kernels(tricks: frozenset[str]) -> Iterator[None]:
-    """mtpipe's step with the named tricks (:data:`PLAIN`) switched off, for the length of one step."""
-    from mtpipe.model import attention, ops
-    from mtpipe.training import update
+    """mtpipe's step with the named tricks (:data:`PLAIN`) switched off, for the length of one step: each by the
+    context its module offers."""
+    from mtpipe.model import ops
+    from mtpipe.training import loss
 
-    def whole_logits(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, eps: float):
-        """The textbook loss (section 5.4) on the whole ``[N, V]`` logits, through autograd."""
-        lprobs = torch.log_softmax(F.linear(h, weight, bias).float(), dim=-1)  # [N, V]
-        nll = -lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # [N, 1] -> [N]
-        if eps == 0.0:
-            return nll.sum(), nll.sum()
-        return ((1.0 - eps) * nll + eps * -lprobs.mean(dim=-1)).sum(), nll.sum()
-
-    switches = {"dropout": (ops, "_fused_dropout_available", lambda x: True),
-                "attention": (attention, "prefer_explicit_attention", lambda q: False),
-                "loss": (update, "projected_label_smoothed_nll", whole_logits),  # the global LossModule calls
-                "onednn": (ops, "ONEDNN_FP32", False)}
-    with machine.patched(*(switch for name, switch in switches.items() if name in tricks)):
+    switches = {"dropout": ops.fused_dropout, "attention": ops.fused_attention, "loss": loss.whole_logits}
+    with contextlib.ExitStack() as stack:
+        for name in sorted(tricks):
+            stack.enter_context(switches[name]())
         yield
 
 
@@ -312,7 +305,8 @@ def main() -> int:
     args = parse_args()
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
-    from mtpipe.engine.runtime import cpu_supports_bf16, tune_cpu_allocator
+    from mtpipe import platform
+    from mtpipe.engine.runtime import tune_cpu_allocator
 
     tune_cpu_allocator()  # process-wide, as `mtpipe train` on CPU: the reference gets it too
     batches, vocab = load_batches(args)
@@ -320,7 +314,7 @@ def main() -> int:
         profile_step(args, batches, vocab)
         return 0
     ticks, own = machine.cpu_ticks(), machine.own_cpu()
-    bf16_peak = cpu_supports_bf16()  # without native bf16 a 2048^3 bf16 product takes minutes: no bf16 MFU
+    bf16_peak = platform.cpu().native_bf16  # without native bf16 a 2048^3 bf16 product takes minutes: no bf16 MFU
     peaks: dict[str, list[float]] = {"fp32": [], "bf16": []}
     figures, rows, used = [], [], 0
     for c in args.configs:

@@ -259,9 +259,11 @@ def stage_bpe(a: argparse.Namespace) -> dict[str, Any]:
 def stage_spm(a: argparse.Namespace) -> dict[str, Any]:
     """bpe's SentencePiece training alone (``bpe.train_spm`` on the fetch artifact, with the stage's settings), in a
     process of its own: where encoding every pair would take longer than there is time for."""
-    code = ("import sys; from pathlib import Path; from mtpipe.config import BpeConfig; from mtpipe.stages import bpe; "
+    code = ("import sys; from pathlib import Path; from mtpipe import platform; from mtpipe.config import BpeConfig; "
+            "from mtpipe.stages import bpe; "
             "cfg = BpeConfig(vocab_size=int(sys.argv[2]), sample_sentences=int(sys.argv[3]), seed=1); "
-            "model, n = bpe.train_spm(cfg, Path(sys.argv[1]), bpe.nproc()); Path(sys.argv[4]).write_bytes(model)")
+            "model, n = bpe.train_spm(cfg, Path(sys.argv[1]), platform.cpu_count()); "
+            "Path(sys.argv[4]).write_bytes(model)")
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "120"}
     cmd = [sys.executable, "-c", code, str(a.out / "fetch"), str(a.vocab), str(a.sample_sentences),
            str(a.out / "spm.model")]
@@ -303,7 +305,7 @@ def stage_loader(a: argparse.Namespace) -> dict[str, Any]:
     cache = Path(tempfile.mkdtemp(prefix="mtpipe-bench-verified-"))
     env = {**os.environ, "PYTHONPATH": str(REPO), "MTPIPE_CACHE_DIR": str(cache)}
     try:
-        time.sleep(max(0.0, 2.5 - (time.time() - (batches / "train.arrow").stat().st_mtime)))  # artifacts.RACY_NS
+        time.sleep(max(0.0, 2.5 - (time.time() - (batches / "train.arrow").stat().st_mtime)))  # reading.RACY_NS
         runs = {"fresh_cold": train_data.first_batch(ns, batches, env, cold=True),
                 "restart_cold": train_data.first_batch(ns, batches, env, cold=True),
                 "restart_warm": train_data.first_batch(ns, batches, env, cold=False)}

@@ -12,7 +12,8 @@ An *artifact* is a directory holding data files and a ``manifest.json``::
 Artifacts are written atomically (:mod:`mtpipe.writing`): everything goes to a hidden temporary sibling directory, the
 manifest last, and the directory is renamed into place only when the stage succeeded. A killed stage leaves no
 directory that looks valid. Readers (here) check the manifest's kind and format version, that every file it names
-lies inside the artifact, each file's hash, and each Parquet file's schema.
+lies inside the artifact, each file's hash, and each Parquet file's schema. Importing this module loads no pyarrow
+(imported at first use): :mod:`mtpipe.params` reads checkpoint manifests with it at a command's start-up.
 
 | kind        | files                                   | schema                                                     |
 |-------------|-----------------------------------------|------------------------------------------------------------|
@@ -24,28 +25,34 @@ lies inside the artifact, each file's hash, and each Parquet file's schema.
 | hypotheses  | {split}.parquet, {split}.txt            | id int64, hypothesis string, score float64, nbest ...       |
 | export      | model.bin, config.json, *vocabulary.json, spm.model (CTranslate2) or Marian files | extra: format |
 
-Checkpoint format 2 (format 1 is still read): the checkpoint may carry the SentencePiece model it was trained with,
-``spm.model`` (and the bpe artifact's ``spm.vocab`` listing), named by ``extra["spm_model"]`` (``extra["spm_vocab"]``),
-so that it decodes away from the bpe artifact (:func:`checkpoint_spm` validates it against ``extra["vocab"]``);
-``extra["decode"]`` may record the decode settings it was trained with (the params.yaml ``decode`` keys of
-:data:`mtpipe.config.RECORDED_DECODE`), which ``decode`` and ``serve`` use where neither params.yaml nor a flag sets
-them.
+A checkpoint's ``extra`` holds the fields of one typed, versioned schema, :class:`CheckpointManifest`: training,
+``mtpipe import`` and ``mtpipe average`` build one and :func:`mtpipe.writing.write_checkpoint` writes it (validated
+first: :meth:`~CheckpointManifest.to_extra`); every reader reads it through :meth:`~CheckpointManifest.from_extra`
+(:func:`checkpoint_fields`, a :class:`Checkpoint`'s ``meta``; :meth:`~CheckpointManifest.of_artifact` for an export
+too), each field's type checked, the first wrong or missing one named with the file in one line. A field added later
+is an addition with a default (the format stays 2); a newer mtpipe's keys are kept in ``others`` and written back as
+they are. An average is its newest input's manifest with the averaging's fields set
+(:meth:`~CheckpointManifest.for_average`): every other field is carried, but those measured on that input's weights
+(:data:`OF_ITS_WEIGHTS`: ``valid``). Format 2 (format 1 is still read): the checkpoint may carry the SentencePiece
+model it was trained with, ``spm.model`` (and the bpe artifact's ``spm.vocab`` listing), named by
+``extra["spm_model"]`` (``extra["spm_vocab"]``), so that it decodes away from the bpe artifact (:func:`checkpoint_spm`
+validates it against ``extra["vocab"]``); ``extra["decode"]`` may record the decode settings it was trained with (the
+params.yaml ``decode`` keys of :data:`mtpipe.config.RECORDED_DECODE`), which ``decode`` and ``serve`` use where
+neither params.yaml nor a flag sets them.
 
 Lineage of a fine-tune (an addition: the checkpoint format stays 2, an older mtpipe ignores it): a checkpoint of a
 run started from another checkpoint's weights (``train.finetune_from``) records that parent in
 ``extra["finetuned_from"]`` = ``{"path": as given, "sha256": the parent's manifest hash, "step": its step}``, and an
 average of such checkpoints carries it on; a bpe artifact encoded with a checkpoint's SentencePiece model
 (``bpe.from_model``) records that checkpoint alike in ``extra["from_model"]`` (and its manifest hash under
-``upstream["checkpoint"]``). :func:`read_lineage` validates either record.
+``upstream["checkpoint"]``). :func:`check_lineage` validates either record.
 
 Batches ``train.arrow``: the train batches again, with their sentences' token ids, one row per batch in the order of
 ``train.parquet``, as an uncompressed Arrow IPC file (:data:`BATCH_TOKENS_SCHEMA`, record batches of whole batches)
-that training memory-maps (:func:`open_ipc`): the processes of a node share one copy through the page cache instead
-of each reading the tokens artifact into its memory. An addition, so the batches format stays 1: an older mtpipe
-ignores the file, and an artifact without it (an older mtpipe's) still trains, from the Parquet files. Such large
-files are hashed once: :func:`verify_file` with ``remember`` records a successful check under
-``$MTPIPE_CACHE_DIR/verified``, keyed by the file's real path, size, mtime, ctime and inode and its manifest hash, and
-later reads compare that key only; a changed key (the file was written, touched or replaced) means hashing it again.
+that training memory-maps and hashes once (:func:`mtpipe.reading.open_ipc`): the processes of a node share one copy
+through the page cache instead of each reading the tokens artifact into its memory. An addition, so the batches format
+stays 1: an older mtpipe ignores the file, and an artifact without it (an older mtpipe's) still trains, from the
+Parquet files.
 
 Hypotheses contract (written by ``decode``, read by ``score``): ``manifest.extra["split"]`` names the split that was
 translated; the rows are in ``{split}.parquet`` (and ``{split}.txt``, one detokenised line per row in ``id`` order).
@@ -66,20 +73,21 @@ the last finished chunk; a rerun with anything of that different starts over. mt
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
+import functools
 import json
-import os
-import time
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from mtpipe import __version__, env
-from mtpipe.atomic import atomic_write_text
+from mtpipe import __version__
 from mtpipe.errors import MtpipeError, os_reason
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
 MANIFEST = "manifest.json"
 
@@ -89,7 +97,7 @@ FORMAT_VERSIONS: dict[str, int] = {
     "corpus": 1,
     "tokens": 1,
     "batches": 1,
-    "checkpoint": 2,  # 2: may carry spm.model / spm.vocab and the decode settings (see the module docstring)
+    "checkpoint": 2,  # 2: may carry spm.model / spm.vocab and the decode settings (CheckpointManifest)
     "hypotheses": 1,
     "export": 1,  # mtpipe export: a CTranslate2 or Hugging Face Marian model directory (mtpipe/stages/export.py)
     "attention": 1,  # mtpipe attention: heatmap PNGs, index.html, attention.npz / .json (mtpipe/stages/attention.py)
@@ -111,11 +119,18 @@ def partial_dir(out: Path | str) -> Path:
 
 # Special token ids shared by the SentencePiece model, the batches and the Transformer's embedding table.
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+TRAIN_ARROW = "train.arrow"  # the batches artifact's train batches with their sentences (BATCH_TOKENS_SCHEMA)
 
-CORPUS_SCHEMA = pa.schema([("id", pa.int64()), ("src", pa.string()), ("tgt", pa.string())])
-TOKENS_SCHEMA = pa.schema([("id", pa.int64()), ("src", pa.list_(pa.int32())), ("tgt", pa.list_(pa.int32()))])
-BATCHES_SCHEMA = pa.schema(
-    [
+
+@functools.cache
+def _schemas() -> dict[str, Any]:
+    """The data files' Arrow schemas by name, and SCHEMAS, each kind's Parquet schema: read as module attributes
+    (``artifacts.TOKENS_SCHEMA``, :func:`__getattr__`), built at the first (pyarrow costs a start-up ~0.2 s)."""
+    import pyarrow as pa
+
+    corpus = pa.schema([("id", pa.int64()), ("src", pa.string()), ("tgt", pa.string())])
+    tokens = pa.schema([("id", pa.int64()), ("src", pa.list_(pa.int32())), ("tgt", pa.list_(pa.int32()))])
+    batches = pa.schema([
         ("batch", pa.int64()),
         # values of the tokens split's `id` column (corpus line indices; NOT row positions: fetch drops train
         # lines), sorted by length inside the batch
@@ -124,36 +139,34 @@ BATCHES_SCHEMA = pa.schema(
         ("tgt_tokens", pa.int64()),  # real target tokens, EOS included (= tokens the loss is computed on)
         ("src_len", pa.int32()),  # padded source length (longest source in the batch, EOS included)
         ("tgt_len", pa.int32()),  # padded target length
-    ]
-)
-HYPOTHESES_SCHEMA = pa.schema(
-    [
+    ])
+    hypotheses = pa.schema([
         ("id", pa.int64()),
         ("hypothesis", pa.string()),  # detokenised best hypothesis
         ("tokens", pa.list_(pa.int32())),  # its token ids (no EOS)
         ("score", pa.float64()),  # length-penalised log-probability
         ("nbest", pa.list_(pa.string())),  # the n best hypotheses, best first (empty when nbest = 1)
         ("nbest_scores", pa.list_(pa.float64())),
-    ]
-)
-# The batches artifact's train.arrow: the train batches with their sentences (in the order of the batch's ``ids``),
-# one row per batch, batches in train.parquet's order; an uncompressed Arrow IPC file whose record batches hold whole
-# batches, written by the bucket stage and memory-mapped by training (mtpipe.training.batches.map_train).
-TRAIN_ARROW = "train.arrow"
-BATCH_TOKENS_SCHEMA = pa.schema(
-    [
+    ])
+    # The batches artifact's train.arrow (TRAIN_ARROW): the train batches with their sentences (in the order of the
+    # batch's ``ids``), one row per batch, batches in train.parquet's order; an uncompressed Arrow IPC file whose
+    # record batches hold whole batches, written by the bucket stage and memory-mapped by training.
+    batch_tokens = pa.schema([
         ("batch", pa.int64()),
         ("ids", pa.list_(pa.int64())),  # as in train.parquet
         ("src", pa.list_(pa.list_(pa.int32()))),  # every sentence's token ids (EOS not stored), as in the tokens split
         ("tgt", pa.list_(pa.list_(pa.int32()))),
-    ]
-)
-SCHEMAS: dict[str, pa.Schema] = {
-    "corpus": CORPUS_SCHEMA,
-    "tokens": TOKENS_SCHEMA,
-    "batches": BATCHES_SCHEMA,
-    "hypotheses": HYPOTHESES_SCHEMA,
-}
+    ])
+    return {"CORPUS_SCHEMA": corpus, "TOKENS_SCHEMA": tokens, "BATCHES_SCHEMA": batches,
+            "HYPOTHESES_SCHEMA": hypotheses, "BATCH_TOKENS_SCHEMA": batch_tokens,
+            "SCHEMAS": {"corpus": corpus, "tokens": tokens, "batches": batches, "hypotheses": hypotheses}}
+
+
+def __getattr__(name: str) -> Any:
+    """The schemas of :func:`_schemas` as module attributes, built at the first lookup (PEP 562)."""
+    if name.endswith(("_SCHEMA", "SCHEMAS")) and name in _schemas():
+        return _schemas()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -175,6 +188,8 @@ class Manifest:
 
 def file_hash(path: Path, chunk: int = 1 << 22) -> str:
     """``sha256:<hex>`` of a file's bytes."""
+    import hashlib
+
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -215,6 +230,8 @@ def read_manifest(directory: Path | str, kind: str | None = None) -> Manifest:
         )
     for name in [*m.files, *m.rows]:
         check_member_name(path, name)
+    if m.kind == "checkpoint":
+        CheckpointManifest.from_extra(m.extra, path, m.format_version)
     return m
 
 
@@ -233,98 +250,34 @@ def manifest_hash(directory: Path | str) -> str:
     return file_hash(Path(directory) / MANIFEST)
 
 
-def verify_file(directory: Path | str, name: str, manifest: Manifest | None = None, *,
-                remember: bool = False) -> Path:
-    """Path of ``name`` inside an artifact after checking it is listed, lies inside the artifact (symlinks
-    included), and its hash matches.
-
-    ``remember``: for large files read at every start (training's ``train.arrow``): the hash is checked only when no
-    verification record of the file matches its current stat key (:func:`verified_before`), and a successful check
-    is recorded (:func:`remember_verified`)."""
+def member_path(directory: Path | str, name: str, manifest: Manifest) -> Path:
+    """Path of ``name`` inside an artifact after checking it is listed and present and lies inside the artifact
+    (symlinks included); its hash is :func:`verify_file`'s."""
     directory = Path(directory)
-    m = manifest or read_manifest(directory)
     check_member_name(directory / MANIFEST, name)
     path = directory / name
-    if name not in m.files:
-        raise MtpipeError(f"{directory}: has no '{name}' (it has: {', '.join(sorted(m.files)) or 'nothing'})")
+    if name not in manifest.files:
+        raise MtpipeError(f"{directory}: has no '{name}' (it has: {', '.join(sorted(manifest.files)) or 'nothing'})")
     if not path.exists():
         raise MtpipeError(f"{path}: listed in the manifest but missing")
     if not path.resolve().is_relative_to(directory.resolve()):
         raise MtpipeError(f"{directory / MANIFEST}: lists '{name}', a link to {path.resolve()}, outside its "
                           "artifact folder")
-    if remember and verified_before(path, m.files[name]):
-        return path
-    before = _stat_key(path) if remember else None
-    if file_hash(path) != m.files[name]:
-        raise MtpipeError(f"{path}: content does not match its manifest hash (modified or truncated)")
-    if before is not None:
-        remember_verified(path, m.files[name], before)
     return path
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Verification records: a large file is hashed once, not at every start
-# --------------------------------------------------------------------------------------------------------------------
-
-VERIFIED_FORMAT = 1
-# A file whose mtime or ctime is less than this before the end of its check is not recorded (it is hashed again at
-# the next start): a filesystem stamps times from a coarse clock (a tick of a few ms; an NFS server's own clock), and a
-# change within the tick of the check would leave the stat key as it was ("racy" entries, as git calls them).
-RACY_NS = 2_000_000_000
-
-
-def cache_root(configured: str = "") -> Path:
-    """mtpipe's per-user cache: ``$MTPIPE_CACHE_DIR``, else ``configured`` (a setting, e.g. decode.package_cache),
-    else ``$XDG_CACHE_HOME/mtpipe`` (``~/.cache/mtpipe``)."""
-    root = env.get("MTPIPE_CACHE_DIR") or configured or os.path.join(
-        env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mtpipe")
-    return Path(root)
+def verify_file(directory: Path | str, name: str, manifest: Manifest | None = None) -> Path:
+    """Path of ``name`` inside an artifact after checking it is listed, lies inside the artifact (symlinks
+    included), and its hash matches (a large file read at every start: :func:`mtpipe.reading.verify_remembered`)."""
+    m = manifest or read_manifest(directory)
+    path = member_path(directory, name, m)
+    if file_hash(path) != m.files[name]:
+        raise MtpipeError(f"{path}: content does not match its manifest hash (modified or truncated)")
+    return path
 
 
-def _stat_key(path: Path) -> dict[str, int]:
-    """What changes when a file is written, truncated, touched or replaced: size, mtime, ctime (which no user can
-    set back) and inode. The device number is left out: it differs between the nodes that mount one NFS export."""
-    st = os.stat(path)
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
-
-
-def verification_record(path: Path | str) -> Path:
-    """Where the verification record of the file ``path`` lives: ``<cache_root>/verified/<hash of its real
-    path>.json``, one small JSON file per data file (so that processes checking different files never write the
-    same record)."""
-    real = str(Path(path).resolve())
-    return cache_root() / "verified" / (hashlib.sha256(real.encode("utf-8")).hexdigest()[:32] + ".json")
-
-
-def verified_before(path: Path, want: str) -> bool:
-    """Whether a record says that the file ``path``, with exactly its current stat key, was hashed to ``want`` (its
-    manifest hash); an unreadable, foreign or stale record is no record."""
-    try:
-        rec = json.loads(verification_record(path).read_text(encoding="utf-8"))
-        return (isinstance(rec, dict) and rec.get("format") == VERIFIED_FORMAT
-                and rec.get("path") == str(path.resolve()) and rec.get("sha256") == want
-                and rec.get("stat") == _stat_key(path))
-    except (OSError, ValueError):
-        return False
-
-
-def remember_verified(path: Path, want: str, before: dict[str, int]) -> None:
-    """Record that ``path`` hashed to ``want``, if its stat key is still ``before`` (taken before hashing) and no
-    change of it could hide within the filesystem's clock tick (:data:`RACY_NS`). Written atomically; a cache that
-    cannot be written costs a warning and another check at the next start, nothing else."""
-    key = _stat_key(path)
-    if key != before or time.time_ns() - max(key["mtime_ns"], key["ctime_ns"]) < RACY_NS:
-        return
-    record = {"format": VERIFIED_FORMAT, "path": str(path.resolve()), "sha256": want, "stat": key}
-    try:
-        atomic_write_text(verification_record(path), json.dumps(record, sort_keys=True) + "\n")
-    except MtpipeError as e:
-        from mtpipe.console import warn
-
-        warn(f"{e}: the check of {path} is not recorded; the next start hashes it again")
-
-
-def _check_schema(path: Path, got: pa.Schema, want: pa.Schema) -> None:
+def check_schema(path: Path, got: pa.Schema, want: pa.Schema) -> None:
+    """That a file's schema has every column of ``want``, each of its type (more columns are allowed)."""
     for f in want:
         idx = got.get_field_index(f.name)
         if idx < 0:
@@ -335,6 +288,9 @@ def _check_schema(path: Path, got: pa.Schema, want: pa.Schema) -> None:
 
 def open_parquet(directory: Path | str, name: str, kind: str) -> pq.ParquetFile:
     """A validated ``ParquetFile`` of an artifact, for streaming reads (``iter_batches``)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     m = read_manifest(directory, kind)
     path = verify_file(directory, name, m)
     try:
@@ -343,55 +299,8 @@ def open_parquet(directory: Path | str, name: str, kind: str) -> pq.ParquetFile:
         pf = pq.ParquetFile(path, pre_buffer=False)
     except (pa.ArrowInvalid, OSError) as e:
         raise MtpipeError(f"{path}: not a readable Parquet file ({e})") from None
-    _check_schema(path, pf.schema_arrow, SCHEMAS[kind])
+    check_schema(path, pf.schema_arrow, _schemas()["SCHEMAS"][kind])
     return pf
-
-
-@dataclass
-class MappedIpc:
-    """An Arrow IPC file of an artifact, memory-mapped (:func:`open_ipc`)."""
-
-    path: Path
-    reader: pa.ipc.RecordBatchFileReader
-    region: tuple[int, int]  # the mapping's [start, end) addresses
-
-    def __len__(self) -> int:
-        return self.reader.num_record_batches
-
-    def batch(self, k: int) -> pa.RecordBatch:
-        """Record batch ``k``, every buffer of it a view of the mapped file (checked: a compressed file would be
-        decompressed into each process's memory), its structure validated (lengths and end offsets, not every
-        value: the file's hash is checked)."""
-        try:
-            rb = self.reader.get_batch(k)
-            rb.validate()
-        except (pa.ArrowInvalid, OSError) as e:
-            raise MtpipeError(f"{self.path}: record batch {k} is unreadable ({e})") from None
-        lo, hi = self.region
-        for col in rb.columns:
-            for buf in col.buffers():  # a nested array's buffers include its children's
-                if buf is not None and buf.size and not (lo <= buf.address and buf.address + buf.size <= hi):
-                    raise MtpipeError(f"{self.path}: record batch {k} is not stored as plain buffers (compressed?) "
-                                      "and cannot be memory-mapped: re-run the stage that made it")
-        return rb
-
-
-def open_ipc(directory: Path | str, name: str, schema: pa.Schema, manifest: Manifest | None = None) -> MappedIpc:
-    """A validated, memory-mapped Arrow IPC file of an artifact: its hash checked once and remembered
-    (``verify_file(remember=True)``), its schema checked. Its record batches (:meth:`MappedIpc.batch`) are views of
-    the mapped file: no copy, and the page cache holds one copy for every process that maps it."""
-    directory = Path(directory)
-    m = manifest or read_manifest(directory)
-    path = verify_file(directory, name, m, remember=True)
-    try:
-        mm = pa.memory_map(str(path), "r")
-        whole = mm.read_buffer(mm.size())  # zero-copy: the mapping itself, for MappedIpc.batch's check
-        mm.seek(0)
-        reader = pa.ipc.open_file(mm)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise MtpipeError(f"{path}: not a readable Arrow IPC file ({e})") from None
-    _check_schema(path, reader.schema, schema)
-    return MappedIpc(path, reader, (whole.address, whole.address + whole.size))
 
 
 def read_table(directory: Path | str, name: str, kind: str, columns: list[str] | None = None) -> pa.Table:
@@ -419,12 +328,142 @@ RUN_ENTRIES = (CHECKPOINTS, "live", "train.json", "train.log", "best.json", "clo
 WEIGHTS, TRAINER_STATE = "model.safetensors", "trainer.pt"
 # The SentencePiece model a checkpoint carries (format 2), and the bpe artifact's listing of its pieces.
 CHECKPOINT_SPM, CHECKPOINT_SPM_VOCAB = "spm.model", "spm.vocab"
-# The lineage records (read_lineage): a checkpoint's parent (train.finetune_from), a bpe artifact's checkpoint
+# The lineage records (check_lineage): a checkpoint's parent (train.finetune_from), a bpe artifact's checkpoint
 # (bpe.from_model).
 FINETUNED_FROM, FROM_MODEL = "finetuned_from", "from_model"
 # train.stop_metric -> (the valid/* curve it reads, whether higher is better). Training records that curve's value at
 # a checkpoint's step in its manifest (``extra["valid"]``), and ``mtpipe average --select best`` ranks checkpoints by it.
 STOP_METRICS = {"valid_ppl": ("valid/ppl", False), "valid_bleu": ("valid/bleu", True)}
+# A field whose value describes the checkpoint's own weights (a validation measured on them): an average of
+# checkpoints has other weights, so it does not carry such a field (CheckpointManifest.for_average).
+OF_ITS_WEIGHTS = {"of_its_weights": True}
+# The keys of ``vocab`` and their types: the SentencePiece model's ``sha256:<hex>`` and its number of pieces.
+VOCAB_KEYS = {"spm_sha256": str, "size": int}
+
+
+@dataclass(frozen=True)
+class CheckpointManifest:
+    """The fields a checkpoint's manifest records in ``extra`` (the module docstring; format 1: the same but
+    spm_model / spm_vocab); None: not recorded (the key is absent from the file)."""
+
+    model_config: dict[str, Any]  # the ModelConfig that rebuilds the model alone (ModelConfig(**model_config))
+    vocab: dict[str, Any]  # the SentencePiece model it was trained with: VOCAB_KEYS
+    step: int  # the update it was written at (an average: its newest input's; an import: 0)
+    spm_model: Literal["spm.model"] | None = None  # the SentencePiece model it carries (mtpipe.writing sets it)
+    spm_vocab: Literal["spm.vocab"] | None = None  # ... and that model's listing of pieces
+    decode: dict[str, Any] | None = None  # the decode settings it was trained with (config.RECORDED_DECODE)
+    finetuned_from: dict[str, Any] | None = None  # the parent of a fine-tune: a lineage record (check_lineage)
+    epoch: int | None = None  # training: epochs completed
+    world_size: int | None = None  # training: processes
+    precision: str | None = None  # training: train.precision as resolved
+    train_batches: str | None = None  # training: the identity of the train batches (a resume compares it)
+    valid: dict[str, float] | None = field(default=None, metadata=OF_ITS_WEIGHTS)  # validation at its step
+    imported_from: dict[str, Any] | None = None  # mtpipe import: the foreign checkpoint and its settings
+    averaged: list[dict[str, Any]] | None = None  # mtpipe average: its inputs (path, step, manifest sha256)
+    pruned: dict[str, Any] | None = None  # average.prune: the spec and the layers kept
+    others: dict[str, Any] = field(default_factory=dict)  # keys of a newer mtpipe, carried as they are
+
+    @classmethod
+    def from_extra(cls, extra: Any, where: Any,
+                   format_version: int = FORMAT_VERSIONS["checkpoint"]) -> CheckpointManifest:
+        """The fields of a checkpoint manifest's ``extra`` (of ``format_version``), validated; ``where``: the
+        manifest's path, named in the one-line error about the first missing or wrongly typed field."""
+        if not isinstance(extra, dict):
+            raise MtpipeError(f"{where}: checkpoint manifest's extra must be a mapping, got {type(extra).__name__}")
+        known = {f.name: f for f in dataclasses.fields(cls) if f.name != "others"}
+        for name, f in known.items():
+            if name not in extra and f.default is dataclasses.MISSING:
+                raise MtpipeError(f"{where}: checkpoint manifest lacks extra.{name}")
+        meta = cls(**{k: v for k, v in extra.items() if k in known},
+                   others={k: v for k, v in extra.items() if k not in known})
+        meta.validate(where)
+        if format_version < 2 and meta.spm_model is not None:
+            raise MtpipeError(f"{where}: extra.spm_model in a format {format_version} checkpoint (format 2 or "
+                              "later carries one)")
+        return meta
+
+    @classmethod
+    def of_artifact(cls, kind: Any, extra: Any, where: Any,
+                    format_version: int = FORMAT_VERSIONS["checkpoint"]) -> CheckpointManifest:
+        """The checkpoint fields of a model artifact's manifest (its ``kind``, ``extra`` and format version): a
+        checkpoint's own (:meth:`from_extra`), or those an export records of the checkpoint it was made from
+        (``checkpoint_step``, ``model_config``, ``vocab`` and ``decode``:
+        :func:`mtpipe.engine.ct2_convert.export_extra`)."""
+        if kind == "checkpoint":
+            return cls.from_extra(extra, where, format_version)
+        if kind != "export":
+            raise MtpipeError(f"{where}: is a '{kind}' manifest, not a checkpoint's or an export's")
+        if not isinstance(extra, dict) or "checkpoint_step" not in extra:
+            raise MtpipeError(f"{where}: export manifest lacks extra.checkpoint_step")
+        record = {k: extra[k] for k in ("model_config", "vocab", "decode") if k in extra}
+        return cls.from_extra({**record, "step": extra["checkpoint_step"]}, where)
+
+    def validate(self, where: Any) -> None:
+        """Every field has its type (an error naming ``where`` and the first field that has not)."""
+        hints = _hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not _has_type(value, hints[f.name]):
+                shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+                raise MtpipeError(f"{where}: extra.{f.name} = {shown}, expected {f.type}")
+        for key, tp in VOCAB_KEYS.items():
+            if key in self.vocab and not _has_type(self.vocab[key], tp):
+                raise MtpipeError(f"{where}: extra.vocab.{key} = {self.vocab[key]!r}, expected {tp.__name__}")
+        if self.finetuned_from is not None:
+            check_lineage(where, "finetuned_from", self.finetuned_from)
+        clash = sorted(set(self.others) & {f.name for f in dataclasses.fields(self) if f.name != "others"})
+        if clash:
+            raise MtpipeError(f"{where}: extra.{clash[0]} given twice (as a field and in others)")
+
+    def to_extra(self) -> dict[str, Any]:
+        """The manifest's ``extra``: every recorded field (None ones left out) and ``others``, as JSON values."""
+        extra = dict(self.others)
+        extra.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                      if f.name != "others" and getattr(self, f.name) is not None})
+        return extra
+
+    def for_average(self, **own: Any) -> CheckpointManifest:
+        """The manifest of an average whose newest input this is: every field carried, but those that describe
+        this checkpoint's weights alone (:data:`OF_ITS_WEIGHTS`), and ``own``, the averaging's fields, set."""
+        dropped = {f.name: None for f in dataclasses.fields(self) if f.metadata.get("of_its_weights")}
+        return dataclasses.replace(self, **{**dropped, **own})
+
+
+def check_lineage(where: Any, key: str, record: Any) -> dict[str, Any]:
+    """A lineage record (``{"path": as given, "sha256": the manifest hash, "step": its step or None}``: a
+    checkpoint's ``finetuned_from``, a bpe artifact's ``from_model``), validated; an error naming ``where``
+    (the manifest) and ``key`` when malformed."""
+    if (not isinstance(record, dict) or not isinstance(record.get("path"), str)
+            or not str(record.get("sha256", "")).startswith("sha256:")
+            or not (record.get("step") is None or type(record.get("step")) is int)):
+        raise MtpipeError(f"{where}: extra.{key} = {record!r} is not a lineage record (path, sha256:<manifest hash>, "
+                          "step)")
+    return {"path": record["path"], "sha256": record["sha256"], "step": record.get("step")}
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _has_type(value: Any, tp: Any) -> bool:
+    """Whether the JSON value ``value`` has the annotated type ``tp`` (a bool is no number)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, a) for a in args)
+    if origin is Literal:
+        return value in args
+    if tp is type(None):
+        return value is None
+    if tp in (int, float):
+        return isinstance(value, (int, float) if tp is float else int) and not isinstance(value, bool)
+    if origin is dict:
+        return isinstance(value, dict) and all(isinstance(k, str) and _has_type(v, args[1]) for k, v in value.items())
+    if origin is list:
+        return isinstance(value, list) and all(_has_type(v, args[0]) for v in value)
+    return isinstance(value, tp)
 
 
 def checkpoint_path(run_dir: Path | str, step: int) -> Path:
@@ -450,12 +489,10 @@ def list_checkpoints(run_dir: Path | str) -> list[tuple[int, Path]]:
             continue
         if not (d / MANIFEST).is_file():
             raise MtpipeError(f"{d}: not an mtpipe checkpoint (no {MANIFEST}); move it out of {ck_dir}")
-        m = read_manifest(d, "checkpoint")
-        if "averaged" in m.extra:
+        meta = checkpoint_fields(d)
+        if meta.averaged is not None:
             continue
-        step = m.extra.get("step")
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise MtpipeError(f"{d}: checkpoint manifest has no integer 'step' (got {step!r})")
+        step = meta.step
         if step in found:
             raise MtpipeError(f"{ck_dir}: two checkpoints at step {step}: {found[step].name} and {d.name}")
         found[step] = d
@@ -491,19 +528,23 @@ def bare_sha(value: Any) -> str:
     return text.split(":", 1)[1] if text.startswith("sha256:") else text
 
 
+def checkpoint_fields(path: Path | str, m: Manifest | None = None) -> CheckpointManifest:
+    """The checkpoint fields of ``path``'s manifest (``m``, read when not given), validated: the one way to read
+    them (:class:`CheckpointManifest`)."""
+    m = m or read_manifest(path, "checkpoint")
+    return CheckpointManifest.from_extra(m.extra, Path(path) / MANIFEST, m.format_version)
+
+
 def checkpoint_spm(path: Path | str, m: Manifest) -> Path | None:
     """The SentencePiece model checkpoint ``path`` carries, after checking that its manifest lists it, its hash, and
     that it is the model the checkpoint's ``vocab`` record names; None for a checkpoint without one (format 1, or
     written without it)."""
     path = Path(path)
-    name = m.extra.get("spm_model")
+    meta = checkpoint_fields(path, m)
+    name, vocab = meta.spm_model, meta.vocab
     if name is None:
         return None
-    if name != CHECKPOINT_SPM or m.format_version < 2:
-        raise MtpipeError(f"{path / MANIFEST}: extra.spm_model = {name!r} in a format {m.format_version} checkpoint; "
-                          f"expected '{CHECKPOINT_SPM}' in format 2 or later")
     spm = verify_file(path, name, m)
-    vocab = m.extra.get("vocab") if isinstance(m.extra.get("vocab"), dict) else {}
     if bare_sha(m.files[name]) != bare_sha(vocab.get("spm_sha256")):
         raise MtpipeError(f"{spm}: is not the SentencePiece model of the checkpoint's vocabulary (vocab.spm_sha256 "
                           f"{bare_sha(vocab.get('spm_sha256'))[:12]}..., the file {bare_sha(m.files[name])[:12]}...)")
@@ -513,21 +554,7 @@ def checkpoint_spm(path: Path | str, m: Manifest) -> Path | None:
 def lineage_record(path: Path | str, m: Manifest) -> dict[str, Any]:
     """The lineage record naming the checkpoint ``path`` (manifest ``m``): its path as given, its manifest's hash
     (which holds the hashes of its weights) and its step (the module docstring)."""
-    return {"path": str(path), "sha256": manifest_hash(path), "step": m.extra.get("step")}
-
-
-def read_lineage(path: Path | str, m: Manifest, key: str) -> dict[str, Any] | None:
-    """The lineage record ``extra[key]`` of an artifact (``finetuned_from`` of a checkpoint, ``from_model`` of a bpe
-    artifact; the module docstring), validated: None when absent, an error naming the manifest when malformed."""
-    record = m.extra.get(key)
-    if record is None:
-        return None
-    if (not isinstance(record, dict) or not isinstance(record.get("path"), str)
-            or not str(record.get("sha256", "")).startswith("sha256:")
-            or not (record.get("step") is None or type(record.get("step")) is int)):
-        raise MtpipeError(f"{Path(path) / MANIFEST}: extra.{key} = {record!r} is not a lineage record (path, "
-                          "sha256:<manifest hash>, step)")
-    return {"path": record["path"], "sha256": record["sha256"], "step": record.get("step")}
+    return {"path": str(path), "sha256": manifest_hash(path), "step": checkpoint_fields(path, m).step}
 
 
 @dataclass
@@ -536,12 +563,14 @@ class Checkpoint:
 
     path: Path
     state_dict: dict[str, Any]
-    model_config: dict[str, Any]
-    vocab: dict[str, Any]  # {"spm_sha256": ..., "size": ...}
-    step: int
     manifest: Manifest
+    meta: CheckpointManifest  # the manifest's checkpoint fields, validated
     trainer_state: dict[str, Any] | None = None
     spm: Path | None = None  # the SentencePiece model it carries (checkpoint_spm), or None
+
+    model_config = property(lambda self: self.meta.model_config)
+    vocab = property(lambda self: self.meta.vocab)  # {"spm_sha256": ..., "size": ...}
+    step = property(lambda self: self.meta.step)
 
 
 def load_checkpoint(path: Path | str, *, trainer_state: bool = False, device: str = "cpu") -> Checkpoint:
@@ -561,38 +590,6 @@ def load_checkpoint(path: Path | str, *, trainer_state: bool = False, device: st
     if trainer_state:
         tpath = verify_file(path, TRAINER_STATE, m)
         ts = torch.load(tpath, map_location="cpu", weights_only=True)
-    for key in ("model_config", "vocab", "step"):
-        if key not in m.extra:
-            raise MtpipeError(f"{path}: checkpoint manifest lacks '{key}'")
-    return Checkpoint(path=path, state_dict=state, model_config=m.extra["model_config"], vocab=m.extra["vocab"],
-                      step=int(m.extra["step"]), manifest=m, trainer_state=ts, spm=checkpoint_spm(path, m))
+    return Checkpoint(path=path, state_dict=state, manifest=m, meta=checkpoint_fields(path, m), trainer_state=ts,
+                      spm=checkpoint_spm(path, m))
 
-
-def from_numpy(a: Any) -> pa.Array:
-    """A 1-D numeric numpy array as an Arrow array, zero-copy.
-
-    ``pa.array(ndarray)`` imports pandas on first use (~0.6 s of start-up per stage); this does not.
-    """
-    import numpy as np
-
-    a = np.ascontiguousarray(a)
-    if a.ndim != 1 or a.dtype.kind not in "iuf":
-        raise TypeError(f"from_numpy: need a 1-D numeric array, got {a.dtype} with shape {a.shape}")
-    return pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), len(a), [None, pa.py_buffer(a)])
-
-
-def to_numpy(arr: Any) -> Any:
-    """A numeric or boolean Arrow array (or a one-chunk ChunkedArray) without nulls as numpy, zero-copy for numbers.
-
-    ``Array.to_numpy`` imports pandas on first use (~0.6 s of start-up per stage); this does not.
-    """
-    import numpy as np
-
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
-    if pa.types.is_boolean(arr.type):  # bit-packed in Arrow: one byte per value for numpy
-        return to_numpy(arr.cast(pa.uint8())).astype(bool)
-    if arr.null_count or not (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)):
-        return arr.to_numpy(zero_copy_only=False)
-    dtype = np.dtype(arr.type.to_pandas_dtype())
-    return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)

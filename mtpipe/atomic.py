@@ -1,4 +1,4 @@
-"""One file written atomically, with the permissions a plain ``open`` gives: below :mod:`mtpipe.artifacts` (whose
+"""One file written atomically, with the permissions a plain ``open`` gives: below :mod:`mtpipe.reading` (whose
 verification records use it) and :mod:`mtpipe.writing` (which writes whole artifacts), so neither imports the other
 for it."""
 

@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from mtpipe import registry
 from mtpipe.config_inference import (MAX_BEAM, PRUNE_HELP, RECORDED_DECODE, DecodeConfig, ExportConfig, ScoreConfig,
                                      ServeConfig)
 from mtpipe.errors import MtpipeError
@@ -380,9 +381,7 @@ def check_sections(**sections: Any) -> None:
         if value > limit:
             raise MtpipeError(f"decode.{key} = {value:g} is over serve.max_{key} = {limit:g}: the default a request "
                               "gets must be one it may ask for")
-    if serve.batching == "continuous" and decode.engine != "mtpipe":
-        raise MtpipeError(f"serve.batching=continuous needs decode.engine=mtpipe ({decode.engine} decodes batch by "
-                          "batch)")
+    registry.check_batching(decode, serve.batching)  # continuous batching: an engine that takes requests mid-batch
     if decode.ensemble or decode.sampling_topk:  # an ensemble and sampling are mtpipe decode's
         raise MtpipeError("decode.ensemble: mtpipe serve serves one model (--ensemble '[]')" if decode.ensemble else
                           "decode.sampling_topk: mtpipe serve translates by search (--sampling-topk 0)")

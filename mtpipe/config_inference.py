@@ -9,6 +9,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
+from mtpipe import registry
 from mtpipe.errors import MtpipeError
 from mtpipe.sections import Section, _h
 
@@ -66,7 +67,7 @@ class DecodeConfig(Section):
         "CTranslate2 stops a sentence once beam x patience hypotheses have finished (fairseq's rule, = stop "
         "finished), mtpipe by decode.stop; CTranslate2's own penalty is |Y|^alpha (= fairseq), "
         "so gnmt is applied by re-ranking the hypotheses CTranslate2 finished.", default="mtpipe",
-        choices=("mtpipe", "ctranslate2"))
+        choices=registry.ENGINE_NAMES)
     ct2_compute_type: str = _h(
         "engine ctranslate2: CTranslate2 compute type: default (the export's weight type), auto, float32, int8, "
         "int8_float32, int8_float16, int8_bfloat16, int16, float16, bfloat16 (precision applies to engine mtpipe "
@@ -147,36 +148,20 @@ class DecodeConfig(Section):
         super().__post_init__()
 
     def check(self) -> None:
-        """nbest <= beam, shard i/n, what engine ctranslate2, precision int8 and an ensemble leave out, sampling's
-        keys only when sampling."""
+        """nbest <= beam, shard i/n, what the engines leave out (each its entry's check in :mod:`mtpipe.registry`:
+        ctranslate2's, an ensemble's, sampling only by an engine that samples) and precision int8, sampling's keys
+        only when sampling."""
         self.shard_part()
         if self.nbest > self.beam:
             raise MtpipeError(f"decode.nbest: {self.nbest} is not between 1 and decode.beam ({self.beam})")
-        if self.engine == "ctranslate2":
-            if self.precision != "fp32":
-                raise MtpipeError(f"decode.precision: {self.precision} applies to engine mtpipe; with engine "
-                                  "ctranslate2 set decode.ct2_compute_type (e.g. bfloat16, int8)")
-            if self.prune:
-                raise MtpipeError("decode.prune: not available with engine ctranslate2; write a pruned checkpoint "
-                                  "with `mtpipe average --prune` and decode (or export) that")
-            if self.compile != "off":
-                raise MtpipeError("decode.compile: applies to engine mtpipe (CTranslate2 runs its own compiled code)")
-        elif self.compile != "off" and self.precision == "int8":
+        registry.check(self)  # what the engines refuse: the registry's entries, one each
+        if self.compile != "off" and self.precision == "int8":
             raise MtpipeError("decode.compile: applies to precision fp32 and bf16, not int8 (its quantised linear "
                               "layers are torch.ao modules that torch.compile does not fuse)")
-        if not all(isinstance(p, str) and p for p in self.ensemble):
-            raise MtpipeError(f"decode.ensemble: {self.ensemble!r} is not a list of checkpoint paths")
-        for key, value, only in (("engine", self.engine, "mtpipe"), ("compile", self.compile, "off"),
-                                 ("prune", self.prune, "")):  # what an ensemble leaves out
-            if self.ensemble and value != only:
-                raise MtpipeError(f"decode.ensemble: an ensemble is decoded by engine mtpipe's eager step, unpruned: "
-                                  f"not with decode.{key} = {value!r}")
         for key, value in (("sampling_topp", self.sampling_topp), ("temperature", self.temperature)):
             if self.sampling_topk == 0 and value != 1.0:
                 raise MtpipeError(f"decode.{key} = {value:g} applies to sampling: set decode.sampling_topk (K > 0: "
                                   "the K most likely tokens; -1: all of them)")
-        if self.sampling_topk != 0 and self.engine != "mtpipe":
-            raise MtpipeError(f"decode.sampling_topk: sampling is engine mtpipe's; engine {self.engine} searches")
 
     def shard_part(self) -> tuple[int, int] | None:
         """decode.shard as ``(i, n)`` (part i, 0-based, of n), or None: the whole file."""

@@ -35,14 +35,14 @@ _DIST = "mtpipe/training/distributed.py"
 _SOURCES = "mtpipe/stages/sources.py"
 _PACKAGE = "mtpipe/engine/step_package.py"
 _RUNTIME = "mtpipe/engine/runtime.py"
-_OPS = "mtpipe/model/ops.py"
+_PLATFORM = "mtpipe/platform.py"
 _MACHINE = "bench/machine.py"
 
 _TABLE = (
     # mtpipe's own
     Variable("MTPIPE_CACHE_DIR", "$XDG_CACHE_HOME/mtpipe (~/.cache/mtpipe)",
              "Where mtpipe keeps what it can rebuild: compiled decoder steps (decode.compile) and the records of "
-             "bucket artifacts whose hash was checked; over decode.package_cache.", ("mtpipe/artifacts.py", _PACKAGE)),
+             "bucket artifacts whose hash was checked; over decode.package_cache.", ("mtpipe/reading.py", _PACKAGE)),
     Variable("MTPIPE_CACHE_MAX_GB", "5", "Size in GB beyond which the least recently used compiled decoder steps "
              "are removed from the cache; over decode.package_cache_gb.", (_PACKAGE,)),
     Variable("MTPIPE_QUIET", "unset", "1: mtpipe's console prints nothing on stderr: no progress bars, tables, "
@@ -74,7 +74,7 @@ _TABLE = (
     Variable("TORCHELASTIC_ERROR_FILE", "unset", "torchrun: where a worker records its error for the launcher.",
              (_LAUNCH,)),
     Variable("OMP_NUM_THREADS", "unset", "Threads per process; set, it is left alone; unset, `mtpipe train` on "
-             "several processes shares the CPUs among them (train.threads 0).", (_LAUNCH, _MACHINE)),
+             "several processes shares the CPUs among them (train.threads 0).", (_PLATFORM, _MACHINE)),
     # Hugging Face and the network, read by `mtpipe fetch`
     Variable("HF_HUB_OFFLINE", "0", "1: the Hub libraries stay offline (a cached dataset still loads). Set by "
              "`mtpipe fetch` when the Hub is unreachable, so that it fails at once instead of retrying.",
@@ -89,9 +89,9 @@ _TABLE = (
     Variable("all_proxy", "unset", "As HTTPS_PROXY.", (_SOURCES,)),
     # torch's CPU code and compiler
     Variable("ATEN_CPU_CAPABILITY", "unset", "torch's CPU kernels' ISA (e.g. avx2); set, compiled code is cached "
-             "apart from unrestricted runs' (TORCHINDUCTOR_CACHE_DIR).", (_RUNTIME, _MACHINE), (_MACHINE,)),
+             "apart from unrestricted runs' (TORCHINDUCTOR_CACHE_DIR).", (_PLATFORM, _MACHINE), (_MACHINE,)),
     Variable("ONEDNN_MAX_CPU_ISA", "ALL", "oneDNN's ISA limit; one without bf16 instructions makes bf16 on CPU "
-             "unavailable, and it keys the compiled decoder step kept on disk.", (_OPS, _PACKAGE, _MACHINE),
+             "unavailable, and it keys the compiled decoder step kept on disk.", (_PLATFORM, _MACHINE),
              (_MACHINE,)),
     Variable("TORCHINDUCTOR_CACHE_DIR", "torch's default", "Inductor's cache; set, it is left alone; unset with "
              "ATEN_CPU_CAPABILITY set, compiling sets it to a directory of that capability's own.", (_RUNTIME,),
@@ -102,7 +102,7 @@ _TABLE = (
     Variable("COLUMNS", "the terminal's width", "Width of stderr's tables and bars; unset and not a terminal: no "
              "wrapping.", ("mtpipe/console.py",)),
     Variable("XDG_CACHE_HOME", "~/.cache", "Parent of the default $MTPIPE_CACHE_DIR.",
-             ("mtpipe/artifacts.py",)),
+             ("mtpipe/reading.py",)),
     Variable("MTPIPE_NO_SKIPS", "unset", "tests/: 1 (`make test`) turns a skipped core test into a failure.",
              ("tests/conftest.py",)),
     # bench/ only

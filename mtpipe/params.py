@@ -17,6 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from mtpipe.artifacts import MANIFEST, CheckpointManifest
 from mtpipe.config import RECORDED_DECODE, SECTIONS, check_rules
 from mtpipe.errors import MtpipeError
 
@@ -181,13 +182,13 @@ def flag_values(section: type, kwargs: dict[str, Any]) -> dict[str, Any]:
 def checkpoint_decode(options: dict[str, Any]) -> dict[str, tuple[dict[str, Any], str]]:
     """The decode settings that ``--checkpoint`` (a checkpoint or an export) records, to lie under params.yaml
     (:func:`resolve`'s ``below``, per section); {} when it records none or cannot be read (loading it says why)."""
-    # The manifest's name spelled out: mtpipe.artifacts imports pyarrow, which start-up must not pay for.
-    manifest = Path(options.get("checkpoint") or PATHS["average"]) / "manifest.json"
+    manifest = Path(options.get("checkpoint") or PATHS["average"]) / MANIFEST
     try:
-        record = (json.loads(manifest.read_text(encoding="utf-8")).get("extra") or {}).get("decode")
-    except (OSError, ValueError, AttributeError):
+        data = json.loads(manifest.read_text(encoding="utf-8"))
+        record = CheckpointManifest.of_artifact(data.get("kind"), data.get("extra"), manifest).decode
+    except (OSError, ValueError, AttributeError, MtpipeError):
         return {}
-    if not isinstance(record, dict):
+    if record is None:
         return {}
     return {"decode": ({k: record[k] for k in RECORDED_DECODE if k in record}, str(manifest))}
 

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -38,6 +39,7 @@ from mtpipe.artifacts import (
     SCHEMAS,
     TRAINER_STATE,
     WEIGHTS,
+    CheckpointManifest,
     Manifest,
     bare_sha,
     file_hash,
@@ -280,31 +282,33 @@ def check_run_dir(out: Path | str, *, force: bool = False) -> None:
         raise MtpipeError(f"--out {out}: is not a `mtpipe train` run directory (it holds '{foreign[0]}'); {hint}")
 
 
-def write_checkpoint(out: Path | str, *, state_dict: dict[str, Any], model_config: dict[str, Any],
-                     vocab: dict[str, Any], step: int, trainer_state: dict[str, Any] | None = None,
-                     params: dict[str, Any] | None = None, upstream: dict[str, Path | str] | None = None,
-                     extra: dict[str, Any] | None = None, spm: Path | None = None, spm_vocab: Path | None = None,
-                     force: bool = False) -> None:
-    """Write a checkpoint directory atomically: ``model.safetensors`` (weights, no pickle), for resumable training
-    checkpoints ``trainer.pt`` (optimizer, schedule, RNG, data position; loads with weights_only=True) and, given
-    ``spm``, a copy of the SentencePiece model (it must be the one ``vocab`` names) and of its ``spm_vocab`` listing,
-    so that the checkpoint decodes on its own."""
-    if spm is not None and bare_sha(file_hash(spm)) != bare_sha(vocab.get("spm_sha256")):
+def write_checkpoint(out: Path | str, *, state_dict: dict[str, Any], meta: CheckpointManifest,
+                     trainer_state: dict[str, Any] | None = None, params: dict[str, Any] | None = None,
+                     upstream: dict[str, Path | str] | None = None, spm: Path | None = None,
+                     spm_vocab: Path | None = None, force: bool = False) -> None:
+    """Write a checkpoint directory atomically: ``model.safetensors`` (weights, no pickle; the model config,
+    vocabulary and step of ``meta`` in its metadata), for resumable training checkpoints ``trainer.pt`` (optimizer,
+    schedule, RNG, data position; loads with weights_only=True), given ``spm`` a copy of the SentencePiece model (it
+    must be the one ``meta.vocab`` names) and of its ``spm_vocab`` listing, so that the checkpoint decodes on its
+    own, and the manifest, whose ``extra`` is ``meta`` (its one schema, :class:`CheckpointManifest`, validated here)
+    with ``spm_model`` / ``spm_vocab`` naming the files written."""
+    meta = dataclasses.replace(meta, spm_model=None if spm is None else CHECKPOINT_SPM,
+                               spm_vocab=None if spm is None or spm_vocab is None else CHECKPOINT_SPM_VOCAB)
+    meta.validate(Path(out) / MANIFEST)
+    if spm is not None and bare_sha(file_hash(spm)) != bare_sha(meta.vocab.get("spm_sha256")):
         raise MtpipeError(f"{spm}: is not the SentencePiece model of the checkpoint's vocabulary (vocab.spm_sha256 "
-                          f"{vocab.get('spm_sha256')})")
+                          f"{meta.vocab.get('spm_sha256')})")
     with ArtifactWriter(out, "checkpoint", params, upstream, force=force) as w:
         if spm is not None:
             shutil.copyfile(spm, w.path(CHECKPOINT_SPM))
-            w.extra["spm_model"] = CHECKPOINT_SPM
             if spm_vocab is not None:
                 shutil.copyfile(spm_vocab, w.path(CHECKPOINT_SPM_VOCAB))
-                w.extra["spm_vocab"] = CHECKPOINT_SPM_VOCAB
-        meta = {"model_config": json.dumps(model_config, sort_keys=True), "vocab": json.dumps(vocab, sort_keys=True),
-                "step": str(step), "format_version": str(FORMAT_VERSIONS["checkpoint"])}
-        write_safetensors(state_dict, w.path(WEIGHTS), meta)
+        header = {"model_config": json.dumps(meta.model_config, sort_keys=True), "step": str(meta.step),
+                  "vocab": json.dumps(meta.vocab, sort_keys=True), "format_version": str(FORMAT_VERSIONS["checkpoint"])}
+        write_safetensors(state_dict, w.path(WEIGHTS), header)
         if trainer_state is not None:
             _torch_save(trainer_state, w.path(TRAINER_STATE))
-        w.extra.update({"model_config": model_config, "vocab": vocab, "step": step, **(extra or {})})
+        w.extra.update(meta.to_extra())
 
 
 # safetensors' dtype names, in the order of its Rust ``Dtype`` enum: its serializer lays tensors out by that order,

@@ -44,7 +44,7 @@ def uncached_step(model: Any) -> Callable[[Tensor, PrefixState], tuple[Tensor, P
 
 def translate_uncached(model: Any, sources: Sequence[Sequence[int]], cfg: Any,
                        device: torch.device | str = "cpu") -> list[list[Any]]:
-    """``mtpipe.engine.translate.translate`` with :func:`uncached_step`: the same batches and search, the whole
+    """:func:`testkit.decoding.translate` with :func:`uncached_step`: the same batches and search, the whole
     prefix re-decoded at every step by the float32 model (under bf16 autocast for precision bf16)."""
     from mtpipe.engine.search import DecodeRules
 

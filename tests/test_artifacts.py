@@ -75,8 +75,9 @@ def test_checkpoint_roundtrip_without_pickle(tmp_path: Path):
 
     sd = {"w": torch.arange(6, dtype=torch.float32).view(2, 3), "b": torch.ones(3, dtype=torch.bfloat16)}
     ts = {"step": 7, "rng": torch.get_rng_state(), "nested": {"a": [1, 2]}}
-    writing.write_checkpoint(tmp_path / "ck", state_dict=sd, model_config={"d_model": 4}, vocab={"size": 10},
-                               step=7, trainer_state=ts)
+    writing.write_checkpoint(tmp_path / "ck", state_dict=sd,
+                             meta=artifacts.CheckpointManifest(model_config={"d_model": 4}, vocab={"size": 10}, step=7),
+                             trainer_state=ts)
     ck = artifacts.load_checkpoint(tmp_path / "ck", trainer_state=True)
     assert ck.step == 7 and ck.model_config == {"d_model": 4} and ck.vocab == {"size": 10}
     assert torch.equal(ck.state_dict["w"], sd["w"]) and ck.state_dict["b"].dtype == torch.bfloat16
@@ -92,8 +93,8 @@ def test_atomic_write_text(tmp_path: Path):
 def test_checkpoint_format_1_is_still_read_and_a_newer_one_refused(tmp_path: Path):
     import torch
 
-    writing.write_checkpoint(tmp_path / "ck", state_dict={"w": torch.ones(2)}, model_config={}, vocab={"size": 2},
-                             step=3)
+    writing.write_checkpoint(tmp_path / "ck", state_dict={"w": torch.ones(2)},
+                             meta=artifacts.CheckpointManifest(model_config={}, vocab={"size": 2}, step=3))
     path = tmp_path / "ck" / "manifest.json"
     m = json.loads(path.read_text())
     assert m["format_version"] == 2 and "spm_model" not in m["extra"]
@@ -105,6 +106,23 @@ def test_checkpoint_format_1_is_still_read_and_a_newer_one_refused(tmp_path: Pat
     path.write_text(json.dumps(m))
     with pytest.raises(MtpipeError, match="format version 3, .* reads versions 1, 2"):
         artifacts.read_manifest(tmp_path / "ck")
+
+
+def test_the_formats_load_no_pyarrow_until_a_schema_is_looked_up():
+    # mtpipe.params reads a checkpoint's manifest (its CheckpointManifest) at every command's start-up: the module that
+    # defines the formats costs no pyarrow until a schema is used, and then each schema is one object however reached.
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom mtpipe import artifacts, params\n"
+            "assert 'pyarrow' not in sys.modules, 'pyarrow imported with mtpipe.artifacts'\n"
+            "from mtpipe.artifacts import TOKENS_SCHEMA\n"
+            "assert 'pyarrow' in sys.modules and TOKENS_SCHEMA.names == ['id', 'src', 'tgt']\n"
+            "assert artifacts.SCHEMAS['tokens'] is TOKENS_SCHEMA is artifacts.TOKENS_SCHEMA\n"
+            "assert artifacts.BATCH_TOKENS_SCHEMA.names == ['batch', 'ids', 'src', 'tgt']\n"
+            "assert not hasattr(artifacts, 'NO_SUCH_SCHEMA') and not hasattr(artifacts, 'NO_SUCH_NAME')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -120,7 +138,7 @@ from pathlib import Path
 import torch
 
 from mtpipe import writing
-from mtpipe.artifacts import file_hash
+from mtpipe.artifacts import CheckpointManifest, file_hash
 from mtpipe.config import ModelConfig, to_dict
 from mtpipe.model.transformer import Transformer
 
@@ -137,9 +155,10 @@ spm.write_bytes(b"not really a SentencePiece model")
 vocab = order({"size": 24, "spm_sha256": file_hash(spm)})
 trainer_state = {"version": 1, "step": 7, "optimizer": opt.state_dict(), "rng": [{"cpu": torch.get_rng_state()}],
                  "window": {"loss": 1.25, "tokens": 9}}
-writing.write_checkpoint(out, state_dict=state, model_config=order(to_dict(model.cfg)), vocab=vocab, step=7,
-                         trainer_state=trainer_state, params=order({"model": order(to_dict(model.cfg)), "b": 1}),
-                         extra=order({"epoch": 1, "valid": order({"valid/loss": 2.5, "valid/bleu": 1.0})}), spm=spm)
+meta = CheckpointManifest(model_config=order(to_dict(model.cfg)), vocab=vocab, step=7, epoch=1,
+                          valid=order({"valid/loss": 2.5, "valid/bleu": 1.0}))
+writing.write_checkpoint(out, state_dict=state, meta=meta, trainer_state=trainer_state,
+                         params=order({"model": order(to_dict(model.cfg)), "b": 1}), spm=spm)
 """
 
 
@@ -226,9 +245,9 @@ def test_every_file_of_an_artifact_gets_the_usual_permissions(tmp_path: Path):
     spm.write_bytes(b"spm")
     old = os.umask(0o027)
     try:
-        writing.write_checkpoint(tmp_path / "ck", state_dict={"w": torch.ones(2)}, model_config={},
-                                 vocab={"size": 2, "spm_sha256": artifacts.file_hash(spm)}, step=1,
-                                 trainer_state={"step": 1}, spm=spm, spm_vocab=spm)
+        writing.write_checkpoint(tmp_path / "ck", state_dict={"w": torch.ones(2)}, meta=artifacts.CheckpointManifest(
+            model_config={}, step=1, vocab={"size": 2, "spm_sha256": artifacts.file_hash(spm)}),
+            trainer_state={"step": 1}, spm=spm, spm_vocab=spm)
         with writing.ArtifactWriter(tmp_path / "other", "plots") as w:
             fd, _ = tempfile.mkstemp(dir=w.path("sub/deeper/x").parent)
             os.close(fd)
@@ -263,12 +282,12 @@ def test_every_file_of_an_export_gets_the_usual_permissions(tmp_path: Path, fmt:
     torch.manual_seed(0)
     model = Transformer(ModelConfig(preset="tiny", dropout=0.0, max_positions=32), sp.get_piece_size())
     spm = tmp_path / "spm.model"
-    writing.write_checkpoint(tmp_path / "ck", state_dict=model.state_dict(), model_config=to_dict(model.cfg),
-                             vocab={"spm_sha256": artifacts.file_hash(spm), "size": sp.get_piece_size()}, step=1,
-                             spm=spm)
+    writing.write_checkpoint(tmp_path / "ck", state_dict=model.state_dict(), meta=artifacts.CheckpointManifest(
+        model_config=to_dict(model.cfg), step=1,
+        vocab={"spm_sha256": artifacts.file_hash(spm), "size": sp.get_piece_size()}), spm=spm)
     out = tmp_path / "export"
     if fmt == "marian":
-        export.export_marian(tmp_path / "ck", None, out)
+        export.export_huggingface(tmp_path / "ck", None, out, "marian")
     else:
         export.export_ctranslate2(tmp_path / "ck", None, out)
     umask = os.umask(0)

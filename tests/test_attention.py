@@ -1,6 +1,8 @@
 """`mtpipe attention`: the drawn matrices are the model's own attention (equal to a teacher-forced forward pass of the
-decoded output under ``recording()``), each row a distribution, masked positions at zero; the pictures, the page
-(local files only) and the matrices are written atomically; bad input fails in one line with nothing written."""
+decoded output with forward hooks on its attention weights), each row a distribution, masked positions at zero; the
+model keeps no state for it (hooks only, removed afterwards; the weights module not even called when unobserved);
+the pictures, the page (local files only) and the matrices are written atomically; bad input fails in one line with
+nothing written."""
 
 from __future__ import annotations
 
@@ -39,13 +41,23 @@ def random_model(vocab: int, window: int = 0, seed: int = 0) -> Transformer:
 
 def teacher_forced(model: Transformer, src_ids: list[int], out_ids: list[int]) -> dict[str, list[torch.Tensor]]:
     """Each layer's ``[h, Lq, Lk]`` weights of one full forward pass (model.encode / model.decode over the whole
-    shifted output) under recording(): the reference the step-by-step recording must equal."""
+    shifted output), taken by plain forward hooks on the attention modules' ``weights`` (not the stage's helper): the
+    reference the step-by-step observation must equal."""
     src = torch.tensor([[*src_ids, EOS_ID]])  # [1, S]
     tgt_in = torch.tensor([[model.start_id, *out_ids[:-1]]])  # [1, T]
-    with torch.no_grad(), model.recording() as kept:
+    attentions = {"encoder": [layer.self_attn for layer in model.encoder],
+                  "decoder": [layer.self_attn for layer in model.decoder],
+                  "cross": [layer.cross_attn for layer in model.decoder]}
+    kept: dict[str, list[list[torch.Tensor]]] = {kind: [[] for _ in attentions[kind]] for kind in KINDS}
+    handles = [m.weights.register_forward_hook(lambda _m, _in, w, calls=calls: calls.append(w[0].clone()))
+               for kind in KINDS for m, calls in zip(attentions[kind], kept[kind])]
+    with torch.no_grad():
         memory, src_mask = model.encode(src)
         model.decode(tgt_in, memory, src_mask)
-    return {kind: [calls[0][0] for calls in kept[kind]] for kind in KINDS}  # one call each: [1, h, Lq, Lk] -> [h, ..]
+    for handle in handles:
+        handle.remove()
+    assert all(len(calls) == 1 for kind in KINDS for calls in kept[kind])  # one full pass: one call per attention
+    return {kind: [calls[0] for calls in kept[kind]] for kind in KINDS}  # [1, h, Lq, Lk] -> [h, Lq, Lk]
 
 
 def check_distributions(weights: dict[str, list], window: int = 0) -> None:
@@ -82,6 +94,81 @@ def test_recorded_steps_equal_a_teacher_forced_forward_pass(window):
     check_distributions(got, window)
 
 
+def module_state(model: Transformer) -> dict[str, dict[str, object]]:
+    """Every module's own attributes: each value's identity, and a dict's or a list's items (hook registries
+    included), so that a value set, replaced or filled in place shows."""
+    def snapshot(value: object) -> object:
+        if isinstance(value, dict):
+            return [(k, id(v)) for k, v in value.items()]
+        return [id(v) for v in value] if isinstance(value, list) else id(value)
+    return {name: {k: snapshot(v) for k, v in vars(m).items()} for name, m in model.named_modules()}
+
+
+def test_the_model_keeps_no_state_for_attention_maps():
+    """model/ has no recording switch (no name ``record``/``recording`` in its source) and observing leaves nothing in
+    the model: while observed, each attention's weights module has a hook; afterwards every module's attributes are
+    what they were."""
+    import ast
+
+    import mtpipe.model
+    from mtpipe.model.attention import AttentionWeights, MultiHeadAttention
+    from mtpipe.stages.attention import observe_attention
+
+    for path in sorted(Path(mtpipe.model.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        names = {getattr(node, field) for node in ast.walk(tree) for field in ("id", "attr", "arg", "name")
+                 if isinstance(getattr(node, field, None), str)}
+        assert not names & {"record", "recording"}, path
+    model = random_model(60)
+    before = module_state(model)
+    src, tgt = torch.tensor([[5, 9, 11, EOS_ID]]), torch.tensor([[model.start_id, 7, 8]])  # [1, S], [1, T]
+    observed = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    assert len(observed) == 2 + 2 * 2  # each encoder layer's self-attention, each decoder layer's two
+    assert all(isinstance(m.weights, AttentionWeights) for m in observed)
+    with torch.no_grad(), observe_attention(model) as kept:
+        assert all(m.observed() for m in observed)
+        model(src, tgt)
+    assert [len(calls) for kind in KINDS for calls in kept[kind]] == [1] * 6
+    assert not any(m.observed() for m in observed)
+    assert module_state(model) == before
+
+
+def test_unobserved_attention_never_calls_the_weights_module_and_observing_changes_no_output():
+    """Decoding steps with nobody observing never call :class:`AttentionWeights` (a global forward hook counts its
+    calls); observing the same steps gives the same log-probabilities, bit for bit."""
+    from mtpipe.engine.variants import prepare
+    from mtpipe.model.attention import AttentionWeights
+    from mtpipe.stages.attention import observe_attention
+
+    calls: list[int] = []
+    counter = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, _in, _out: calls.append(1) if isinstance(m, AttentionWeights) else None)
+    model = random_model(60)
+    src = torch.tensor([[5, 9, 11, 13, EOS_ID], [6, 7, 8, EOS_ID, 0]])  # [2, S], the second padded
+
+    def decode(prepared) -> list[torch.Tensor]:
+        state = prepared.start(*prepared.encode(src))
+        out = []
+        for token in (model.start_id, 12, 14):
+            logp, state = prepared.step(torch.tensor([token, token]), state)  # [2, V]
+            out.append(logp)
+        return out
+
+    try:
+        with torch.inference_mode():
+            prepared = prepare(model, "fp32", torch.device("cpu"))
+            plain = decode(prepared)
+            assert not calls
+            with observe_attention(prepared.model) as kept:
+                seen = decode(prepared)
+    finally:
+        counter.remove()
+    assert len(calls) == 2 + 3 * 2 * 2  # the encoder's layers once, each decoder layer's two attentions per step
+    assert [len(c) for c in kept["decoder"]] == [3, 3]
+    for a, b in zip(plain, seen):
+        assert torch.equal(a, b)
+
+
 def test_layer_choice_defaults_to_the_last_and_refuses_out_of_range():
     assert chosen_layers(None, 6, 4) == {"encoder": 6, "decoder": 4, "cross": 4}
     assert chosen_layers(2, 6, 4) == {"encoder": 2, "decoder": 2, "cross": 2}
@@ -106,9 +193,9 @@ def ckpt(tmp_path_factory) -> dict:
         shutil.copy(root / "spm.model", w.path("spm.model"))
     model = random_model(sp.get_piece_size())
     checkpoint = root / "ckpt"
-    writing.write_checkpoint(checkpoint, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
-                             vocab={"spm_sha256": artifacts.file_hash(root / "spm.model"), "size": sp.get_piece_size()},
-                             step=7)
+    writing.write_checkpoint(checkpoint, state_dict=model.state_dict(), meta=artifacts.CheckpointManifest(
+        model_config=to_dict(model.cfg), step=7,
+        vocab={"spm_sha256": artifacts.file_hash(root / "spm.model"), "size": sp.get_piece_size()}))
     return {"root": root, "tokens": tokens, "checkpoint": checkpoint, "model": model, "sp": sp}
 
 
@@ -178,9 +265,9 @@ def test_beam_search_takes_the_checkpoints_recorded_length_penalty(ckpt, tmp_pat
     length penalty and alpha (here fairseq's |Y|^1.0), not always GNMT's."""
     root, model, sp = ckpt["root"], ckpt["model"], ckpt["sp"]
     checkpoint = tmp_path / "ckpt-fairseq"
-    writing.write_checkpoint(checkpoint, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
-                             vocab={"spm_sha256": artifacts.file_hash(root / "spm.model"), "size": sp.get_piece_size()},
-                             step=7, extra={"decode": {"length_penalty": "fairseq", "alpha": 1.0}})
+    writing.write_checkpoint(checkpoint, state_dict=model.state_dict(), meta=artifacts.CheckpointManifest(
+        model_config=to_dict(model.cfg), step=7, decode={"length_penalty": "fairseq", "alpha": 1.0},
+        vocab={"spm_sha256": artifacts.file_hash(root / "spm.model"), "size": sp.get_piece_size()}))
     out = tmp_path / "drawn"
     r = CliRunner().invoke(app, ["attention", "--checkpoint", str(checkpoint), "--tokens", str(ckpt["tokens"]),
                                  "--text", TEXT, "--beam", "3", "--out", str(out)], env={"COLUMNS": "200"})
@@ -294,9 +381,9 @@ def long_ckpt(ckpt) -> Path:
     torch.manual_seed(0)
     model = Transformer(ModelConfig(preset="tiny", dropout=0.0, max_positions=2 * MAX_PIECES), sp.get_piece_size())
     checkpoint = root / "ckpt-long"
-    writing.write_checkpoint(checkpoint, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
-                             vocab={"spm_sha256": artifacts.file_hash(root / "spm.model"), "size": sp.get_piece_size()},
-                             step=7)
+    writing.write_checkpoint(checkpoint, state_dict=model.state_dict(), meta=artifacts.CheckpointManifest(
+        model_config=to_dict(model.cfg), step=7,
+        vocab={"spm_sha256": artifacts.file_hash(root / "spm.model"), "size": sp.get_piece_size()}))
     return checkpoint
 
 

@@ -33,9 +33,11 @@ def save(run_dir: Path, step: int, sd: dict[str, torch.Tensor], *, name: str | N
          config: dict | None = None, vocab: dict | None = None, trainer: bool = True) -> Path:
     """A training checkpoint as train writes it: run_dir/checkpoints/step_XXXXXXXX with a trainer.pt."""
     out = run_dir / "checkpoints" / (name or f"step_{step:08d}")
-    writing.write_checkpoint(out, state_dict=sd, model_config=config or CONFIG, vocab=vocab or VOCAB, step=step,
-                               trainer_state={"step": torch.tensor(step)} if trainer else None,
-                               params={"train": {"seed": 1}})
+    writing.write_checkpoint(out, state_dict=sd,
+                             meta=artifacts.CheckpointManifest(model_config=config or CONFIG, vocab=vocab or VOCAB,
+                                                               step=step),
+                             trainer_state={"step": torch.tensor(step)} if trainer else None,
+                             params={"train": {"seed": 1}})
     return out
 
 

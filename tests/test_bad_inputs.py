@@ -470,8 +470,9 @@ def test_full_disk_while_writing_a_checkpoint_is_one_line(too_big: str, tmp_path
         weights = {"w": big if too_big == "weights" else small}
         state = {"moments": big if too_big == "trainer_state" else small}
         with pytest.raises(MtpipeError, match=r"ck: cannot write \(No space left on device \(ENOSPC\)\)"):
-            writing.write_checkpoint(mnt / "ck", state_dict=weights, model_config={}, vocab={}, step=1,
-                                       trainer_state=state)
+            writing.write_checkpoint(mnt / "ck", state_dict=weights,
+                                     meta=artifacts.CheckpointManifest(model_config={}, vocab={}, step=1),
+                                     trainer_state=state)
         assert list(mnt.iterdir()) == []
     finally:
         subprocess.run(["umount", "--lazy", str(mnt)], capture_output=True)

@@ -168,7 +168,8 @@ def test_encode_is_flat_and_matches_sentencepiece(corpus: Path, tmp_path: Path):
     sp = bpe.load_spm(out / "spm.model")
     src = ["Ein Hund rennt.", "", "A dog runs  fast ."]
     tgt = ["x", "Zwei Männer", ""]
-    s, t, s_flat, t_flat = bpe.encode_pairs(sp, src, tgt, threads=2)
+    # encode_split's call: both sides in one multi-threaded encode, split back by to_arrow (no BOS/EOS)
+    s, t, s_flat, t_flat = bpe.to_arrow(sp.encode(src + tgt, out_type=int, num_threads=2), len(src))
     assert s.type == t.type == pa.list_(pa.int32())
     assert s.to_pylist() == [sp.encode(x) for x in src] and t.to_pylist() == [sp.encode(x) for x in tgt]
     assert s_flat.tolist() == [i for x in src for i in sp.encode(x)]

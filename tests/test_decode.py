@@ -17,13 +17,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_steps_match_forward
+from testkit.decoding import translate
 from testkit.oracles import translate_uncached
 
-from mtpipe.engine import packed as packing
-from mtpipe.model import ops
+from mtpipe import platform
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mtpipe.config import DecodeConfig, ModelConfig
-from mtpipe.engine.translate import batches_by_tokens, translate, translate_batches
+from mtpipe.engine.translate import batches_by_tokens, translate_batches
 from mtpipe.errors import MtpipeError
 from mtpipe.model.transformer import Transformer
 from mtpipe.engine.search import DecodeRules, LengthPenalty, beam_search
@@ -431,49 +431,6 @@ def test_ranking_in_blocks_of_rows_gives_the_same_search(model, monkeypatch, blo
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-5)
 
 
-def test_top_candidates_equal_a_top_k_over_every_extension():
-    """The chunked ranking (chunk maxima first) returns what one top-k over all k x V extensions returns, also with
-    empty beams (-inf scores), banned tokens, rows where only EOS may follow, and a vocabulary that is not a
-    multiple of the chunk width."""
-    from mtpipe.engine.search import top_candidates
-
-    g = torch.Generator().manual_seed(3)
-    for trial in range(60):
-        vocab, n, k, m = 512 + 37 * trial, 1 + trial % 5, 1 + trial % 4, 1 + trial % 9
-        logp = F.log_softmax(torch.randn(n * k, vocab, generator=g) * 3, dim=-1)
-        logp[:, [PAD_ID, BOS_ID]] = float("-inf")
-        scores = torch.randn(n, k, generator=g) - 5
-        if trial % 3 == 0:
-            scores[:, 1:] = float("-inf")  # a sentence that just joined: one live beam
-        if trial % 4 == 0:
-            logp[: k] = float("-inf")  # the first sentence at its length limit: only EOS
-            logp[: k, EOS_ID] = -0.5
-        want_v, want_i = (logp.view(n, k, vocab) + scores.unsqueeze(2)).view(n, k * vocab).topk(m, dim=1)
-        got_v, got_i = top_candidates(logp, scores, m)
-        assert torch.equal(got_v, want_v)
-        finite = torch.isfinite(want_v)
-        assert torch.equal(got_i[finite], want_i[finite])
-
-
-@pytest.mark.parametrize("chunk", [4, 7])
-@pytest.mark.parametrize("stop", ["bound", "finished"])
-def test_chunked_ranking_gives_the_same_search(model, monkeypatch, chunk, stop):
-    """Beam search (beam 4 and greedy) with the vocabulary ranked in chunks (as it is for real vocabularies) finds
-    exactly what one top-k over every extension finds."""
-    import mtpipe.engine.search as md
-
-    srcs = sources(9, seed=12)
-    for beam in (1, 4):
-        cfg = DecodeConfig(beam=beam, max_len_b=6, nbest=min(beam, 2), stop=stop)
-        whole = translate(model, srcs, cfg)
-        monkeypatch.setattr(md, "_CHUNK", chunk)  # the 40-token vocabulary in 10 or 6 chunks
-        chunked = translate(model, srcs, cfg)
-        monkeypatch.undo()
-        for a, b in zip(whole, chunked):
-            assert [h.tokens for h in a] == [h.tokens for h in b]
-            assert [h.score for h in a] == [h.score for h in b]
-
-
 def test_batches_by_tokens_respects_the_budget_and_covers_every_sentence():
     lengths = [3, 17, 5, 5, 9, 1, 30, 12, 2, 8]
     batches = batches_by_tokens(lengths, 24)
@@ -508,28 +465,6 @@ def test_batched_decoding_keeps_input_order_and_equals_one_at_a_time(model):
     for a, b in zip(batched, one_by_one):
         assert a[0].tokens == b[0].tokens
         assert a[0].score == pytest.approx(b[0].score, abs=1e-4)
-
-
-@pytest.mark.skipif(not ops._ONEDNN_AVAILABLE, reason="this torch build has no oneDNN")
-def test_packed_layer_weights_decode_what_the_plain_layers_decode(model, monkeypatch):
-    """Every linear layer of the float32 CPU variant on its packed copy (the threshold at 1 multiply-add) finds the
-    same hypotheses as the layers' usual products, call after call (each prepares its own variant)."""
-    from mtpipe.engine.variants import prepare
-
-    srcs = sources(12, seed=21)
-    cfg = DecodeConfig(beam=3, max_len_b=8)
-    monkeypatch.setattr(packing, "PACK_DECODING_LINEARS", False)
-    plain = translate(model, srcs, cfg)
-    monkeypatch.setattr(packing, "PACK_DECODING_LINEARS", True)
-    monkeypatch.setattr(packing, "_PACKED_MIN_MACS", 1)
-    layers = [m for m in prepare(model, "fp32", torch.device("cpu")).model.modules()
-              if isinstance(m, packing.PackedLinear)]
-    assert layers and all(m.packed is not None for m in layers)  # every layer has its packed copy
-    for _ in range(2):
-        packed = translate(model, srcs, cfg)
-        for a, b in zip(plain, packed):
-            assert a[0].tokens == b[0].tokens
-            assert a[0].score == pytest.approx(b[0].score, abs=1e-4)
 
 
 def test_bf16_autocast_decodes(model):
@@ -1124,8 +1059,10 @@ def test_a_packaged_step_is_keyed_by_its_weights_and_environment(model, monkeypa
     monkeypatch.setattr(step_package, "_source_digest", lambda: "other code")
     assert step_package.package_key(digest, variant) != key
     monkeypatch.undo()
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2-restricted")
-    assert step_package.package_key(digest, variant) != key
+    with platform.assume_cpu(capability="AVX2-restricted"):  # code for another CPU: another package
+        assert step_package.package_key(digest, variant) != key
+    with platform.assume_cpu(isa_limit="AVX2"):
+        assert step_package.package_key(digest, variant) != key
     # the place: decode.package_cache, MTPIPE_CACHE_DIR over it
     monkeypatch.delenv("MTPIPE_CACHE_DIR", raising=False)
     assert step_package.PackageCache("/configured").path() == Path("/configured") / "decode-step"

@@ -60,8 +60,9 @@ def trained(tmp_path_factory) -> dict:
     model = memorise(src, tgt, vocab, 40, steps=400, stop_loss=0.01)
     vocab_info = {"spm_sha256": artifacts.file_hash(root / "spm.model"), "size": vocab}
     ckpt = root / "ckpt"
-    writing.write_checkpoint(ckpt, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
-                               vocab=vocab_info, step=400)
+    writing.write_checkpoint(ckpt, state_dict=model.state_dict(),
+                             meta=artifacts.CheckpointManifest(model_config=to_dict(model.cfg), vocab=vocab_info,
+                                                               step=400))
     return {"root": root, "tokens": tokens, "checkpoint": ckpt, "pairs": test_pairs, "model": model,
             "vocab": vocab_info}
 
@@ -218,8 +219,8 @@ def test_cli_bad_input_fails_cleanly(trained, case):
         else:
             vocab["size"] += 1
         ckpt = root / f"ckpt_{case}"
-        writing.write_checkpoint(ckpt, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
-                                   vocab=vocab, step=1)
+        writing.write_checkpoint(ckpt, state_dict=model.state_dict(), meta=artifacts.CheckpointManifest(
+            model_config=to_dict(model.cfg), step=1, vocab=vocab))
     elif case == "beam0":
         extra = ["--beam", "0"]
     elif case == "beam_over_limit":  # refused before any search: no minutes and gigabytes spent on it
@@ -266,7 +267,7 @@ def test_beam_and_nbest_over_the_limit_in_params_yaml_name_the_file_key_and_limi
 def test_decode_device_picks_where_to_decode(monkeypatch):
     """decode.device: cpu always; cuda, or an error naming the key where no GPU is visible; auto the GPU when there
     is one, except for int8, which runs on the CPU only (so a GPU machine can decode int8 without hiding its GPU)."""
-    from mtpipe.engine.variants import decoding_device
+    from mtpipe.platform import check_decoding_device, decoding_device
 
     assert decoding_device("cpu", "fp32").type == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -277,6 +278,9 @@ def test_decode_device_picks_where_to_decode(monkeypatch):
     assert decoding_device("auto", "fp32").type == "cuda" and decoding_device("auto", "bf16").type == "cuda"
     assert decoding_device("auto", "int8").type == "cpu"
     assert decoding_device("cuda", "fp32").type == "cuda" and decoding_device("cpu", "bf16").type == "cpu"
+    with pytest.raises(MtpipeError, match="decode.precision=int8 runs on CPU only"):  # asked for on a GPU
+        check_decoding_device("int8", decoding_device("cuda", "int8"))
+    check_decoding_device("int8", decoding_device("auto", "int8"))
 
 
 def test_cli_device(trained):

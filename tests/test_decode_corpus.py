@@ -53,9 +53,9 @@ def model(tmp_path_factory) -> dict:
     finally:
         torch.set_num_threads(threads)
     ckpt = root / "ckpt"
-    writing.write_checkpoint(ckpt, state_dict=net.state_dict(), model_config=to_dict(net.cfg),
-                             vocab={"spm_sha256": artifacts.file_hash(tokens / "spm.model"),
-                                    "size": sp.get_piece_size()}, step=60)
+    writing.write_checkpoint(ckpt, state_dict=net.state_dict(), meta=artifacts.CheckpointManifest(
+        model_config=to_dict(net.cfg), step=60,
+        vocab={"spm_sha256": artifacts.file_hash(tokens / "spm.model"), "size": sp.get_piece_size()}))
     rng = random.Random(3)
     lines = [rng.choice(pairs)[0] if rng.random() > 0.1 else "" for _ in range(LINES)]
     lines[77] = " ".join(["the dog sees the cat"] * 20)  # longer than the model's positions: truncated

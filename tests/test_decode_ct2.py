@@ -53,8 +53,9 @@ def world(tmp_path_factory) -> dict:
     vocab = sp.get_piece_size()
     model = memorise([sp.encode(a) for a, _ in train], [sp.encode(b) for _, b in train], vocab, 48, steps=250)
     ckpt = root / "ckpt"
-    writing.write_checkpoint(ckpt, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
-                               vocab={"spm_sha256": artifacts.file_hash(root / "spm.model"), "size": vocab}, step=250)
+    writing.write_checkpoint(ckpt, state_dict=model.state_dict(), meta=artifacts.CheckpointManifest(
+        model_config=to_dict(model.cfg), step=250,
+        vocab={"spm_sha256": artifacts.file_hash(root / "spm.model"), "size": vocab}))
     export = root / "ct2"
     export_ctranslate2(ckpt, tokens, export, summary=False)
     (root / "params.yaml").write_text("", encoding="utf-8")

@@ -438,3 +438,31 @@ def test_the_checks_catch_a_wrong_option_and_an_unknown_command() -> None:
         check_command(["mtpip", "decode"])
     with pytest.raises(AssertionError, match="no target"):
         check_command(["make", "pipelin"])
+
+
+def test_the_decoding_tricks_in_the_code_follow_their_measured_verdicts():
+    """A decoding trick whose every measured spread (bench/results/decode_speed-*.json, each CPU class) includes
+    1.00x is deleted, and then bench/decode_speed.py has no row for it; a trick that pays somewhere is kept, and its
+    row is still there to measure it again."""
+    text = (REPO / "bench" / "decode_speed.py").read_text(encoding="utf-8")
+    plain = re.search(r"^PLAIN = \{(.*?)^\}", text, re.S | re.M).group(1)
+    rows = set(re.findall(r'^    "([a-z0-9-]+)": \(', plain, re.M))
+    verdicts = docs.trick_verdicts()
+    assert verdicts, "no decode_speed results file with a trick switched off"
+    wrong = [f"{t}: {v}, but {'no' if v == 'kept' else 'a'} row in bench/decode_speed.py's PLAIN"
+             for t, v in verdicts.items() if (v == "kept") != (t in rows)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_trick_pays_only_where_its_slowest_round_gains(tmp_path: Path):
+    """The verdict's rule on made-up rounds: a minimum of 1.004x (1.00x at two decimals) is no gain, 1.02x is."""
+    def doc(trick: str, off: list[float]) -> dict:
+        on = [10.0, 10.0, 10.0]
+        return {"model": "m", "sentences": 10, "beam": 4, "rows": [
+            {"row": "mtpipe", "precision": "fp32", "batches": "b", "seconds": on, "same_as_mtpipe": 1.0},
+            {"row": f"mtpipe, plain {trick}", "precision": "fp32", "batches": "b", "seconds": off,
+             "same_as_mtpipe": 1.0}]}
+    write_result(tmp_path, "decode_speed", doc("a", [10.04, 11.0, 12.0]), stamp="20261201T010000Z")
+    write_result(tmp_path, "decode_speed", doc("b", [10.2, 10.5, 11.0]), stamp="20261201T020000Z")
+    assert docs.trick_verdicts(tmp_path) == {"a": "deleted", "b": "kept"}
+    assert "| b | AVX2 CPU | fp32 | b | 1.05x (1.02-1.10) | yes | 100.0 % | kept |" in docs.render_decode_tricks(tmp_path)

@@ -232,9 +232,10 @@ def _checkpoint(run: Path, step: int, metric: str, valid: dict[str, float]) -> N
     g = torch.Generator().manual_seed(step)
     writing.write_checkpoint(run / "checkpoints" / f"step_{step:08d}",
                              state_dict={"w": torch.randint(-8, 8, (4, 4), generator=g) / 8.0},
-                             model_config={"preset": "tiny"}, vocab={"spm_sha256": "sha256:ab", "size": 10},
-                             step=step, trainer_state=None, params={"train": {"stop_metric": metric}},
-                             extra={"valid": valid})
+                             meta=artifacts.CheckpointManifest(model_config={"preset": "tiny"},
+                                                               vocab={"spm_sha256": "sha256:ab", "size": 10}, step=step,
+                                                               valid=valid),
+                             trainer_state=None, params={"train": {"stop_metric": metric}})
 
 
 @pytest.mark.parametrize("metric, key, values, want", [

@@ -128,8 +128,9 @@ def write_tokens(root: Path, name: str, vocab_size: int) -> tuple[Path, object]:
 def write_model(out: Path, spm: Path, vocab: int, seed: int) -> Path:
     torch.manual_seed(seed)
     model = Transformer(ModelConfig(preset="tiny", dropout=0.0, max_positions=64), vocab)
-    writing.write_checkpoint(out, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
-                             vocab={"spm_sha256": artifacts.file_hash(spm), "size": vocab}, step=seed, spm=spm)
+    writing.write_checkpoint(out, state_dict=model.state_dict(), meta=artifacts.CheckpointManifest(
+        model_config=to_dict(model.cfg), step=seed, vocab={"spm_sha256": artifacts.file_hash(spm), "size": vocab}),
+        spm=spm)
     return out
 
 

@@ -25,13 +25,13 @@ from typer.testing import CliRunner
 ctranslate2 = pytest.importorskip("ctranslate2")
 
 from conftest import memorise, train_spm  # noqa: E402
+from testkit.decoding import ct2_translate, translate  # noqa: E402
 
 from mtpipe import artifacts, writing  # noqa: E402
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 from mtpipe.cli import app  # noqa: E402
 from mtpipe.config import DecodeConfig, ModelConfig, to_dict  # noqa: E402
-from mtpipe.engine.translate import translate  # noqa: E402
-from mtpipe.engine.ct2 import ct2_translate, load_ct2  # noqa: E402
+from mtpipe.engine.ct2 import load_ct2  # noqa: E402
 from mtpipe.errors import MtpipeError  # noqa: E402
 from mtpipe.engine.ct2_convert import export_ctranslate2  # noqa: E402
 from mtpipe.model.transformer import Transformer  # noqa: E402
@@ -72,9 +72,9 @@ def make_tokens(root: Path, name: str, spm_file: Path, sp) -> Path:
 
 
 def save(model: Transformer, out: Path, spm_file: Path, step: int = 300) -> Path:
-    writing.write_checkpoint(out, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
-                               vocab={"spm_sha256": artifacts.file_hash(spm_file), "size": model.vocab_size},
-                               step=step)
+    writing.write_checkpoint(out, state_dict=model.state_dict(), meta=artifacts.CheckpointManifest(
+        model_config=to_dict(model.cfg), step=step,
+        vocab={"spm_sha256": artifacts.file_hash(spm_file), "size": model.vocab_size}))
     return out
 
 
@@ -144,8 +144,9 @@ def limit(src: list[int], a: float, b: int, max_positions: int = 64) -> int:
 
 
 def expected_score(model: Transformer, src: list[int], hyp: list[int], kind: str, max_len: int) -> float:
-    """The score ct2_translate promises: mtpipe's formula; a hypothesis that ended with its own EOS carries
-    CTranslate2's renormalised log-probabilities, one cut at the limit is re-scored exactly (forced EOS)."""
+    """The score :func:`mtpipe.engine.ct2.translate_under_rules` promises: mtpipe's formula; a hypothesis that
+    ended with its own EOS carries CTranslate2's renormalised log-probabilities, one cut at the limit is re-scored
+    exactly (forced EOS)."""
     cut = len(hyp) == max_len
     return logp_of(model, src, hyp, renormalised=not cut) / lp(kind, len(hyp) + 1)
 
@@ -225,7 +226,8 @@ def test_beam_hypotheses_carry_mtpipe_scores_best_first(world, kind):
 @pytest.mark.parametrize("kind", ["gnmt", "fairseq"])
 def test_beam_4_with_patience_2_equals_mtpipe_decode(world, kind):
     """With patience 2 CTranslate2 waits for 8 finished hypotheses and finds mtpipe's best on every in-domain
-    source (patience 1, fairseq's stopping rule, returns worse ones on this memorising model: see ct2_translate)."""
+    source (patience 1, fairseq's stopping rule, returns worse ones on this memorising model: see
+    :func:`mtpipe.engine.ct2.translate_under_rules`)."""
     model, sources = world["model"], world["sources"][:80]
     cfg = DecodeConfig(beam=4, alpha=ALPHA, length_penalty=kind, max_len_a=1.0, max_len_b=5)
     ref = translate(model, sources, cfg)
@@ -438,7 +440,7 @@ def test_missing_ctranslate2_names_the_extra(world, tmp_path, monkeypatch):
     with pytest.raises(MtpipeError, match=r"pip install 'mtpipe\[ctranslate2\]'"):
         export_ctranslate2(world["checkpoint"], world["tokens"], tmp_path / "out")
     with pytest.raises(MtpipeError, match=r"pip install 'mtpipe\[ctranslate2\]'"):
-        ct2_translate(world["ct2_dir"], [[4, 5]])
+        load_ct2(world["ct2_dir"])
     assert not (tmp_path / "out").exists()
 
 
@@ -483,17 +485,17 @@ def test_marian_export_computes_mtpipe_logits_and_greedy_output(world, tmp_path)
 
 def test_marian_refuses_shapes_it_cannot_hold(world, tmp_path):
     pytest.importorskip("transformers")
-    from mtpipe.stages.export import export_marian
+    from mtpipe.stages.export import export_huggingface
 
     model = Transformer(ModelConfig(preset="tiny", d_k=16, d_v=16), world["sp"].get_piece_size())
     ckpt = save(model, tmp_path / "ckpt", world["root"] / "spm.model")
     with pytest.raises(MtpipeError, match="does not map exactly onto Hugging Face Marian: d_k=16"):
-        export_marian(ckpt, world["tokens"], tmp_path / "out")
+        export_huggingface(ckpt, world["tokens"], tmp_path / "out", "marian")
     assert not (tmp_path / "out").exists()
     per_stack = save(untied_model(world, 1, positions="learned-per-stack"), tmp_path / "per_stack",
                      world["root"] / "spm.model")
     with pytest.raises(MtpipeError, match="Marian: model.positions=learned-per-stack: MarianMTModel rebuilds"):
-        export_marian(per_stack, world["tokens"], tmp_path / "out")
+        export_huggingface(per_stack, world["tokens"], tmp_path / "out", "marian")
     assert not (tmp_path / "out").exists()
 
 
@@ -503,12 +505,12 @@ def test_marian_export_of_untied_biased_eos_start_models(world, tmp_path, case):
     """Marian holds untied source/target/output matrices, ``final_logits_bias`` and the decoder start token (not
     learned positions: the sinusoids here)."""
     transformers = pytest.importorskip("transformers")
-    from mtpipe.stages.export import export_marian
+    from mtpipe.stages.export import export_huggingface
 
     sp = world["sp"]
     model = untied_model(world, 8, **{**UNTIED[case], "positions": "sinusoidal"})
     ckpt = save(model, tmp_path / "ckpt", world["root"] / "spm.model")
-    export_marian(ckpt, world["tokens"], tmp_path / "marian")
+    export_huggingface(ckpt, world["tokens"], tmp_path / "marian", "marian")
     hf = transformers.MarianMTModel.from_pretrained(str(tmp_path / "marian")).eval()
     for s, t in corpus()[:4]:
         src = sp.encode(s)
@@ -640,12 +642,12 @@ def test_pegasus_export_of_untied_biased_eos_start_learned_position_models(world
     three), ``final_logits_bias``, the decoder start token and learned position tables (saved and loaded as
     saved)."""
     transformers = pytest.importorskip("transformers")
-    from mtpipe.stages.export import export_pegasus
+    from mtpipe.stages.export import export_huggingface
 
     sp = world["sp"]
     model = untied_model(world, 9, norm_position="pre", **PEGASUS_VARIANTS[case])
     ckpt = save(model, tmp_path / "ckpt", world["root"] / "spm.model")
-    extra = export_pegasus(ckpt, world["tokens"], tmp_path / "pegasus")
+    extra = export_huggingface(ckpt, world["tokens"], tmp_path / "pegasus", "pegasus")
     assert extra["format"] == "pegasus"
     hf = transformers.PegasusForConditionalGeneration.from_pretrained(str(tmp_path / "pegasus")).eval()
     if case != "learned":
@@ -667,26 +669,26 @@ def test_pegasus_export_of_untied_biased_eos_start_learned_position_models(world
 
 def test_hugging_face_refusals_name_what_does_not_map_and_the_format_that_works(world, tmp_path):
     pytest.importorskip("transformers")
-    from mtpipe.stages.export import export_huggingface, export_marian, export_pegasus
+    from mtpipe.stages.export import export_huggingface
 
     root, vocab = world["root"], world["sp"].get_piece_size()
     pre = save(Transformer(ModelConfig(preset="tiny", norm_position="pre"), vocab), tmp_path / "pre",
                root / "spm.model")
     cases = [
-        (export_marian, pre, "Hugging Face Marian: model.norm_position=pre: MarianMTModel is post-norm only; "
-                             "export.format=pegasus (or huggingface)"),
-        (export_pegasus, world["checkpoint"], "Hugging Face Pegasus: model.norm_position=post: "
-                                              "PegasusForConditionalGeneration is pre-norm only; export.format=marian"),
+        ("marian", pre, "Hugging Face Marian: model.norm_position=pre: MarianMTModel is post-norm only; "
+                        "export.format=pegasus (or huggingface)"),
+        ("pegasus", world["checkpoint"], "Hugging Face Pegasus: model.norm_position=post: "
+                                         "PegasusForConditionalGeneration is pre-norm only; export.format=marian"),
     ]
     heads = Transformer(ModelConfig(preset="tiny", norm_position="pre", d_k=16, d_v=16), vocab)
-    cases.append((export_pegasus, save(heads, tmp_path / "heads", root / "spm.model"),
+    cases.append(("pegasus", save(heads, tmp_path / "heads", root / "spm.model"),
                   "Hugging Face Pegasus: d_k=16, d_v=16 with heads=2: Pegasus's attention fixes the head size"))
     fixnorm = Transformer(ModelConfig(preset="tiny", norm_position="pre", fixnorm=True), vocab)
-    cases.append((export_huggingface, save(fixnorm, tmp_path / "fixnorm", root / "spm.model"),
+    cases.append(("huggingface", save(fixnorm, tmp_path / "fixnorm", root / "spm.model"),
                   "Hugging Face Pegasus: model.fixnorm=true"))
-    for export, ckpt, want in cases:
+    for arch, ckpt, want in cases:
         with pytest.raises(MtpipeError, match=re.escape(want)):
-            export(ckpt, world["tokens"], tmp_path / "out")
+            export_huggingface(ckpt, world["tokens"], tmp_path / "out", arch)
         assert not (tmp_path / "out").exists()
     r = invoke("--checkpoint", str(pre), "--tokens", str(world["tokens"]), "--out", str(tmp_path / "out"),
                "--format", "marian")

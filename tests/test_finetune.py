@@ -188,18 +188,18 @@ def test_finetune_from_an_average_and_its_lineage_through_average(data: tuple[Pa
     for _, d in artifacts.list_checkpoints(tmp_path / "ft"):
         assert artifacts.read_manifest(d, "checkpoint").extra["finetuned_from"] == lineage
     ft_avg = average_checkpoints(AverageConfig(last=2), tmp_path / "ft", None, tmp_path / "ft_avg")
-    m = artifacts.read_manifest(ft_avg, "checkpoint")
-    assert artifacts.read_lineage(ft_avg, m, "finetuned_from") == lineage
+    assert artifacts.checkpoint_fields(ft_avg).finetuned_from == lineage
     assert "finetuned_from" not in artifacts.read_manifest(avg, "checkpoint").extra  # a run from scratch has none
     # a fine-tune of the fine-tune's average: its own parent, whose manifest names the first one
     assert_starts_from(starting_trainer(ft_avg, *data, tmp_path / "probe2"), ft_avg)
 
 
 def test_a_malformed_lineage_record_is_refused(parent: Path) -> None:
-    m = artifacts.read_manifest(artifacts.checkpoint_path(parent, 4), "checkpoint")
+    ck = artifacts.checkpoint_path(parent, 4)
+    m = artifacts.read_manifest(ck, "checkpoint")
     m.extra["finetuned_from"] = {"path": "x", "sha256": "not a hash"}
     with pytest.raises(MtpipeError, match="not a lineage record"):
-        artifacts.read_lineage(parent, m, "finetuned_from")
+        artifacts.checkpoint_fields(ck, m)
 
 
 def test_from_model_needs_a_checkpoint_with_its_sentencepiece_model(parent: Path) -> None:
@@ -281,7 +281,7 @@ def test_the_domain_adaptation_recipe_runs_as_written(imported: Path, tmp_path: 
     assert (bpe / "spm.model").read_bytes() == (parent / "spm.model").read_bytes()
     m = artifacts.read_manifest(bpe, "tokens")
     lineage = artifacts.lineage_record(parent, artifacts.read_manifest(parent, "checkpoint"))
-    assert artifacts.read_lineage(bpe, m, "from_model") == lineage
+    assert artifacts.check_lineage(bpe / artifacts.MANIFEST, "from_model", m.extra["from_model"]) == lineage
     assert m.upstream["checkpoint"] == lineage["sha256"]
     assert m.extra["spm_sha256"] == artifacts.load_checkpoint(parent).vocab["spm_sha256"]
     summary = json.loads((run / "train.json").read_text(encoding="utf-8"))
@@ -309,8 +309,10 @@ def test_pieces_an_imported_parent_closed_are_warned_about(tmp_path: Path, capsy
     with torch.no_grad():
         model.out_bias[5:8] = -1e9
     ck = tmp_path / "ck"
-    writing.write_checkpoint(ck, state_dict=model.state_dict(), model_config=cfg,
-                             vocab={"spm_sha256": "sha256:" + "ab" * 32, "size": 32}, step=0)
+    writing.write_checkpoint(ck, state_dict=model.state_dict(),
+                             meta=artifacts.CheckpointManifest(model_config=cfg,
+                                                               vocab={"spm_sha256": "sha256:" + "ab" * 32, "size": 32},
+                                                               step=0))
     ft = finetune.FineTune(ModelConfig(**cfg), artifacts.lineage_record(ck, artifacts.read_manifest(ck)), ck)
     student = build_model(cfg, 32)
     finetune.load_parent(ft, student, "cpu")

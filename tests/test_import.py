@@ -17,12 +17,12 @@ import sentencepiece as spm
 import torch
 import torch.nn.functional as F
 from conftest import synthetic_pairs
+from testkit.decoding import translate
 from typer.testing import CliRunner
 
 from mtpipe import artifacts
 from mtpipe.cli import app
 from mtpipe.config import DecodeConfig
-from mtpipe.engine.translate import translate
 from mtpipe.engine.loading import load_model_and_vocab
 
 BOS, PAD, EOS, UNK = 0, 1, 2, 3  # fairseq.data.Dictionary

@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "mtpipe"
 
 FOUNDATION = {"mtpipe", "mtpipe.errors", "mtpipe.atomic", "mtpipe.env", "mtpipe.memory", "mtpipe.console",
-              "mtpipe.writing", "mtpipe.artifacts", "mtpipe.sections", "mtpipe.config_inference", "mtpipe.config",
-              "mtpipe.params"}
+              "mtpipe.writing", "mtpipe.artifacts", "mtpipe.reading", "mtpipe.sections", "mtpipe.registry",
+              "mtpipe.config_inference", "mtpipe.config", "mtpipe.params", "mtpipe.platform"}
 TOP = {"mtpipe.cli", "mtpipe.__main__"}
 SIDE_BY_SIDE = ("training", "stages", "serve")  # one layer; never import each other
 
@@ -241,6 +241,91 @@ def test_module_and_function_sizes():
             if length > MAX_FUNCTION_LINES and (rel, qual) not in LONG_FUNCTIONS:
                 over.append(f"{rel}:{fn.lineno}: {qual} is {length} lines (at most {MAX_FUNCTION_LINES})")
     assert not over, f"{len(over)} over the size limits:\n" + "\n".join(over)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Platform decisions: made in mtpipe/platform.py only
+# --------------------------------------------------------------------------------------------------------------------
+
+PLATFORM_MODULE = "mtpipe.platform"
+# What reads the machine or decides from it (the CPU's features, the kernel libraries, the CPU count and threads,
+# precision -- TF32 and float32 matmuls' precision included -- and autocast): dotted names used or imported, as
+# prefixes.
+PLATFORM_CALLS = re.compile(r"^(torch\.backends\.cpu\.get_cpu_capability|torch\.backends\.(mkldnn|quantized)"
+                            r"|torch\.ops\.mkldnn|torch\.(amp\.|cpu\.amp\.|cuda\.amp\.)?autocast"
+                            r"|torch\.(set|get)_num(_interop)?_threads|torch\.cuda\.is_bf16_supported"
+                            r"|torch\.backends\.cuda\.matmul|torch\.backends\.cudnn\.allow_tf32"
+                            r"|torch\.(set|get)_float32_matmul_precision"
+                            r"|os\.(cpu_count|sched_getaffinity)|multiprocessing\.cpu_count)(\.|$)")
+# The variables that restrict the CPU's instruction sets, read by platform alone (env.py's table names them all).
+PLATFORM_VARIABLES = {"ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS"}
+
+
+def _docstrings(module: ast.Module) -> set[int]:
+    """ids of the docstring nodes of a module and its classes and functions (prose, which may name anything)."""
+    found = set()
+    for node in ast.walk(module):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body \
+                and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
+            found.add(id(node.body[0].value))
+    return found
+
+
+def platform_decisions(module: ast.Module) -> list[tuple[int, str]]:
+    """``(line, what)`` of every platform decision in ``module``: a use or import of :data:`PLATFORM_CALLS`, a string
+    naming /proc/cpuinfo, or one of :data:`PLATFORM_VARIABLES` as a value (docstrings aside)."""
+    found, prose = [], _docstrings(module)
+    for node in ast.walk(module):
+        if isinstance(node, ast.Attribute) and PLATFORM_CALLS.match(_attribute_chain(node)):
+            found.append((node.lineno, _attribute_chain(node)))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [f"{node.module}.{a.name}" for a in node.names if node.module and not node.level]
+            found += [(node.lineno, f"imports {n}") for n in names if PLATFORM_CALLS.match(n)]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose \
+                and ("cpuinfo" in node.value or node.value in PLATFORM_VARIABLES):
+            found.append((node.lineno, repr(node.value)))
+    # a chain's prefixes are attributes too (torch.backends.mkldnn.is_available -> torch.backends.mkldnn): once a line
+    return sorted({line: what for line, what in sorted(found, key=lambda f: len(f[1]))}.items())
+
+
+def test_platform_decisions_are_made_in_platform_only():
+    """The CPU's features (/proc/cpuinfo, torch's dispatched capability, the ISA variables), the kernel libraries
+    (oneDNN, fbgemm), the CPU count and threads (torch's included: set, or read to tell another library), precision
+    (TF32, float32 matmuls' precision) and autocast are decided in mtpipe/platform.py; every other module of mtpipe
+    asks it (env.py's table names the variables it reads)."""
+    breaches = [f"{where(name, line)}: {what}" for name, path in modules().items()
+                if name not in (PLATFORM_MODULE, "mtpipe.env") for line, what in platform_decisions(tree(path))]
+    assert not breaches, "platform decisions outside mtpipe/platform.py (ask mtpipe.platform instead):\n" + \
+        "\n".join(breaches)
+
+
+def test_the_platform_check_sees_each_kind_of_decision():
+    source = '''"""Reads /proc/cpuinfo, ATEN_CPU_CAPABILITY and calls os.cpu_count() (prose only)."""
+import os
+from os import sched_getaffinity
+import torch
+from torch import autocast
+def f():
+    """torch.autocast and "cpuinfo" in a docstring are prose."""
+    open("/proc/cpuinfo")
+    env.get("ONEDNN_MAX_CPU_ISA")
+    torch.backends.cpu.get_cpu_capability()
+    torch.backends.mkldnn.is_available()
+    torch.backends.quantized.supported_engines
+    torch.autocast("cpu", dtype=torch.bfloat16)
+    torch.set_num_threads(2)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.benchmark = torch.cuda.is_available()
+    n = torch.get_num_threads()
+    return os.cpu_count(), n
+'''
+    found = platform_decisions(ast.parse(source))
+    # line 18: cudnn.benchmark and cuda.is_available() are not platform decisions (an algorithm search, a device
+    # query)
+    assert [line for line, _ in found] == [3, 5, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 19, 20], found
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -116,38 +116,6 @@ def test_incremental_decoding_equals_full_forward(model: Transformer) -> None:
     assert_steps_match_forward(model, src, tgt, reorder=torch.tensor([2, 0]))
 
 
-@pytest.mark.parametrize("variant", [{}, {"share_embeddings": "decoder"}, {"share_embeddings": "none"},
-                                     {"fixnorm": True, "output_bias": True}])
-@pytest.mark.parametrize("packing", [True, False])
-def test_the_decoding_projection_equals_logits_and_is_a_snapshot_of_the_weights(variant: dict, packing: bool,
-                                                                               monkeypatch) -> None:
-    """A decoding step's projection (the float32 CPU variant's copy of the matrix: oneDNN's packed layout, or the
-    plain ``[D, V]`` copy) gives :meth:`Transformer.logits`, for every way the pre-softmax matrix is tied, with
-    FixNorm and an output bias. It is made from the weights when the variant is prepared: after the weights change
-    in place (as in training, between validations) a variant prepared anew projects with the new ones."""
-    from mtpipe.engine import packed
-    from mtpipe.engine.variants import prepare
-
-    monkeypatch.setattr(packed, "PACK_DECODING_PROJECTION", packing)
-    torch.manual_seed(2)
-    m = build_model(ModelConfig(**{**CFG.__dict__, **variant}), V).eval()
-    h = torch.randn(5, CFG.d_model)
-    before = prepare(m, "fp32", torch.device("cpu"))
-    assert isinstance(before.project, packed.PackedProjection)
-    with torch.inference_mode():
-        want = m.logits(h)
-        assert torch.allclose(before.project(h), want, atol=1e-5)
-    matrix = m.out_proj if m.out_proj is not None else (m.embed_tgt or m.embed).weight
-    with torch.no_grad():
-        matrix.mul_(-2.0)
-        if m.out_bias is not None:
-            m.out_bias.add_(1.0)
-    after = prepare(m, "fp32", torch.device("cpu"))
-    with torch.inference_mode():
-        assert torch.allclose(after.project(h), m.logits(h), atol=1e-5)
-        assert not torch.allclose(after.project(h), want, atol=1e-3)
-
-
 def test_sinusoids_match_section_3_5() -> None:
     pe = sinusoids(50, 16)
     assert pe.shape == (50, 16)
@@ -214,3 +182,28 @@ def test_fairseq_init_draws_each_projection_as_fairseq_does() -> None:
     default = build_model(cfg, V)
     assert default.encoder[0].ffn.w2.weight.abs().max() > 1.5 * 256**-0.5  # Xavier's bound is ~2x larger here
     assert default.encoder[0].self_attn.qkv.bias.abs().max() == 0
+
+
+def test_fused_attention_switches_the_two_matmuls_off_for_its_block_only(model: Transformer,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """ops.fused_attention (bench/ --plain attention): inside the block the encoder's attention is torch's fused
+    kernel, computing what the two matmuls compute up to float rounding; before and after it, the two matmuls."""
+    import torch.nn.functional as F
+
+    from mtpipe.model import ops
+
+    fused = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: fused.append(1) or real(*a, **k))
+    src, _ = _batch()
+    with torch.no_grad():
+        explicit = model.encode(src)[0]
+        assert fused == []
+        with ops.fused_attention():
+            assert not ops.prefer_explicit_attention(torch.zeros(1, 1, 1, 4))
+            via_kernel = model.encode(src)[0]
+        assert len(fused) == model.cfg.encoder_layers
+        assert ops.prefer_explicit_attention(torch.zeros(1, 1, 1, 4))
+        model.encode(src)
+    assert len(fused) == model.cfg.encoder_layers
+    torch.testing.assert_close(via_kernel, explicit, atol=1e-5, rtol=1e-5)

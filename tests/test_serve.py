@@ -67,8 +67,9 @@ def model(tmp_path_factory) -> dict:
     finally:
         torch.set_num_threads(threads)
     checkpoint = root / "ckpt"
-    writing.write_checkpoint(checkpoint, state_dict=net.state_dict(), model_config=to_dict(net.cfg), step=100,
-                             vocab={"spm_sha256": artifacts.file_hash(root / "spm.model"), "size": sp.get_piece_size()})
+    writing.write_checkpoint(checkpoint, state_dict=net.state_dict(), meta=artifacts.CheckpointManifest(
+        model_config=to_dict(net.cfg), step=100,
+        vocab={"spm_sha256": artifacts.file_hash(root / "spm.model"), "size": sp.get_piece_size()}))
     params = root / "params.yaml"
     params.write_text("", encoding="utf-8")  # built-in defaults, not the repository's params.yaml
     return {"root": root, "tokens": tokens, "checkpoint": checkpoint, "params": params}

@@ -109,28 +109,15 @@ def test_label_smoothing_is_the_textbook_cross_entropy() -> None:
 
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("precision", ["fp32", "fp32 onednn", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_blockwise_loss_equals_autograd_of_the_formula(eps: float, bias: bool, precision: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The loss made a block of rows at a time, its gradient computed in the forward pass, equals the textbook
     formula on the whole logits differentiated by autograd: loss, NLL, and the gradients of the states, the
     projection matrix and its bias, with several blocks and a short last one (bf16: under CPU autocast, as training
-    runs it, against autograd of the same products under autocast; "fp32 onednn": every product of the blocks through
-    mtpipe.model.ops' oneDNN route, whatever their size). Without gradients it gives the same values."""
-    import mtpipe.model.ops as mk
+    runs it, against autograd of the same products under autocast). Without gradients it gives the same values."""
     import mtpipe.training.loss as ml
     from testkit.oracles import reference_label_smoothed_nll
-
-    products = []
-    if precision == "fp32 onednn":
-        if not mk._ONEDNN_AVAILABLE:
-            pytest.skip("this torch build has no oneDNN")
-        real = mk._dnn
-        monkeypatch.setattr(mk, "_ONEDNN_MIN_MACS", 1)
-        monkeypatch.setattr(mk, "ONEDNN_FP32_TRAINING", True)  # on any CPU (by default AVX-512 only)
-        monkeypatch.setattr(mk, "_dnn", lambda *args: products.append(1) or real(*args))
-    else:
-        monkeypatch.setattr(mk, "ONEDNN_FP32", False)  # torch's own products
 
     n, vocab, d = 300, 13, 6
     monkeypatch.setitem(ml._BLOCK_BYTES, "cpu", 4 * vocab * ml._ROW_MULTIPLE)  # blocks of 128 rows: 128, 128, 44
@@ -150,7 +137,6 @@ def test_blockwise_loss_equals_autograd_of_the_formula(eps: float, bias: bool, p
                 loss, nll = reference_label_smoothed_nll(F.linear(h, w, b), target, eps)
         (0.7 * loss).backward()
         results.append((loss.detach(), nll.detach(), h.grad, w.grad, None if b is None else b.grad))
-    assert bool(products) == (precision == "fp32 onednn")
     tol = 2e-2 if precision == "bf16" else 1e-5
     for got, want in zip(*results):
         if want is None:
@@ -622,40 +608,55 @@ def test_max_time_is_the_plan_under_the_linear_schedule(data: tuple[Path, Path],
 
 
 def test_precision_auto() -> None:
-    from mtpipe.engine.runtime import cpu_supports_bf16, resolve_precision
+    from mtpipe import platform
 
-    assert resolve_precision("auto", torch.device("cpu")) == ("bf16" if cpu_supports_bf16() else "fp32")
-    assert resolve_precision("fp32", torch.device("cpu")) == "fp32"
+    cpu = torch.device("cpu")
+    assert platform.training_precision("auto", cpu) == ("bf16" if platform.cpu().native_bf16 else "fp32")
+    assert platform.training_precision("fp32", cpu) == "fp32"
+    for native in (True, False):  # asked as on a CPU with native bf16 and on one without
+        flags = frozenset({"avx512_bf16"} if native else ())
+        with platform.assume_cpu(capability="AVX512", isa_limit="", flags=flags):
+            assert platform.training_precision("auto", cpu) == ("bf16" if native else "fp32")
+    with pytest.raises(MtpipeError, match="train.precision=fp16 needs a CUDA GPU"):
+        platform.training_precision("fp16", cpu)
 
 
 def test_precision_auto_honours_an_isa_restriction(monkeypatch: pytest.MonkeyPatch) -> None:
     """The AVX2 emulation of a CPU without native bf16 (and a user's own restriction) trains in fp32."""
-    from mtpipe.engine.runtime import cpu_supports_bf16, resolve_precision
+    from mtpipe import platform
 
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    assert not cpu_supports_bf16() and resolve_precision("auto", torch.device("cpu")) == "fp32"
+    bf16_cpu = dict(capability="AVX512", isa_limit="", flags=frozenset({"avx512_bf16", "avx512f"}))
+    with platform.assume_cpu(**bf16_cpu) as cpu:
+        assert cpu.native_bf16 and platform.training_precision("auto", torch.device("cpu")) == "bf16"
+    for restricted in (dict(isa_limit="AVX2"), dict(isa_limit="avx512_core_vnni"), dict(capability="AVX2")):
+        with platform.assume_cpu(**{**bf16_cpu, **restricted}) as cpu:
+            assert not cpu.native_bf16 and platform.training_precision("auto", torch.device("cpu")) == "fp32"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # what the probe reads
+    assert platform.CPU.probe().isa_limit == "AVX2" and not platform.CPU.probe().native_bf16
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     # ATEN_CPU_CAPABILITY is read when torch starts: a fresh interpreter.
-    code = ("import torch; from mtpipe.engine.runtime import cpu_supports_bf16 as f; "
-            "print(torch.backends.cpu.get_cpu_capability(), f())")
+    code = ("import torch; from mtpipe import platform; "
+            "print(torch.backends.cpu.get_cpu_capability(), platform.cpu().native_bf16, platform.cpu().restriction)")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"},
                          capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["AVX2", "False"]
+    assert out == ["AVX2", "False", "avx2"]
 
 
 def test_an_isa_restriction_gets_its_own_compile_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """torch.compile's code cached without ATEN_CPU_CAPABILITY decoded garbage when reused under it: a restricted
     process compiles into a cache of its own, unless the user chose the cache directory."""
+    from mtpipe import platform
     from mtpipe.engine.runtime import separate_compile_cache
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    assert separate_compile_cache() is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "AVX2")
-    path = separate_compile_cache()
-    assert path is not None and Path(path).name == "capability-avx2" and os.environ["TORCHINDUCTOR_CACHE_DIR"] == path
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    assert separate_compile_cache() is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
+    with platform.assume_cpu(restriction=""):
+        assert separate_compile_cache() is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    with platform.assume_cpu(restriction="avx2"):  # ATEN_CPU_CAPABILITY=AVX2, as torch started with
+        path = separate_compile_cache()
+        assert path is not None and Path(path).name == "capability-avx2"
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == path
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+        assert separate_compile_cache() is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -685,9 +686,9 @@ def test_launcher_builds_the_torchrun_command() -> None:
     assert "--no-compile" in worker and "--nproc" not in worker and "--max-restarts" not in worker
     # train.threads 0: the machine's cores are shared among the workers (torchrun alone would give each one thread);
     # an explicit train.threads or OMP_NUM_THREADS is left as it is.
-    from mtpipe.training.launch import available_cpus
+    from mtpipe import platform
 
-    assert worker[worker.index("--threads") + 1] == str(max(1, available_cpus() // 2))
+    assert worker[worker.index("--threads") + 1] == str(max(1, platform.cpu_count() // 2))
     explicit = launch_command(model, TrainConfig(nproc="2", threads=3), paths, env={})
     assert explicit is not None and explicit[explicit.index("--threads") + 1] == "3"
     omp = launch_command(model, train, paths, env={"OMP_NUM_THREADS": "5"})

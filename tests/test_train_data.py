@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from mtpipe import artifacts, writing
+from mtpipe import artifacts, reading, writing
 
 from mtpipe.stages import bucket
 from mtpipe.training.batches import MappedSplit, collate, load_batches, load_split, load_train_data
@@ -44,7 +44,7 @@ def tokens_artifact(out: Path, n: int, seed: int = 0) -> Path:
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A verification cache of this test's own, and no racy-file margin (the artifacts here are seconds old)."""
     monkeypatch.setenv("MTPIPE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(artifacts, "RACY_NS", 0)
+    monkeypatch.setattr(reading, "RACY_NS", 0)
     return tmp_path / "cache"
 
 
@@ -142,7 +142,7 @@ def test_the_hash_is_checked_once_then_remembered(data: tuple[Path, Path], cache
     calls = hash_calls(monkeypatch)
     load_train_data(tokens, batches, 320, 1)
     assert calls.count("train.arrow") == 1
-    record = artifacts.verification_record(batches / "train.arrow")
+    record = reading.verification_record(batches / "train.arrow")
     assert record.is_relative_to(cache)
     rec = json.loads(record.read_text())
     assert rec["sha256"] == artifacts.read_manifest(batches).files["train.arrow"]
@@ -178,13 +178,13 @@ def test_a_file_changed_in_place_is_caught_at_the_next_start(data: tuple[Path, P
 def test_a_file_checked_within_the_clock_tick_is_not_remembered(data: tuple[Path, Path], tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MTPIPE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(artifacts, "RACY_NS", 3600 * 10**9)  # every file here is younger than an hour
+    monkeypatch.setattr(reading, "RACY_NS", 3600 * 10**9)  # every file here is younger than an hour
     tokens, batches = data
     calls = hash_calls(monkeypatch)
     load_train_data(tokens, batches, 320, 1)
     load_train_data(tokens, batches, 320, 1)
     assert calls.count("train.arrow") == 2
-    assert not artifacts.verification_record(batches / "train.arrow").exists()
+    assert not reading.verification_record(batches / "train.arrow").exists()
 
 
 def test_an_unwritable_cache_costs_a_warning_only(data: tuple[Path, Path], tmp_path: Path,
@@ -192,7 +192,7 @@ def test_an_unwritable_cache_costs_a_warning_only(data: tuple[Path, Path], tmp_p
                                                   capsys: pytest.CaptureFixture) -> None:
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("MTPIPE_CACHE_DIR", str(tmp_path / "file" / "cache"))  # below a file: cannot be made
-    monkeypatch.setattr(artifacts, "RACY_NS", 0)
+    monkeypatch.setattr(reading, "RACY_NS", 0)
     tokens, batches = data
     assert len(load_train_data(tokens, batches, 320, 1).train) > 0
     assert "the next start hashes it again" in capsys.readouterr().err.replace("\n", " ")

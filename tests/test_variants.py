@@ -1,7 +1,8 @@
 """The Transformer variants: pre-norm, ScaleNorm, FixNorm, learned positions, restricted self-attention, LayerDrop
 with pruning and scheduled DropHead. Each: shapes, gradients reaching its new parameters, deterministic eval,
 incremental decoding equal to the full forward pass, and its defining property; then a tiny model trained with the
-variants through ``mtpipe.training.train.run`` resumes bitwise and decodes (pruned or not) through the CLI with no extra flag."""
+variants through ``mtpipe.training.train.train_model`` resumes bitwise and decodes (pruned or not) through the CLI with
+no extra flag."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_steps_match_forward, train_spm
+from testkit.decoding import translate
 from typer.testing import CliRunner
 
 from mtpipe import artifacts, writing
@@ -28,7 +30,6 @@ from mtpipe.config import (
     to_dict,
     with_model_defaults,
 )
-from mtpipe.engine.translate import translate
 from mtpipe.errors import MtpipeError
 from mtpipe.model.attention import drop_heads
 from mtpipe.model.layers import ScaleNorm
@@ -584,8 +585,8 @@ def test_prune_errors_are_one_line_and_write_nothing(run) -> None:
     plain = Transformer(ModelConfig(**{**TRAINED, "layerdrop": 0.0}), 90)
     ck0 = root / "ck_no_layerdrop"
     vocab = {"spm_sha256": artifacts.file_hash(run["tokens"] / "spm.model"), "size": 90}
-    writing.write_checkpoint(ck0, state_dict=plain.state_dict(), model_config=to_dict(plain.cfg), vocab=vocab,
-                               step=1)
+    writing.write_checkpoint(ck0, state_dict=plain.state_dict(),
+                             meta=artifacts.CheckpointManifest(model_config=to_dict(plain.cfg), vocab=vocab, step=1))
     for args, pattern in [(["decode", "--checkpoint", str(ck0), "--prune", "every_other"], "layerdrop=0"),
                           (["decode", "--checkpoint", str(ck0), "--prune", "enc:7"], "encoder layer 7"),
                           (["average", "--checkpoint", str(ck0), "--prune", "every_other"], "average.prune")]:
@@ -616,14 +617,14 @@ def test_export_maps_pre_norm_and_learned_positions_and_refuses_scalenorm(run, t
 
     from mtpipe.engine.ct2 import load_ct2
     from mtpipe.engine.ct2_convert import export_ctranslate2
-    from mtpipe.stages.export import export_marian
+    from mtpipe.stages.export import export_huggingface
 
     sp = spm.SentencePieceProcessor(model_file=str(run["tokens"] / "spm.model"))
     vocab = {"spm_sha256": artifacts.file_hash(run["tokens"] / "spm.model"), "size": 90}
 
     def save(model: Transformer, name: str) -> Path:
-        writing.write_checkpoint(tmp_path / name, state_dict=model.state_dict(), model_config=to_dict(model.cfg),
-                                   vocab=vocab, step=1)
+        writing.write_checkpoint(tmp_path / name, state_dict=model.state_dict(), meta=artifacts.CheckpointManifest(
+            model_config=to_dict(model.cfg), step=1, vocab=vocab))
         return tmp_path / name
 
     torch.manual_seed(0)
@@ -643,7 +644,7 @@ def test_export_maps_pre_norm_and_learned_positions_and_refuses_scalenorm(run, t
     ref = [float(logp[j, y]) for j, y in enumerate(ti + [EOS_ID])]
     assert max(abs(a - b) for a, b in zip(ref, r.log_probs)) < 1e-4
     with pytest.raises(MtpipeError, match="MarianMTModel is post-norm only"):
-        export_marian(ck, run["tokens"], tmp_path / "marian")
+        export_huggingface(ck, run["tokens"], tmp_path / "marian", "marian")
     scaled = save(Transformer(ModelConfig(**TRAINED), 90), "scale")
     with pytest.raises(MtpipeError, match="model.norm=scale"):
         export_ctranslate2(scaled, run["tokens"], tmp_path / "ct2_scale")

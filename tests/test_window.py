@@ -15,6 +15,7 @@ from mtpipe.errors import MtpipeError
 from mtpipe.model.ops import banded_attention, banded_min_length, explicit_attention, window_mask
 from mtpipe.model.attention import MultiHeadAttention
 from mtpipe.model.transformer import Transformer, build_model
+from mtpipe.stages.attention import observe_attention
 
 V = 40
 BASE = dict(preset="tiny", encoder_layers=2, decoder_layers=2, d_model=32, d_ff=64, heads=4, max_positions=512,
@@ -145,7 +146,7 @@ def test_recorded_weights_are_zero_outside_the_window() -> None:
     m = make(attention_window=2)
     src, tgt = tokens(1, 10, 11), tokens(1, 9, 12)
     src[0, -1], tgt[0, 0] = EOS_ID, BOS_ID
-    with torch.no_grad(), m.recording() as kept:
+    with torch.no_grad(), observe_attention(m) as kept:
         m(src, tgt)
     enc, dec = kept["encoder"][0][0][0], kept["decoder"][0][0][0]  # [h, L, L]
     torch.testing.assert_close(enc.sum(-1), torch.ones(4, 10))

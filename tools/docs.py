@@ -279,6 +279,63 @@ def render_decode_speed(directory: Path = RESULTS) -> str:
                       "same output as mtpipe", "BLEU"], body) + "\n" + describe(doc))
 
 
+def trick_rows(directory: Path = RESULTS) -> list[dict[str, Any]]:
+    """Every decoding trick measured switched off (``bench/decode_speed.py --plain``), the newest measurement per
+    trick, CPU class, precision and batches: the trick's worth per round is the seconds of the row without it over
+    the seconds of the row with it (``mtpipe``, or ``compiled`` for the compiled step's tricks), same round."""
+    newest: dict[tuple[str, ...], dict[str, Any]] = {}
+    for doc in results("decode_speed", directory):
+        m = doc.get("machine", {})
+        if m.get("gpu"):
+            continue
+        restricted = bool(m.get("environment", {}).get("ATEN_CPU_CAPABILITY"))
+        cpu_class = machine_class(m) + (" (restricted)" if restricted else "")
+        rows = doc["figures"]["rows"]
+        for r in rows:
+            base, _, trick = r["row"].partition(", plain ")
+            if not trick:
+                continue
+            ref = next(x for x in rows if (x["row"], x["precision"], x["batches"]) == (base, r["precision"],
+                                                                                       r["batches"]))
+            worth = [off / on for off, on in zip(r["seconds"], ref["seconds"])]
+            newest[(trick, cpu_class, r["precision"], r["batches"])] = {
+                "trick": trick, "class": cpu_class, "precision": r["precision"], "batches": r["batches"],
+                "worth": worth, "same": r["same_as_mtpipe"], "doc": doc}
+    return sorted(newest.values(), key=lambda t: (t["trick"], t["class"], t["precision"], t["batches"]))
+
+
+def _pays(worth: list[float]) -> bool:
+    """A trick pays where its slowest round still gains, at the table's two decimals (1.00x is no gain)."""
+    return round(min(worth), 2) > 1.0
+
+
+def trick_verdicts(directory: Path = RESULTS) -> dict[str, str]:
+    """Per trick: "kept" where it pays somewhere (its worth's minimum, as the table shows it, above 1.00x on some CPU
+    class), else "deleted" (every spread includes 1.00x, or it loses): the rule the code follows (tests/test_docs.py
+    checks it)."""
+    verdict: dict[str, str] = {}
+    for t in trick_rows(directory):
+        pays = _pays(t["worth"])
+        verdict[t["trick"]] = "kept" if pays or verdict.get(t["trick"]) == "kept" else "deleted"
+    return verdict
+
+
+def render_decode_tricks(directory: Path = RESULTS) -> str:
+    """performance.md: each decoding trick's worth on each CPU class measured, and whether it was kept."""
+    rows = trick_rows(directory)
+    if not rows:
+        return NOT_MEASURED.format(command="python bench/decode_speed.py --checkpoint ... --tokens ... --plain ...")
+    verdicts = trick_verdicts(directory)
+
+    def pays(worth: list[float]) -> str:
+        return "yes" if _pays(worth) else ("no: slower" if round(max(worth), 2) < 1.0 else "no: within noise")
+    body = [[t["trick"], t["class"], t["precision"], t["batches"], _spread(t["worth"]), pays(t["worth"]),
+             f"{100 * t['same']:.1f} %", verdicts[t["trick"]]] for t in rows]
+    docs = {id(t["doc"]): t["doc"] for t in rows}
+    return (_table(["trick", "CPU class", "precision", "batches", "speed with it / without: median (min-max)", "pays",
+                    "same output", "verdict"], body) + "\n" + "".join(describe(d) + "\n" for d in docs.values()))
+
+
 def render_train_throughput(directory: Path = RESULTS) -> str:
     doc = _newest("train_throughput", directory)
     if doc is None:
@@ -476,7 +533,9 @@ def _example_cells(r: dict[str, Any], base: dict[str, Any] | None = None) -> lis
 
 def _example_lead(f: dict[str, Any]) -> str:
     pairs = "every training pair" if f["pairs"] == "all" else f"the first {f['pairs']:,} training pairs"
-    return (f"Each model trained for {_num(f['budget_minutes'], 0)} minutes on {pairs}; test2016, cased sacreBLEU "
+    budget = (f"{f['budget_updates']:,} updates" if f.get("budget_updates")
+              else f"{_num(f['budget_minutes'], 0)} minutes")
+    return (f"Each model trained for {budget} on {pairs}; test2016, cased sacreBLEU "
             "(13a) and chrF; a cell per seed.\n\n")
 
 
@@ -633,6 +692,7 @@ RENDERERS: dict[str, Callable[..., str]] = {
     "code-map": render_code_map,
     "quickstart": render_quickstart, "anchors-train": _anchors("train"), "anchors-decode": _anchors("decode"),
     "anchors-data": _anchors("data"), "anchors-quality": render_quality, "decode_speed": render_decode_speed,
+    "decode_tricks": render_decode_tricks,
     "train_throughput": render_train_throughput, "serve": render_serve, "train_data": render_train_data,
     "wmt_data": render_wmt_data,
     "faults": render_faults, "equivalence": render_equivalence, "checkouts": render_checkouts,

@@ -1,17 +1,18 @@
 """Decoding through CTranslate2 (``decode.engine=ctranslate2``): a ``mtpipe export`` model, or a checkpoint exported
 on the fly, under mtpipe's :class:`~mtpipe.engine.search.DecodeRules`.
 
-:func:`ct2_translate` decodes through ``ctranslate2.Translator`` with mtpipe's decode settings; its docstring states
-exactly where CTranslate2's search and length penalty differ from :func:`mtpipe.engine.search.beam_search` (only at beam > 1:
-its stopping rule). :class:`Ct2Engine` is the :class:`~mtpipe.engine.search.Engine` that ``mtpipe decode`` runs: the same
-inputs and outputs as mtpipe's engine, scores by mtpipe's formula. The conversion of a checkpoint is
+:func:`translate_under_rules` decodes through ``ctranslate2.Translator`` with mtpipe's decode settings; its
+docstring states exactly where CTranslate2's search and length penalty differ from
+:func:`mtpipe.engine.search.beam_search` (only at beam > 1: its stopping rule). :class:`Ct2Engine` is the
+:class:`~mtpipe.engine.protocol.Engine` that ``mtpipe decode`` runs: the same inputs and outputs as mtpipe's engine,
+scores by mtpipe's formula. The conversion of a checkpoint is
 :mod:`mtpipe.engine.ct2_convert`.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Integral
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
@@ -21,7 +22,7 @@ from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mtpipe.config import DecodeConfig
 from mtpipe.errors import MtpipeError
 from mtpipe.engine.loading import artifact_spm, load_vocab, vocab_source
-from mtpipe.engine.protocol import Lane, blank_results
+from mtpipe.engine.protocol import Lane, ModelSource, blank_results
 from mtpipe.engine.search import DecodeRules, Hypothesis, LengthPenalty, max_source_len
 
 ENGINE_INPUTS = "a CTranslate2 export (`mtpipe export`) or an mtpipe checkpoint"
@@ -74,8 +75,9 @@ def load_ct2(model_dir: Path, *, device: str = "cpu", compute_type: str = "defau
         translator = ct2.Translator(str(model_dir), device=device, compute_type=compute_type, intra_threads=threads)
     except (RuntimeError, ValueError) as e:
         raise MtpipeError(f"{model_dir}: CTranslate2 cannot load it ({str(e).splitlines()[0]})") from None
+    meta = model_fields(model_dir, m)  # the exported checkpoint's fields, as the export records them
     return Ct2Model(model_dir, translator, pieces, {p: i for i, p in enumerate(pieces)},
-                    int(m.extra["max_positions"]), dict(m.extra.get("vocab", {})), m.extra.get("model_config"))
+                    int(m.extra["max_positions"]), dict(meta.vocab), meta.model_config)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -83,11 +85,10 @@ def load_ct2(model_dir: Path, *, device: str = "cpu", compute_type: str = "defau
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def ct2_translate(model: Ct2Model | Path, sources: Sequence[Sequence[str | int]], *, beam: int = 4,
-                  alpha: float = 0.6, length_penalty: str = "gnmt", max_len_a: float = 1.0, max_len_b: int = 50,
-                  nbest: int = 1, patience: float = 1.0, max_tokens: int = 8000,
-                  threads: int = 0) -> list[list[Ct2Hypothesis]]:
-    """Translate sources (SentencePiece pieces or ids, no EOS, any order) with CTranslate2's beam search.
+def translate_under_rules(m: Ct2Model, sources: Sequence[Sequence[str | int]], rules: DecodeRules,
+                          max_tokens: int) -> list[list[Ct2Hypothesis]]:
+    """Translate sources (SentencePiece pieces or ids, no EOS, any order) on a loaded model with CTranslate2's beam
+    search under mtpipe's ``rules``: search, re-score the hypotheses cut at the length limit, rank.
 
     Returns each source's ``nbest`` hypotheses, best first, in input order, scored with mtpipe's formula
     ``log P(Y + EOS | X) / lp(|Y| + 1)``, ``gnmt`` lp(n) = ((5 + n) / 6)^alpha or ``fairseq`` lp(n) = n^alpha
@@ -127,21 +128,8 @@ def ct2_translate(model: Ct2Model | Path, sources: Sequence[Sequence[str | int]]
     * ``nbest`` <= ``beam``: CTranslate2 is asked for ``beam`` finished hypotheses, which are re-scored, sorted and
       cut to ``nbest``.
 
-    ``threads`` is only used when ``model`` is a path (a loaded :class:`Ct2Model` keeps its own). ``max_tokens``
-    caps the source tokens per CTranslate2 batch.
+    ``max_tokens`` caps the source tokens per CTranslate2 batch.
     """
-    # Checked before the model is loaded: a bad setting fails at once.
-    rules = DecodeRules(beam=beam, nbest=nbest, penalty=LengthPenalty(length_penalty, alpha), max_len_a=max_len_a,
-                        max_len_b=max_len_b, stop="finished", patience=patience)
-    if max_tokens < 1:
-        raise MtpipeError(f"decode.max_tokens: {max_tokens} is not >= 1")
-    m = model if isinstance(model, Ct2Model) else load_ct2(Path(model), threads=threads)
-    return _translate(m, sources, rules, max_tokens)
-
-
-def _translate(m: Ct2Model, sources: Sequence[Sequence[str | int]], rules: DecodeRules,
-               max_tokens: int) -> list[list[Ct2Hypothesis]]:
-    """:func:`ct2_translate` on a loaded model with checked rules: search, re-score the cut hypotheses, rank."""
     pieces = _as_pieces(m, sources)
     common = dict(max_batch_size=max_tokens, batch_type="tokens", max_input_length=m.max_positions)
     raw, rescore = _search(m, pieces, rules, common)
@@ -231,20 +219,23 @@ def decode_source(path: Path) -> artifacts.Manifest:
                           f"ctranslate2 needs {ENGINE_INPUTS}")
     if m.kind not in ("export", "checkpoint"):
         raise MtpipeError(f"{path}: is a '{m.kind}' artifact; --engine ctranslate2 needs {ENGINE_INPUTS}")
-    for key in ("vocab", "checkpoint_step" if m.kind == "export" else "step"):
-        if key not in m.extra:
-            raise MtpipeError(f"{path}: {m.kind} manifest lacks '{key}'")
+    model_fields(path, m)  # validated: the checkpoint's fields, or the export's record of its checkpoint
     return m
+
+
+def model_fields(path: Path, m: artifacts.Manifest) -> artifacts.CheckpointManifest:
+    """The checkpoint fields of a :func:`decode_source`: the checkpoint's, or those the export records of it."""
+    return artifacts.CheckpointManifest.of_artifact(m.kind, m.extra, Path(path) / artifacts.MANIFEST, m.format_version)
 
 
 def source_vocab(path: Path, manifest: artifacts.Manifest, tokens: Path | None) -> tuple[Any, int, Path | None]:
     """``(SentencePiece model, checkpoint step, the bpe artifact used or None)`` of a :func:`decode_source`: the
     SentencePiece model of ``tokens``, else the export's or the checkpoint's own copy
     (:func:`mtpipe.engine.loading.vocab_source`), checked against the vocabulary the checkpoint was trained with."""
-    step = int(manifest.extra["checkpoint_step" if manifest.kind == "export" else "step"])
+    meta = model_fields(path, manifest)
     own = artifact_spm(path, manifest)[0] if manifest.kind == "export" else artifacts.checkpoint_spm(path, manifest)
     spm_path, spm_sha, tokens = vocab_source(path, own, tokens)
-    return load_vocab(path, manifest.extra["vocab"], spm_path, spm_sha), step, tokens
+    return load_vocab(path, meta.vocab, spm_path, spm_sha), meta.step, tokens
 
 
 def open_for_decode(path: Path, manifest: artifacts.Manifest, tokens: Path | None, *, compute_type: str = "default",
@@ -276,8 +267,8 @@ def open_for_decode(path: Path, manifest: artifacts.Manifest, tokens: Path | Non
 
 @dataclass
 class Ct2Engine:
-    """CTranslate2 as an :class:`~mtpipe.engine.search.Engine`. Whatever ``rules.stop`` says, CTranslate2 stops a sentence
-    once ``round(beam x patience)`` hypotheses have finished (``finished``); :meth:`note` says so."""
+    """CTranslate2 as an :class:`~mtpipe.engine.protocol.Engine`. Whatever ``rules.stop`` says, CTranslate2 stops a
+    sentence once ``round(beam x patience)`` hypotheses have finished (``finished``); :meth:`note` says so."""
 
     model: Ct2Model
     compute_type: str
@@ -286,14 +277,13 @@ class Ct2Engine:
 
     @classmethod
     def open(cls, path: Path, manifest: artifacts.Manifest, tokens: Path | None, cfg: DecodeConfig) -> "Ct2Engine":
-        import torch
-
+        from mtpipe import platform
         from mtpipe.console import info
 
         if manifest.kind == "checkpoint":
             info(f"exporting {path} to CTranslate2 (float32) for this run; `mtpipe export` does it once")
         model = open_for_decode(path, manifest, tokens, compute_type=cfg.ct2_compute_type,
-                                threads=cfg.threads or torch.get_num_threads(), device=cfg.device)
+                                threads=platform.torch_threads(cfg.threads), device=cfg.device)
         return cls(model, cfg.ct2_compute_type, cfg.max_tokens)
 
     @property
@@ -351,7 +341,7 @@ class Ct2Engine:
         results, todo = blank_results(sources, on_done)
         todo.sort(key=lambda i: (len(sources[i]), i))
         for block in self._blocks(todo, sources):
-            hyps = _translate(self.model, [sources[i] for i in block], rules, self.max_tokens)
+            hyps = translate_under_rules(self.model, [sources[i] for i in block], rules, self.max_tokens)
             for i, hs in zip(block, hyps):
                 # logprob back from mtpipe's score: score = log P(Y + EOS | X) / lp(|Y| + 1)
                 results[i] = [Hypothesis(list(h.ids), h.score, rules.penalty.logprob(h.score, len(h.ids) + 1))
@@ -372,5 +362,27 @@ class Ct2Engine:
         return [b for b in blocks if b]
 
 
-__all__ = ["Ct2Engine", "Ct2Hypothesis", "Ct2Model", "ENGINE_INPUTS", "ct2_translate", "decode_source", "load_ct2",
-           "open_for_decode", "source_vocab"]
+@dataclass
+class Ct2Source(ModelSource):
+    """How CTranslate2's engine opens (its entry in :mod:`mtpipe.registry`): a CTranslate2 export or a checkpoint
+    (:func:`decode_source`) with its vocabulary (:func:`source_vocab`), then :meth:`Ct2Engine.open`, which converts
+    a checkpoint on the fly (:func:`open_for_decode`)."""
+
+    manifest: Any = field(default=None, repr=False)  # the export's or the checkpoint's manifest
+
+    @classmethod
+    def check(cls, cfg: DecodeConfig, checkpoint: Path, command: str) -> None:
+        decode_source(checkpoint)
+
+    @classmethod
+    def locate(cls, cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, command: str) -> "Ct2Source":
+        manifest = decode_source(checkpoint)  # a CTranslate2 export or a checkpoint, else one error line
+        sp, step, used = source_vocab(checkpoint, manifest, tokens)
+        return cls(cfg, checkpoint, sp, step, used, manifest=manifest)
+
+    def open(self, lone_graph: bool = False) -> Ct2Engine:
+        return Ct2Engine.open(self.checkpoint, self.manifest, self.tokens, self.cfg)
+
+
+__all__ = ["Ct2Engine", "Ct2Hypothesis", "Ct2Model", "Ct2Source", "ENGINE_INPUTS", "decode_source", "load_ct2",
+           "open_for_decode", "source_vocab", "translate_under_rules"]

@@ -44,9 +44,9 @@ hashes of the checkpoint and tokens manifests (the checkpoint's alone when its o
 ``--tokens``) and whose ``extra["decode"]`` keeps the decode settings the checkpoint records; it is written to a
 temporary directory and renamed into place.
 
-Decoding an export (``mtpipe decode --engine ctranslate2``, :func:`mtpipe.engine.ct2.ct2_translate`) is
-:mod:`mtpipe.engine.ct2`; the checkpoint and its SentencePiece model are loaded and cross-checked by
-:func:`mtpipe.engine.loading.load_model_and_vocab`, as ``mtpipe decode`` loads them.
+Decoding an export (``mtpipe decode --engine ctranslate2``, :func:`mtpipe.engine.ct2.translate_under_rules`) is
+:mod:`mtpipe.engine.ct2`; the checkpoint and its SentencePiece model are opened and cross-checked by
+:func:`mtpipe.engine.loading.open_checkpoint`, as ``mtpipe decode`` opens them.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from typing import Any
 from mtpipe import artifacts, writing
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from mtpipe.config import ExportConfig
-from mtpipe.engine.loading import load_model_and_vocab
+from mtpipe.engine.loading import open_checkpoint
 from mtpipe.errors import MtpipeError
 
 SPECIAL_PIECES = {PAD_ID: "<pad>", UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>"}
@@ -93,10 +93,11 @@ class ExportSource:
 
 
 def load_source(checkpoint: Path, tokens: Path | None) -> ExportSource:
-    """The checkpoint and the tokens artifact, cross-checked (:func:`mtpipe.engine.loading.load_model_and_vocab`), and the
-    vocabulary's pieces, which become the export's token list: mtpipe's special ids must hold their pieces and every
-    piece must have one id. Every failure is one MtpipeError line."""
-    loaded = load_model_and_vocab(checkpoint, tokens)
+    """The checkpoint and the tokens artifact, opened as every command opens a checkpoint
+    (:func:`mtpipe.engine.loading.open_checkpoint`: cross-checked), and the vocabulary's pieces, which become the
+    export's token list: mtpipe's special ids must hold their pieces and every piece must have one id. Every failure
+    is one MtpipeError line."""
+    loaded = open_checkpoint(checkpoint, tokens)
     sp, spm_path = loaded.sp, loaded.spm_path
     size = sp.get_piece_size()
     pieces = [sp.id_to_piece(i) for i in range(size)]
@@ -337,7 +338,7 @@ def export_extra(src: ExportSource, fmt: str, quantization: str | None) -> dict[
         "vocab": src.ck.vocab,
         "spm_model": "spm.model",
         "max_positions": src.model.cfg.max_positions,
-        "decode": src.ck.manifest.extra.get("decode") or {},
+        "decode": src.ck.meta.decode or {},
         "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
     }
 

@@ -29,7 +29,7 @@ once and takes the eager step from then on.
 A graph reads the weights at the addresses they had when it was recorded: the graphs belong to the prepared variant
 they were recorded for (:func:`mtpipe.engine.variants.prepare`), a snapshot; weights that move (``model.to(...)``) need
 a new one. Batches of more than :data:`MAX_ROWS` rows, restricted self-attention (its window is the
-*last* r cached positions, which padding would move), attention recording and compiled steps keep the eager step.
+*last* r cached positions, which padding would move) and compiled steps keep the eager step.
 
 ``capture=False`` runs the same padded computation without recording a graph: how the tests check on a CPU that
 bucketing, padding and masking leave every hypothesis as the eager step finds it.

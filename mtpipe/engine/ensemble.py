@@ -15,7 +15,7 @@ log-probabilities exactly (``exp(0) = 1``), so it decodes exactly what the model
 
 Each model keeps its own encoder output and incremental decoder cache (:class:`EnsembleState`); the search sees one
 step function (:meth:`Ensemble.step`), so beam search, greedy search and sampling work on an ensemble unchanged. The
-models must share their vocabulary (checked when they are located, :func:`mtpipe.engine.opening.locate`); their
+models must share their vocabulary (checked when they are located, :meth:`EnsembleSource.locate`); their
 shapes may differ. Each is prepared at the decoding precision (:func:`mtpipe.engine.variants.prepare`) and runs the
 eager step: decode.compile and decode.prune are refused for an ensemble (:class:`mtpipe.config.DecodeConfig`), and
 decode.cuda_graphs does not apply.
@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -34,7 +35,7 @@ from torch import Tensor
 from mtpipe.config import DecodeConfig, to_dict
 from mtpipe.engine.protocol import Lane
 from mtpipe.engine.search import DecodeRules
-from mtpipe.engine.translate import MtpipeEngine, open_device
+from mtpipe.engine.translate import MtpipeEngine, MtpipeSource, open_device
 from mtpipe.errors import MtpipeError
 
 
@@ -131,4 +132,46 @@ class EnsembleEngine(MtpipeEngine):
         return super().lane(continuous)
 
 
-__all__ = ["Ensemble", "EnsembleEngine", "EnsembleState", "average_log_probs"]
+@dataclass
+class EnsembleSource(MtpipeSource):
+    """How the ensemble engine opens (its entry in :mod:`mtpipe.registry`, picked by ``decode.ensemble``): the first
+    checkpoint as mtpipe's engine opens it, each further one as well (:func:`locate_member`), then
+    :meth:`EnsembleEngine.open_models` on all of them."""
+
+    members: list[Any] = field(default_factory=list, repr=False)  # the other models' ModelAndVocab, in order
+
+    @classmethod
+    def locate(cls, cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, command: str) -> "EnsembleSource":
+        first = MtpipeSource.locate(cfg, checkpoint, tokens, command)
+        members = [locate_member(Path(p), tokens, first.loaded, command) for p in cfg.ensemble]
+        return cls(cfg, first.checkpoint, first.sp, first.step, first.tokens, loaded=first.loaded, members=members)
+
+    def open(self, lone_graph: bool = False) -> EnsembleEngine:
+        return EnsembleEngine.open_models([self.loaded.model, *(m.model for m in self.members)], self.cfg)
+
+    @property
+    def upstream(self) -> dict[str, Path]:
+        """The lineage a hypotheses manifest records: the models as checkpoint, checkpoint_2, ..."""
+        return {"checkpoint": self.checkpoint,
+                **{f"checkpoint_{i}": m.checkpoint for i, m in enumerate(self.members, start=2)},
+                **({"tokens": self.tokens} if self.tokens is not None else {})}
+
+    def facts(self, engine: Any) -> dict[str, Any]:
+        return {**super().facts(engine), "ensemble_checkpoints": [str(m.checkpoint) for m in self.members]}
+
+
+def locate_member(checkpoint: Path, tokens: Path | None, first: Any, command: str) -> Any:
+    """A model of ``decode.ensemble`` (:class:`mtpipe.engine.loading.ModelAndVocab`), opened as the first
+    (``first``) is and checked against it: an ensemble's models share one vocabulary, whose ids their distributions
+    are averaged over (one line naming the checkpoint otherwise)."""
+    from mtpipe.engine.loading import bare_sha, open_checkpoint
+
+    member = open_checkpoint(checkpoint, tokens, command)
+    mine, theirs = bare_sha(member.ck.vocab.get("spm_sha256")), bare_sha(first.ck.vocab.get("spm_sha256"))
+    if mine != theirs:
+        raise MtpipeError(f"{checkpoint}: trained with another vocabulary than {first.checkpoint} (SentencePiece "
+                          f"sha256 {mine[:12]}... vs {theirs[:12]}...): an ensemble's models must share one")
+    return member
+
+
+__all__ = ["Ensemble", "EnsembleEngine", "EnsembleSource", "EnsembleState", "average_log_probs", "locate_member"]

@@ -1,5 +1,7 @@
 """A checkpoint as a model, with its SentencePiece model: what ``decode``, ``export``, ``serve`` and ``attention``
-load.
+load, each through :func:`open_checkpoint` (``decode`` and ``serve`` by their engine's
+:class:`~mtpipe.engine.protocol.ModelSource`, :mod:`mtpipe.engine.opening`; ``export`` and CTranslate2's conversion by
+:func:`mtpipe.engine.ct2_convert.load_source`).
 
 A checkpoint records the vocabulary it was trained with (``vocab``: the sha256 of the SentencePiece model and its
 size); decoding or exporting it with another SentencePiece model would map ids to the wrong pieces without any error,
@@ -88,6 +90,24 @@ def vocab_source(checkpoint: Path, own_spm: Path | None, tokens: Path | None) ->
     return spm_path, spm_sha, tokens
 
 
+def refuse_export(checkpoint: Path, command: str) -> None:
+    """An ``mtpipe export`` directory is CTranslate2's model, not mtpipe's: one line saying how to use it."""
+    if (checkpoint / artifacts.MANIFEST).is_file() and artifacts.read_manifest(checkpoint).kind == "export":
+        raise MtpipeError(f"{checkpoint}: is an `mtpipe export` model; {command} it with --engine ctranslate2 (or "
+                          "give the checkpoint it was exported from)")
+
+
+def open_checkpoint(checkpoint: Path, tokens: Path | None = None, command: str | None = None) -> ModelAndVocab:
+    """The one way a command opens a checkpoint's model: ``checkpoint`` (an mtpipe checkpoint artifact) and its
+    SentencePiece model (:func:`load_model_and_vocab`). ``command``: a command that also decodes exports with
+    another engine (decode, serve), named in the one line that refuses an export; None: an export fails as any
+    artifact that is not a checkpoint does."""
+    checkpoint = Path(checkpoint)
+    if command is not None:
+        refuse_export(checkpoint, command)
+    return load_model_and_vocab(checkpoint, tokens)
+
+
 def load_model_and_vocab(checkpoint: Path, tokens: Path | None = None) -> ModelAndVocab:
     """Load ``checkpoint`` (an mtpipe checkpoint artifact, nothing else) and its SentencePiece model (that of the bpe
     artifact ``tokens``, else its own: :func:`vocab_source`), check that they belong together, and rebuild the
@@ -100,4 +120,4 @@ def load_model_and_vocab(checkpoint: Path, tokens: Path | None = None) -> ModelA
 
 
 __all__ = ["ModelAndVocab", "SPM_MODEL", "artifact_spm", "bare_sha", "build_checkpoint_model", "load_model_and_vocab",
-           "load_vocab", "vocab_source"]
+           "load_vocab", "open_checkpoint", "refuse_export", "vocab_source"]

@@ -1,12 +1,16 @@
-"""Opening a model to translate with: a checkpoint (or, with ``decode.engine=ctranslate2``, also an ``mtpipe export``
-directory) and its SentencePiece model, as the engine ``decode.engine`` names. ``mtpipe decode``, ``mtpipe serve``
-and their decoding processes (:mod:`mtpipe.engine.workers`) all open it here, so that a sentence is read, translated
-and written the same way by each:
+"""Opening a model to translate with, the one way every command that translates opens one: ``mtpipe decode``,
+``mtpipe serve`` and their decoding processes (:mod:`mtpipe.engine.workers`), so that a sentence is read, translated
+and written the same way by each. The engine is the one :mod:`mtpipe.registry` picks for the ``decode`` section
+(``decode.engine``, or the ensemble engine for ``decode.ensemble``); its entry names the
+:class:`~mtpipe.engine.protocol.ModelSource` that opens it, which is imported here and nowhere else:
 
-* :func:`locate`: the model checked, with its vocabulary (:func:`mtpipe.engine.loading.vocab_source`), before any
-  slow work; :meth:`ModelSource.open` then starts the engine (:class:`~mtpipe.engine.translate.MtpipeEngine`,
-  :class:`~mtpipe.engine.ct2.Ct2Engine`, or for ``decode.ensemble`` :class:`~mtpipe.engine.ensemble.EnsembleEngine`,
-  each further model located by :func:`locate_member`).
+* :func:`locate`: the model (a checkpoint, or with ``decode.engine=ctranslate2`` also an ``mtpipe export``
+  directory) checked, with its vocabulary (:func:`mtpipe.engine.loading.vocab_source`), before any slow work;
+  :meth:`~mtpipe.engine.protocol.ModelSource.open` then starts the engine. A checkpoint's model is opened by
+  :func:`mtpipe.engine.loading.open_checkpoint`, as ``mtpipe export``, ``mtpipe attention`` and CTranslate2's
+  conversion open it. :func:`check_source`: what ``mtpipe serve`` checks before its port opens.
+* :func:`warm_up`: what a process decodes before its real work (a server's requests, stdin's lines, a file's
+  batches), chosen here once.
 * :func:`clean_line` (how a line of raw text is cleaned before it is encoded), :func:`encode_lines` (how it is
   encoded: a line without a letter or a digit is not translated) and :func:`detokenise` (pieces -> one line of
   text).
@@ -17,20 +21,23 @@ and written the same way by each:
 
 from __future__ import annotations
 
+import importlib
 import unicodedata
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from mtpipe import artifacts
+from mtpipe import registry
 from mtpipe.config import DecodeConfig
-from mtpipe.engine.protocol import Engine, Lane
+from mtpipe.engine.protocol import Engine, Lane, ModelSource
 from mtpipe.engine.search import DecodeRules
 from mtpipe.errors import MtpipeError
 
 # What a process decodes before its first real input (a server's warm-up, stdin with decode.compile): one sentence,
 # then several of different lengths; any vocabulary encodes them (SentencePiece falls back to pieces).
 WARM_UP_TEXTS = ("Warm up.", "Warm up a batch.", "Of sentences of several lengths, together.", "One more.")
+# The work a process warms up for (warm_up's ``work``): a server's requests, stdin's lines, a file's or split's batches.
+REQUESTS, LINES, BATCHES = "requests", "lines", "batches"
 
 
 def clean_line(text: str) -> str:
@@ -63,92 +70,48 @@ def detokenise(sp: Any, hyp_tokens: list[list[int]]) -> list[str]:
     return [s.replace("\r", " ").replace("\n", " ") for s in sp.decode(hyp_tokens)]
 
 
-def refuse_export(checkpoint: Path, command: str) -> None:
-    """An ``mtpipe export`` directory is CTranslate2's model, not mtpipe's: one line saying how to use it."""
-    if (checkpoint / artifacts.MANIFEST).is_file() and artifacts.read_manifest(checkpoint).kind == "export":
-        raise MtpipeError(f"{checkpoint}: is an `mtpipe export` model; {command} it with --engine ctranslate2 (or "
-                          "give the checkpoint it was exported from)")
+def source_class(cfg: DecodeConfig) -> type[ModelSource]:
+    """The :class:`~mtpipe.engine.protocol.ModelSource` of the engine that decodes under ``cfg``
+    (:func:`mtpipe.registry.chosen`), imported from the dotted path its entry names."""
+    module, _, name = registry.chosen(cfg).opens.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
-@dataclass
-class ModelSource:
-    """A checkpoint (or, with engine ctranslate2, an export) with its vocabulary checked; :meth:`open` starts the
-    engine, the slow part, once the sources have been read and checked."""
-
-    cfg: DecodeConfig
-    checkpoint: Path
-    sp: Any  # the SentencePiece model (sentencepiece.SentencePieceProcessor)
-    step: int  # the checkpoint's training step
-    tokens: Path | None  # the bpe artifact the vocabulary came from; None: the model's own
-    manifest: Any = field(default=None, repr=False)  # engine ctranslate2: the export's or checkpoint's manifest
-    loaded: Any = field(default=None, repr=False)  # engine mtpipe: the mtpipe.engine.loading.ModelAndVocab
-    # decode.ensemble: the other models (mtpipe.engine.loading.ModelAndVocab), decoded with this one
-    ensemble: list[Any] = field(default_factory=list, repr=False)
-
-    @property
-    def upstream(self) -> dict[str, Path]:
-        """The lineage a hypotheses manifest records (an ensemble's models: checkpoint, checkpoint_2, ...)."""
-        return {"checkpoint": self.checkpoint,
-                **{f"checkpoint_{i}": m.checkpoint for i, m in enumerate(self.ensemble, start=2)},
-                **({"tokens": self.tokens} if self.tokens is not None else {})}
-
-    def open(self, lone_graph: bool = False) -> Engine:
-        """The engine (``lone_graph``: see :meth:`mtpipe.engine.translate.MtpipeEngine.open`)."""
-        if self.cfg.engine == "ctranslate2":
-            from mtpipe.engine.ct2 import Ct2Engine
-
-            return Ct2Engine.open(self.checkpoint, self.manifest, self.tokens, self.cfg)
-        if self.ensemble:
-            from mtpipe.engine.ensemble import EnsembleEngine
-
-            return EnsembleEngine.open_models([self.loaded.model, *(m.model for m in self.ensemble)], self.cfg)
-        from mtpipe.engine.translate import MtpipeEngine
-
-        return MtpipeEngine.open(self.loaded.model, self.cfg, lone_graph=lone_graph)
-
-    def facts(self, engine: Engine) -> dict[str, Any]:
-        """What a server's ``/info`` shows and a decoding process reports: the model, its engine's facts under the
-        decode section's rules."""
-        model = (artifacts.manifest_hash(self.checkpoint)
-                 if (self.checkpoint / artifacts.MANIFEST).is_file() else None)
-        return {"checkpoint": str(self.checkpoint), "model": model, "step": self.step, "engine": self.cfg.engine,
-                "vocab_size": self.sp.get_piece_size(), **engine.facts(DecodeRules.from_config(self.cfg)),
-                **({"ensemble_checkpoints": [str(m.checkpoint) for m in self.ensemble]} if self.ensemble else {})}
+def check_source(cfg: DecodeConfig, checkpoint: Path, command: str = "serve") -> None:
+    """What can be checked of the model without loading it: that it is there and is what the engine reads (a
+    missing or wrong checkpoint fails with one line, before a server listens)."""
+    source_class(cfg).check(cfg, Path(checkpoint), command)
 
 
 def locate(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, command: str = "decode") -> ModelSource:
-    """The model and its SentencePiece model: that of ``tokens``, else the checkpoint's (or export's) own
+    """The model and its SentencePiece model, located and checked by the engine's
+    :meth:`~mtpipe.engine.protocol.ModelSource.locate`: that of ``tokens``, else the checkpoint's (or export's) own
     (:func:`mtpipe.engine.loading.vocab_source`), checked against the vocabulary it was trained with. ``command``
     names what refuses an export for engine mtpipe."""
-    checkpoint = Path(checkpoint)
-    tokens = Path(tokens) if tokens is not None else None
-    if cfg.engine == "ctranslate2":
-        from mtpipe.engine import ct2
-
-        manifest = ct2.decode_source(checkpoint)  # a CTranslate2 export or a checkpoint, else one error line
-        sp, step, used = ct2.source_vocab(checkpoint, manifest, tokens)
-        return ModelSource(cfg, checkpoint, sp, step, used, manifest=manifest)
-    from mtpipe.engine.loading import load_model_and_vocab
-
-    refuse_export(checkpoint, command)
-    loaded = load_model_and_vocab(checkpoint, tokens)
-    others = [locate_member(Path(p), tokens, loaded, command) for p in cfg.ensemble]
-    return ModelSource(cfg, checkpoint, loaded.sp, loaded.ck.step, loaded.tokens, loaded=loaded, ensemble=others)
+    return source_class(cfg).locate(cfg, Path(checkpoint), Path(tokens) if tokens is not None else None, command)
 
 
-def locate_member(checkpoint: Path, tokens: Path | None, first: Any, command: str) -> Any:
-    """A model of ``decode.ensemble`` (:class:`mtpipe.engine.loading.ModelAndVocab`), checked as :func:`locate`
-    checks the first (``first``) and against it: an ensemble's models share one vocabulary, whose ids their
-    distributions are averaged over (one line naming the checkpoint otherwise)."""
-    from mtpipe.engine.loading import bare_sha, load_model_and_vocab
+def warm_up(engine: Engine, rules: DecodeRules, work: str, *, sp: Any = None,
+            sources: Sequence[list[int]] = (), beams: Sequence[int] = (), continuous: bool = False) -> float | None:
+    """What a process decodes before its real work (:meth:`mtpipe.engine.protocol.Engine.warm_up`: the first
+    decodings pay for kernel selection and, with ``decode.compile``, for building the compiled step, whose graphs
+    differ by the number of sentences and the beam), chosen by the ``work`` ahead; the seconds it took, or None
+    where there is nothing to warm up:
 
-    refuse_export(checkpoint, command)
-    member = load_model_and_vocab(checkpoint, tokens)
-    mine, theirs = bare_sha(member.ck.vocab.get("spm_sha256")), bare_sha(first.ck.vocab.get("spm_sha256"))
-    if mine != theirs:
-        raise MtpipeError(f"{checkpoint}: trained with another vocabulary than {first.checkpoint} (SentencePiece "
-                          f"sha256 {mine[:12]}... vs {theirs[:12]}...): an ensemble's models must share one")
-    return member
+    * :data:`REQUESTS` (a server, in its own process or in each worker process): always, so that no request pays:
+      :data:`WARM_UP_TEXTS` encoded with ``sp``, one sentence, then the others together, at ``rules.beam`` and at
+      each of ``beams``, through a ``continuous`` lane when the server batches so;
+    * :data:`LINES` (stdin): with a compiled step only, all of :data:`WARM_UP_TEXTS`, then one alone (lines come
+      one at a time, and a lone sentence has a graph of its own);
+    * :data:`BATCHES` (a file or a split): with a compiled step only, the work's own first ``sources``, several,
+      then one alone, which runs in the same graph as two copies of itself, outside the timed decoding.
+    """
+    if work == BATCHES:
+        return engine.warm_up([list(sources[:8]), list(sources[:1])], rules) if engine.compiled and sources else None
+    texts = [sp.encode(t, out_type=int)[: engine.max_positions - 1] for t in WARM_UP_TEXTS]
+    if work == REQUESTS:
+        return engine.warm_up([texts[:1], texts[1:]], rules, beams, continuous)
+    return engine.warm_up([texts, texts[:1]], rules) if engine.compiled else None
 
 
 @dataclass
@@ -172,12 +135,12 @@ class OpenModel:
         return detokenise(self.sp, tokens)
 
     def warm_up(self, rules: DecodeRules, beams: Sequence[int] = (), continuous: bool = False) -> float:
-        """The engine's warm-up (:meth:`mtpipe.engine.protocol.Engine.warm_up`) on :data:`WARM_UP_TEXTS`: one
-        sentence, then the others together, at ``rules.beam`` and at each of ``beams``."""
+        """The engine warmed up for a server's requests (:func:`warm_up`), at ``rules.beam`` and each of ``beams``."""
         if self.engine is None:
             raise MtpipeError("this process holds no copy of the model (serve.workers > 1)")
-        texts = [self.sp.encode(t, out_type=int)[: self.max_positions - 1] for t in WARM_UP_TEXTS]
-        return self.engine.warm_up([texts[:1], texts[1:]], rules, beams, continuous)
+        seconds = warm_up(self.engine, rules, REQUESTS, sp=self.sp, beams=beams, continuous=continuous)
+        assert seconds is not None, "a server always warms up"
+        return seconds
 
     def description(self) -> dict[str, Any]:
         """What a server process needs of a model that its worker processes run: the vocabulary (the SentencePiece
@@ -203,5 +166,5 @@ def open_model(cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, command
     return OpenModel(engine, source.sp, engine.max_positions, source.facts(engine))
 
 
-__all__ = ["ModelSource", "OpenModel", "WARM_UP_TEXTS", "clean_line", "detokenise", "encode_lines", "has_words",
-           "locate", "locate_member", "open_model", "refuse_export"]
+__all__ = ["BATCHES", "LINES", "ModelSource", "OpenModel", "REQUESTS", "WARM_UP_TEXTS", "check_source", "clean_line",
+           "detokenise", "encode_lines", "has_words", "locate", "open_model", "source_class", "warm_up"]

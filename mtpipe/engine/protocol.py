@@ -1,4 +1,5 @@
-"""What every decoding engine offers its callers (:class:`Engine`) and what a server's worker drives (:class:`Lane`).
+"""What every decoding engine offers its callers (:class:`Engine`), what a server's worker drives (:class:`Lane`), and
+how an engine opens (:class:`ModelSource`, which each engine's entry in :mod:`mtpipe.registry` names).
 
 Three engines satisfy :class:`Engine`: mtpipe's own beam search (:class:`mtpipe.engine.translate.MtpipeEngine`),
 CTranslate2 (:class:`mtpipe.engine.ct2.Ct2Engine`) and a pool of decoding processes running either
@@ -11,8 +12,12 @@ line stays blank), and each engine says where its search differs from the rules 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
+from mtpipe import artifacts
+from mtpipe.config import DecodeConfig
 from mtpipe.engine.search import DecodeRules, Hypothesis
 
 
@@ -113,4 +118,48 @@ class Engine(Protocol):
         ...
 
 
-__all__ = ["Engine", "Lane", "blank_results", "empty_output"]
+@dataclass
+class ModelSource:
+    """A model located and checked with its vocabulary, its engine not opened yet: each engine's own subclass (the
+    ``opens`` of its :class:`mtpipe.registry.EngineEntry`) says how, and :mod:`mtpipe.engine.opening` alone picks
+    and calls it. :meth:`locate` reads and checks everything a bad input could break (one
+    :class:`~mtpipe.errors.MtpipeError` line each) before :meth:`open`, the slow part, starts the engine."""
+
+    cfg: DecodeConfig
+    checkpoint: Path
+    sp: Any  # the SentencePiece model (sentencepiece.SentencePieceProcessor)
+    step: int  # the checkpoint's training step
+    tokens: Path | None  # the bpe artifact the vocabulary came from; None: the model's own
+
+    @classmethod
+    def check(cls, cfg: DecodeConfig, checkpoint: Path, command: str) -> None:
+        """What can be checked of ``checkpoint`` without loading it (``mtpipe serve``, before its port opens): that
+        it is there and is what this engine reads. ``command`` names what refuses it."""
+        raise NotImplementedError
+
+    @classmethod
+    def locate(cls, cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, command: str) -> "ModelSource":
+        """The model at ``checkpoint`` and its SentencePiece model (that of the bpe artifact ``tokens``, else the
+        model's own: :func:`mtpipe.engine.loading.vocab_source`), checked against the vocabulary it was trained
+        with."""
+        raise NotImplementedError
+
+    def open(self, lone_graph: bool = False) -> Engine:
+        """The engine (``lone_graph``: see :meth:`mtpipe.engine.translate.MtpipeEngine.open`)."""
+        raise NotImplementedError
+
+    @property
+    def upstream(self) -> dict[str, Path]:
+        """The lineage a hypotheses manifest records."""
+        return {"checkpoint": self.checkpoint, **({"tokens": self.tokens} if self.tokens is not None else {})}
+
+    def facts(self, engine: Engine) -> dict[str, Any]:
+        """What a server's ``/info`` shows and a decoding process reports: the model, its engine's facts under the
+        decode section's rules."""
+        model = (artifacts.manifest_hash(self.checkpoint)
+                 if (self.checkpoint / artifacts.MANIFEST).is_file() else None)
+        return {"checkpoint": str(self.checkpoint), "model": model, "step": self.step, "engine": self.cfg.engine,
+                "vocab_size": self.sp.get_piece_size(), **engine.facts(DecodeRules.from_config(self.cfg))}
+
+
+__all__ = ["Engine", "Lane", "ModelSource", "blank_results", "empty_output"]

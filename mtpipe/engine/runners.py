@@ -8,8 +8,8 @@ Modes, chosen once when a variant is prepared (:func:`mtpipe.engine.variants.pre
   dynamic (rows, cached positions, sentences, source length), so one graph serves every batch; a new one is built
   only for the few shapes torch specialises (greedy search, beams past 8, a continuous batch's masked rows, a lone
   sentence with ``lone_graph``). On CPU the weights are frozen into the graph (inductor's ``freezing``: constants
-  packed once for oneDNN, as :mod:`mtpipe.engine.packed` packs them for the eager step) and the graph's wrapper is
-  generated C++ (inductor's ``cpp_wrapper``), whose per-kernel cost is lower than Python's for a small batch.
+  packed once for oneDNN) and the graph's wrapper is generated C++ (inductor's ``cpp_wrapper``), whose per-kernel
+  cost is lower than Python's for a small batch.
 * ``aot`` -- in float32 on CPU, the same step exported and compiled ahead of time into a package kept on disk
   (:mod:`mtpipe.engine.step_package`): building a frozen graph takes tens of seconds on a small CPU in every process,
   and torch's on-disk caches skip frozen graphs (their packed oneDNN weights do not pickle); a package is built by
@@ -43,14 +43,22 @@ from mtpipe.errors import MtpipeError
 # graph, in one copy, which measured as fast or faster for them (results files: bench/results).
 _GATHER_IN_GRAPH_BYTES = 1024
 
+
+@contextlib.contextmanager
+def gather_in_graph_from(nbytes: int) -> Iterator[None]:
+    """Inside the block, the compiled step gathers the cache in its graph from rows of ``nbytes`` (0: at every width;
+    more than any row: never, always before the graph) instead of :data:`_GATHER_IN_GRAPH_BYTES`: how
+    ``bench/decode_speed.py`` times that threshold's worth (``--plain gather``). Read at every step, outside the
+    graph."""
+    global _GATHER_IN_GRAPH_BYTES
+    before, _GATHER_IN_GRAPH_BYTES = _GATHER_IN_GRAPH_BYTES, nbytes
+    try:
+        yield
+    finally:
+        _GATHER_IN_GRAPH_BYTES = before
+
 # Which compile settings (frozen or not) this thread has entered around a whole decode (CompiledStep.settings).
 _entered = threading.local()
-
-
-def recording(model: Any) -> bool:
-    """Whether ``model``'s attention weights are being kept (``mtpipe attention``): then only the eager step runs,
-    which keeps them."""
-    return any(layer.self_attn.record is not None or layer.cross_attn.record is not None for layer in model.decoder)
 
 
 def _settings(frozen: bool) -> contextlib.ExitStack:
@@ -186,4 +194,4 @@ class CompiledStep:
                 _entered.frozen = outer
 
 
-__all__ = ["CompiledStep", "mark_step_dynamic", "recording", "step_dynamic_dims"]
+__all__ = ["CompiledStep", "mark_step_dynamic", "step_dynamic_dims"]

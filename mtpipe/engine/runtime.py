@@ -1,21 +1,15 @@
-"""The process's CPU and precision settings: the glibc allocator, the CPU's bf16 support, autocast.
+"""The process's settings for running models: the glibc allocator, torch.compile's on-disk cache.
 
-Shared by training and decoding; nothing here knows about the model or the data.
+Shared by training and decoding; nothing here knows about the model or the data. What the machine is and what it
+offers (bf16, threads, precision, autocast) is :mod:`mtpipe.platform`'s.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from typing import Any
 
-import torch
-
-from mtpipe import env, memory
-from mtpipe.errors import MtpipeError
-from mtpipe.model.ops import cpu_supports_bf16
-
-
+from mtpipe import env, memory, platform
 
 # --------------------------------------------------------------------------------------------------------------------
 # torch.compile's on-disk cache
@@ -32,7 +26,7 @@ def separate_compile_cache() -> str | None:
     sentence, with or without mtpipe's own kernels; with a separate cache, or restricted both times, the outputs
     equal eager decoding). A cache per capability keeps the two apart; an explicit cache directory is the
     user's choice and left alone."""
-    capability = env.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    capability = platform.cpu().restriction
     if not capability or env.get("TORCHINDUCTOR_CACHE_DIR"):
         return None
     try:
@@ -83,34 +77,3 @@ def trim_cpu_memory() -> None:
     if not tune_cpu_allocator.cache_info().currsize or not tune_cpu_allocator():
         return
     memory.release_free_heap()
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Precision
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """``train.precision`` on ``device``: ``auto`` = bf16 where the hardware has it (else fp16 + grad scaler on
-    older GPUs, fp32 on CPU); an explicit choice the device lacks is an error."""
-    if device.type == "cuda":
-        # Native bf16 only (Ampere and newer): torch's default also counts emulation, which would train a P100 or
-        # V100 in a bf16 many times slower than its fp16.
-        bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
-        if precision == "auto":
-            return "bf16" if bf16 else "fp16"
-        if precision == "bf16" and not bf16:
-            raise MtpipeError(f"train.precision=bf16: {torch.cuda.get_device_name(device)} has no bf16; use fp16")
-        return precision
-    if precision == "fp16":
-        raise MtpipeError("train.precision=fp16 needs a CUDA GPU (its grad scaler is GPU-only); on CPU use bf16 or "
-                          "fp32")
-    if precision == "auto":
-        return "bf16" if cpu_supports_bf16() else "fp32"
-    return precision
-
-
-def autocast(device: torch.device, precision: str) -> Any:
-    """The forward pass's autocast context for ``precision`` (disabled for fp32)."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)

@@ -1,4 +1,4 @@
-"""What every decoding engine honours (:class:`DecodeRules`, :class:`Engine`), and mtpipe's beam search.
+"""What every decoding engine honours (:class:`DecodeRules`), and mtpipe's beam search.
 
 The paper decodes with "beam search with a beam size of 4 and length penalty alpha = 0.6 ... We set the maximum output
 length during inference to input length + 50, but terminate early when possible" (section 6.1). Its numbers come
@@ -40,7 +40,7 @@ The search (:func:`beam_search`), per sentence:
   above (finishing, the length limit, ``min_len``, the early stop, ``nbest``) holds as it is.
 
 The search works on any ``step(tokens [N], state) -> (log_probs [N, V], state)`` whose state has
-``select(index, beams)`` (:class:`mtpipe.model.transformer.DecoderState`, or the tests' own: the uncached
+``select(index, beams)`` (:class:`mtpipe.engine.cache.DecoderState`, or the tests' own: the uncached
 reference step of ``testkit/oracles.py``).
 """
 
@@ -75,7 +75,7 @@ class LengthPenalty:
     alpha: float = 0.6
 
     def __post_init__(self) -> None:
-        # Also built in code (ct2_translate's keywords, the tests), where no DecodeConfig has checked the kind.
+        # Also built in code (the CTranslate2 engine, the tests), where no DecodeConfig has checked the kind.
         if self.kind not in PENALTIES:
             raise MtpipeError(f"decode.length_penalty: unknown penalty {self.kind!r} "
                               f"(choose from {', '.join(PENALTIES)})")
@@ -201,46 +201,17 @@ StepFn = Callable[[Tensor, Any], "tuple[Tensor | Callable[[int, int], Tensor], A
 # Rows of log-probabilities ranked at a time (:func:`beam_search`): 256 x 8k vocabulary x 4 bytes = 8 MB, which stays
 # in a server CPU's cache between the projection, the softmax and the ranking.
 _BLOCK_ROWS = 256
-# Vocabulary entries per chunk in :func:`top_candidates`: contiguous runs whose maxima torch reduces in vectorised
-# passes, far cheaper per entry than a top-k over a sentence's k x V entries (the width is bench/decode_speed.py's
-# "ranking" row's to measure).
-_CHUNK = 128
 
 
 def top_candidates(logp: Tensor, scores: Tensor, m: int) -> tuple[Tensor, Tensor]:
     """The ``m`` best one-token extensions of each sentence, best first: ``logp`` ``[n*k, V]`` (the k beams of a
     sentence in consecutive rows), ``scores`` ``[n, k]`` the beams' log-probabilities so far -> values ``[n, m]``
-    (score + log-probability) and indices into each sentence's ``k * V`` extensions (``beam * V + token``).
-
-    Exact, and much cheaper than a top-k over all ``k * V`` sums, which read every entry in scalar code: the
-    vocabulary is cut into chunks of ``_CHUNK`` entries, each chunk's maximum (one vectorised pass) plus its beam's
-    score ranks the chunks, and only the best ``m`` chunks are searched. That is exact because each of the ``m``
-    best extensions lies in a chunk whose maximum is at least as high, and at most ``m`` chunks can have a higher
-    maximum than the m-th best extension (each such maximum is itself a better extension); ties may resolve to a
-    different one of equal value, as a top-k's may. ``logp`` is not changed."""
-    rows, vocab = logp.shape
+    (score + log-probability) and indices into each sentence's ``k * V`` extensions (``beam * V + token``): one
+    top-k over all ``k * V`` sums. ``logp`` is not changed."""
     n, k = scores.shape
-    if vocab < 4 * _CHUNK or m >= k * -(-vocab // _CHUNK):  # few chunks (tiny vocabularies): one top-k is as cheap
-        cand = (logp.view(n, k, vocab) + scores.unsqueeze(2)).view(n, k * vocab)  # [n*k, V] -> [n, k*V]
-        return cand.topk(min(m, k * vocab), dim=1)
-    whole = vocab // _CHUNK * _CHUNK
-    peaks = logp[:, :whole].view(rows, whole // _CHUNK, _CHUNK).amax(-1)  # [n*k, V'] -> [n*k, V'/C, C] -> [n*k, J]
-    if whole < vocab:  # the last, shorter chunk
-        peaks = torch.cat([peaks, logp[:, whole:].amax(-1, keepdim=True)], dim=1)  # [n*k, J]
-    chunks = peaks.size(1)
-    peaks = peaks.view(n, k, chunks).add_(scores.unsqueeze(2)).view(n, k * chunks)  # [n*k, J] -> [n, k*J]
-    _, best = peaks.topk(min(m, k * chunks), dim=1)  # [n, m'] chunk ids: beam * J + chunk
-    beam_of = best // chunks  # [n, m']
-    first = (best % chunks) * _CHUNK  # [n, m'] the chunk's first vocabulary entry
-    cols = first.unsqueeze(2) + torch.arange(_CHUNK, device=logp.device)  # [n, m', C]
-    row = torch.arange(n, device=logp.device).unsqueeze(1) * k + beam_of  # [n, m'] rows of logp
-    # [n, m', C] entries of the chosen chunks; past the vocabulary's end (the last chunk) -> -inf
-    values = logp.view(-1)[(row.unsqueeze(2) * vocab + cols.clamp(max=vocab - 1)).view(-1)].view(cols.shape)
-    values = values.add_(scores.gather(1, beam_of).unsqueeze(2)).masked_fill_(cols >= vocab, float("-inf"))
-    top, j = values.view(n, -1).topk(min(m, k * vocab), dim=1)  # [n, m'*C] -> [n, m]
-    pick = j // _CHUNK  # [n, m] which chosen chunk
-    token = first.gather(1, pick) + j % _CHUNK
-    return top, beam_of.gather(1, pick) * vocab + token
+    vocab = logp.size(1)
+    cand = (logp.view(n, k, vocab) + scores.unsqueeze(2)).view(n, k * vocab)  # [n*k, V] -> [n, k, V] -> [n, k*V]
+    return cand.topk(min(m, k * vocab), dim=1)
 
 
 class BeamSearch:
@@ -252,10 +223,10 @@ class BeamSearch:
     al. 2022, "Orca"), so that a short sentence is answered when it ends rather than when the longest sentence of its
     batch ends, and the batch stays full. A sentence's result does not depend on what else is in the batch: the rows
     never interact, each sentence counts its own steps (its positions, its length limit, its length penalty), and a
-    sentence that joins later attends only to its own cache slots (:meth:`mtpipe.model.transformer.DecoderState.admit`).
+    sentence that joins later attends only to its own cache slots (:meth:`mtpipe.engine.cache.DecoderState.admit`).
 
     ``step(tokens [N], state) -> (log_probs, state)`` as in :func:`beam_search`; the state also needs
-    ``admit(fresh)`` when sentences join a non-empty search (:class:`mtpipe.model.transformer.DecoderState`).
+    ``admit(fresh)`` when sentences join a non-empty search (:class:`mtpipe.engine.cache.DecoderState`).
     ``sampler`` (:class:`mtpipe.engine.sampling.Sampler`): each slot's next token is drawn instead of the best
     extensions taken (``beam`` samples per sentence, each continued in its own slot); :meth:`admit` then takes each
     sentence's sampling key. (The step body is one method on purpose: it reads as the algorithm it is.)
@@ -296,11 +267,11 @@ class BeamSearch:
 
     def admit(self, keys: Sequence[Any], state: State, max_lens: Sequence[int],
               sample_keys: Sequence[int] | None = None) -> None:
-        """Let sentences in: ``state`` has one row per sentence and nothing decoded yet (:meth:`Transformer.start`),
-        ``max_lens[i]`` the most tokens sentence ``keys[i]`` may have before its EOS. Into a running search they join
-        with ``k`` slots each, the first holding BOS at log-probability 0 and the others empty (-inf), which ranks
-        exactly as one slot would. ``sample_keys``: with a sampler, each sentence's key
-        (:func:`mtpipe.engine.sampling.sentence_key`)."""
+        """Let sentences in: ``state`` has one row per sentence and nothing decoded yet
+        (:meth:`~mtpipe.engine.variants.Prepared.start`), ``max_lens[i]`` the most tokens sentence ``keys[i]`` may
+        have before its EOS. Into a running search they join with ``k`` slots each, the first holding BOS at
+        log-probability 0 and the others empty (-inf), which ranks exactly as one slot would. ``sample_keys``: with a
+        sampler, each sentence's key (:func:`mtpipe.engine.sampling.sentence_key`)."""
         m = len(keys)
         if m == 0:
             return
@@ -461,16 +432,16 @@ def beam_search(step: StepFn, state: State, max_lens: Sequence[int], beam: int, 
 
     ``state`` has one row per sentence; ``step(tokens [N], state)`` gives the log-probabilities ``[N, V]`` of the
     next token after ``tokens`` (BOS first; a new tensor each call, which the search overwrites), or a function
-    ``(lo, hi) -> [hi - lo, V]`` that makes rows ``lo:hi`` of them on demand (:meth:`Transformer.step` with
-    ``lazy``), and the advanced state. ``max_lens[b]``: the most tokens sentence b may have before its EOS.
-    ``on_done(n)`` is called as n sentences finish. After each step the state is narrowed with
-    ``state.select(rows, beams)``: rows of the kept hypotheses, ``beams`` consecutive rows per sentence still in the
-    batch. ``stop_after=None`` stops a sentence by the exact bound, ``stop_after=m`` once m of its hypotheses have
-    finished (fairseq's and CTranslate2's rule, ``decode.stop=finished``; m >= nbest). See the module docstring for
-    the search rules. ``start_id``: the decoder's first input (the model's ``start_id``: BOS, or EOS for
-    ``model.decoder_start=eos``). ``min_len``: EOS may not follow fewer tokens than this (``decode.min_len``), unless
-    the length limit forces it. ``sampler``: sample instead (:mod:`mtpipe.engine.sampling`), each sentence by its
-    ``sample_keys`` entry.
+    ``(lo, hi) -> [hi - lo, V]`` that makes rows ``lo:hi`` of them on demand
+    (:meth:`~mtpipe.engine.variants.Prepared.step` with ``lazy``), and the advanced state. ``max_lens[b]``: the most
+    tokens sentence b may have before its EOS. ``on_done(n)`` is called as n sentences finish. After each step the
+    state is narrowed with ``state.select(rows, beams)``: rows of the kept hypotheses, ``beams`` consecutive rows per
+    sentence still in the batch. ``stop_after=None`` stops a sentence by the exact bound, ``stop_after=m`` once m of
+    its hypotheses have finished (fairseq's and CTranslate2's rule, ``decode.stop=finished``; m >= nbest). See the
+    module docstring for the search rules. ``start_id``: the decoder's first input (the model's ``start_id``: BOS,
+    or EOS for ``model.decoder_start=eos``). ``min_len``: EOS may not follow fewer tokens than this
+    (``decode.min_len``), unless the length limit forces it. ``sampler``: sample instead
+    (:mod:`mtpipe.engine.sampling`), each sentence by its ``sample_keys`` entry.
     """
     search = BeamSearch(step, beam, penalty, nbest, device, stop_after, start_id, min_len, sampler)
     results: list[list[Hypothesis]] = [[] for _ in max_lens]

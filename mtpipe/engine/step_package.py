@@ -44,11 +44,11 @@ import torch
 from torch import Tensor
 
 from mtpipe import env as mtenv
-from mtpipe.artifacts import cache_root
+from mtpipe import platform
 from mtpipe.atomic import _umask
 from mtpipe.console import info, warn
 from mtpipe.errors import MtpipeError
-from mtpipe.model import ops
+from mtpipe.reading import cache_root
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,7 @@ class PackageCache:
     max_gb: float = 5.0
 
     def path(self) -> Path:
-        """``decode-step/`` below the cache root (:func:`mtpipe.artifacts.cache_root`); mtpipe writes nothing else
+        """``decode-step/`` below the cache root (:func:`mtpipe.reading.cache_root`); mtpipe writes nothing else
         there."""
         return cache_root(self.directory) / "decode-step"
 
@@ -181,8 +181,9 @@ def _source_digest() -> str:
 def package_key(weights: str, variant: tuple) -> str:
     """The package's file name: a digest of the weights, the input variant, the example sizes it is exported on
     (:data:`_SIZES`: they shape the generated code) and the environment its code was built for (torch's version and
-    dispatched CPU code, oneDNN's ISA limit)."""
-    env = (torch.__version__, ops.cpu_capability(), mtenv.get("ONEDNN_MAX_CPU_ISA", ""))
+    dispatched CPU code, oneDNN's ISA limit: :func:`mtpipe.platform.cpu`)."""
+    cpu = platform.cpu()
+    env = (torch.__version__, cpu.capability, cpu.isa_limit)
     return hashlib.sha256(repr((weights, variant, sorted(_SIZES.items()), env, _source_digest())).encode()
                           ).hexdigest()[:32]
 

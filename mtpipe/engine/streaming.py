@@ -9,7 +9,8 @@ step it is done (:class:`mtpipe.engine.search.BeamSearch`), so the batch stays a
 is answered as soon as its own search ends.
 
 A sentence's translation does not depend on its batch: beam search is per sentence, the encoder runs on the joining
-sentences alone, and a row that joined later sees only its own positions (:meth:`mtpipe.model.transformer.DecoderState.admit`).
+sentences alone, and a row that joined later sees only its own positions
+(:meth:`mtpipe.engine.cache.DecoderState.admit`).
 """
 
 from __future__ import annotations

@@ -17,14 +17,16 @@ batches, stdin's lines, a server's requests).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
+from mtpipe import platform
 from mtpipe.artifacts import EOS_ID, PAD_ID
 from mtpipe.config import DecodeConfig, to_dict
-from mtpipe.engine.protocol import Lane, blank_results
+from mtpipe.engine.protocol import Lane, ModelSource, blank_results
 from mtpipe.engine.sampling import sentence_key
 from mtpipe.engine.search import DecodeRules, Hypothesis, beam_search
 
@@ -110,22 +112,12 @@ def translate_batches(model: Any, sources: Sequence[Sequence[int]], rules: Decod
                            on_done=on_done)
 
 
-def translate(model: Any, sources: Sequence[Sequence[int]], cfg: DecodeConfig, device: torch.device | str = "cpu",
-              on_done: Callable[[int], None] | None = None) -> list[list[Hypothesis]]:
-    """:func:`translate_batches` under the rules and settings of a ``decode`` section (batches of
-    ``cfg.max_tokens`` at ``cfg.precision``)."""
-    return translate_batches(model, sources, DecodeRules.from_config(cfg), max_tokens=cfg.max_tokens,
-                             precision=cfg.precision, device=device, on_done=on_done, compile=cfg.compile,
-                             cuda_graphs=cfg.cuda_graphs)
-
-
 def open_device(cfg: DecodeConfig) -> torch.device:
-    """Where an engine decodes (``decode.device``, :func:`mtpipe.engine.variants.decoding_device`), the CPU's
+    """Where an engine decodes (``decode.device``, :func:`mtpipe.platform.decoding_device`), the CPU's
     allocator tuned for decoding when it is the CPU."""
     from mtpipe.engine import runtime
-    from mtpipe.engine.variants import decoding_device
 
-    device = decoding_device(cfg.device, cfg.precision)
+    device = platform.decoding_device(cfg.device, cfg.precision)
     if device.type == "cpu":
         runtime.tune_cpu_allocator()
     return device
@@ -191,24 +183,19 @@ class MtpipeEngine:
 
     def translate(self, sources: Sequence[Sequence[int]], rules: DecodeRules,
                   on_done: Callable[[int], None] | None = None) -> list[list[Hypothesis]]:
-        threads_before = torch.get_num_threads()
-        if self.threads > 0:
-            torch.set_num_threads(self.threads)
-        try:
+        with platform.threads(self.threads):  # as they were after (it may be called in-process: tests, notebooks)
             return search_prepared(self.prepared, sources, rules, max_tokens=self.max_tokens,
                                    precision=self.precision, device=self.device, on_done=on_done)
-        finally:
-            torch.set_num_threads(threads_before)  # may be called in-process (tests, notebooks)
 
     def lane(self, continuous: bool = False) -> Lane:
-        """Batch by batch (:meth:`translate`), or continuously on the prepared model (:class:`StreamLane`), which
-        the lane then drives itself: the process's CPU threads are set here, for good."""
+        """Batch by batch (:meth:`translate`), or continuously on the prepared model
+        (:class:`~mtpipe.engine.lanes.StreamLane`), which the lane then drives itself: the process's CPU threads are
+        set here, for good."""
         from mtpipe.engine.lanes import BatchLane, StreamLane
 
         if not continuous:
             return BatchLane(self.translate)
-        if self.threads > 0:
-            torch.set_num_threads(self.threads)
+        platform.set_threads(self.threads)
         return StreamLane(self.prepared, self.device, self.precision, self.max_tokens)
 
     def warm_up(self, groups: Sequence[list[list[int]]], rules: DecodeRules, beams: Sequence[int] = (),
@@ -221,5 +208,32 @@ class MtpipeEngine:
         """Nothing to release: the prepared model goes with the engine."""
 
 
-__all__ = ["MtpipeEngine", "batches_by_tokens", "open_device", "search_batches", "search_prepared", "translate",
+@dataclass
+class MtpipeSource(ModelSource):
+    """How mtpipe's engine opens (its entry in :mod:`mtpipe.registry`): a checkpoint, opened as every command opens
+    one (:func:`mtpipe.engine.loading.open_checkpoint`; an export is refused in one line), then
+    :meth:`MtpipeEngine.open` on its model."""
+
+    loaded: Any = field(default=None, repr=False)  # the mtpipe.engine.loading.ModelAndVocab
+
+    @classmethod
+    def check(cls, cfg: DecodeConfig, checkpoint: Path, command: str) -> None:
+        from mtpipe import artifacts
+        from mtpipe.engine.loading import refuse_export
+
+        refuse_export(checkpoint, command)
+        artifacts.read_manifest(checkpoint, "checkpoint")
+
+    @classmethod
+    def locate(cls, cfg: DecodeConfig, checkpoint: Path, tokens: Path | None, command: str) -> "MtpipeSource":
+        from mtpipe.engine.loading import open_checkpoint
+
+        loaded = open_checkpoint(checkpoint, tokens, command)
+        return cls(cfg, checkpoint, loaded.sp, loaded.ck.step, loaded.tokens, loaded=loaded)
+
+    def open(self, lone_graph: bool = False) -> MtpipeEngine:
+        return MtpipeEngine.open(self.loaded.model, self.cfg, lone_graph=lone_graph)
+
+
+__all__ = ["MtpipeEngine", "MtpipeSource", "batches_by_tokens", "open_device", "search_batches", "search_prepared",
            "translate_batches"]

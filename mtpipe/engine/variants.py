@@ -1,15 +1,14 @@
-"""A model prepared to decode (:func:`prepare`): its variant for the decoding precision and device, built from its
-weights as new objects, and the step runner, chosen once.
+"""A model prepared to decode (:func:`prepare`): its variant for the decoding precision and device, and the step
+runner, chosen once.
 
-Variants: float32 on CPU, the linear layers and the projection on packed copies of their weights
-(:mod:`mtpipe.engine.packed`); bf16, a copy with bf16 weights (:func:`bf16_copy`); int8 (CPU), a copy with int8
-linear layers (:func:`int8_copy`); float32 on a GPU, the model itself. Runners: the eager step, the compiled one
-(``decode.compile``, :mod:`mtpipe.engine.runners`), or on a GPU the step replayed from CUDA graphs
+Variants: float32, the model itself (a copy of it for a compiled step); bf16, a copy with bf16 weights
+(:func:`bf16_copy`); int8 (CPU), a copy with int8 linear layers (:func:`int8_copy`). Runners: the eager step, the
+compiled one (``decode.compile``, :mod:`mtpipe.engine.runners`), or on a GPU the step replayed from CUDA graphs
 (``decode.cuda_graphs``, :mod:`mtpipe.engine.cuda_graphs`).
 
-A prepared model is a snapshot of the weights it was prepared from: weights changed afterwards (a training update,
-``load_state_dict``, ``model.to(...)``) need a new :func:`prepare`, and the old one is dropped with whatever it
-derived from them.
+A prepared model holds what it derived from the weights it was prepared from (a copy, bf16 or int8 weights, a compiled
+step): weights changed afterwards (a training update, ``load_state_dict``, ``model.to(...)``) need a new
+:func:`prepare`, and the old one is dropped with whatever it derived from them.
 """
 
 from __future__ import annotations
@@ -23,21 +22,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mtpipe import platform
 from mtpipe.console import info
 from mtpipe.engine.cache import DecoderState
-from mtpipe.engine.runners import CompiledStep, recording
+from mtpipe.engine.runners import CompiledStep
 from mtpipe.errors import MtpipeError
 from mtpipe.model.ops import attention_kernels
 
 
 @contextlib.contextmanager
 def decoding_context(device: torch.device, precision: str) -> Iterator[None]:
-    """What decoding steps run under: bf16 autocast for precision bf16 (matmuls in bf16, softmax/log-softmax in
-    fp32; nothing for fp32), and on a GPU the attention kernels that suit a step's ever-changing shapes
-    (:func:`mtpipe.model.ops.attention_kernels`)."""
-    autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if precision == "bf16"
-                else contextlib.nullcontext())
-    with autocast, attention_kernels(device):
+    """What decoding steps run under: the precision's autocast (:func:`mtpipe.platform.autocast`: bf16 matmuls,
+    softmax/log-softmax in fp32; nothing for fp32 and int8), and on a GPU the attention kernels that suit a step's
+    ever-changing shapes (:func:`mtpipe.model.ops.attention_kernels`)."""
+    with platform.autocast(device, precision), attention_kernels(device):
         yield
 
 
@@ -74,6 +72,9 @@ def int8_copy(model: Any) -> Any:
     mode does."""
     import warnings
 
+    if platform.kernels().quantised == "none":
+        raise MtpipeError("decode.precision=int8: this torch build has no quantised CPU engine (fbgemm, x86, "
+                          "qnnpack, onednn); decode at fp32 or bf16")
     twin = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch's notice that quantized tensors are being redesigned
@@ -87,24 +88,12 @@ def int8_copy(model: Any) -> Any:
     return twin
 
 
-def decoding_device(spec: str, precision: str) -> torch.device:
-    """``decode.device``: ``cpu``, ``cuda`` (an error when no GPU is visible) or ``auto``: the GPU when one is
-    visible, except for int8 decoding, which runs on the CPU only (:func:`int8_copy`)."""
-    if spec == "cuda":
-        if not torch.cuda.is_available():
-            raise MtpipeError("decode.device=cuda but no CUDA GPU is visible to this process")
-        return torch.device("cuda")
-    if spec == "auto" and precision != "int8" and torch.cuda.is_available():
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
 COMPILE_MODES = ("off", "jit", "aot")
 
 
 class Prepared:
     """A model as it decodes: its variant (``model``), the projection of a step's rows (``project``: the variant's
-    :meth:`~mtpipe.model.transformer.Transformer.logits`, or its packed or int8 form), and the step's runners, a
+    :meth:`~mtpipe.model.transformer.Transformer.logits`, or its int8 form), and the step's runners, a
     compiled step (``compiled``) or CUDA graphs (``graphs``), each None when not used. What the beam search and the
     streaming decoder drive, inside ``torch.inference_mode`` and :func:`decoding_context`."""
 
@@ -135,7 +124,7 @@ class Prepared:
         offset = state.length if state.start is None else state.length - state.start[:, None]  # int or [R, 1]
         x = self.model.embed_tokens(tokens[:, None], offset=offset, target=True)  # [R] -> [R, 1] -> [R, 1, D]
         graphed = None
-        if self.graphs is not None and self.graphs.takes(x.size(0)) and not recording(self.model):
+        if self.graphs is not None and self.graphs.takes(x.size(0)):
             # decode.cuda_graphs: layers, projection and log-softmax replayed from a recorded graph
             graphed = self.graphs(x, state)  # [R, V], [layers, R, h, d] x 2; None: no graph (the eager step)
         if graphed is not None:
@@ -158,7 +147,7 @@ class Prepared:
         cfg = self.cfg
         k_prev, v_prev, index, prev_mask = state.prefix(x, len(self.model.decoder), cfg.heads, cfg.d_k, cfg.d_v,
                                                         cfg.attention_window)
-        if self.compiled is not None and state.length >= 2 and not recording(self.model):
+        if self.compiled is not None and state.length >= 2:
             return self.compiled(x, k_prev, v_prev, index, prev_mask, state)
         return self.model.step(x, k_prev, v_prev, prev_mask, state.cross, state.src_mask, index)
 
@@ -166,11 +155,6 @@ class Prepared:
         """What a decode enters once around all its steps: ``decode.compile``'s torch settings
         (:meth:`CompiledStep.settings`); nothing for the other runners."""
         return self.compiled.settings() if self.compiled is not None else contextlib.nullcontext()
-
-    def recording(self) -> contextlib.AbstractContextManager:
-        """The variant's :meth:`~mtpipe.model.transformer.Transformer.recording` (``mtpipe attention``): the eager
-        step runs while it records."""
-        return self.model.recording()
 
 
 def compile_mode(value: Any) -> str:
@@ -194,12 +178,10 @@ def prepare(model: Any, precision: str, device: torch.device, compile: str = "of
     (:class:`mtpipe.engine.step_package.PackageCache`, None: the default). ``model`` itself is left as it was."""
     compile = compile_mode(compile)
     model.eval()
-    if precision == "int8" and device.type != "cpu":
-        raise MtpipeError("decode.precision=int8 runs on CPU only; use bf16 on a GPU")
-    if compile != "off" and precision == "int8":
-        raise MtpipeError("decode.compile: applies to the cached fp32 and bf16 step, not to int8 decoding")
-    variant, project = _variant(model, precision, device, own_weights=compile != "off")
+    platform.check_decoding_device(precision, device)  # (decode.compile with int8: refused by DecodeConfig)
+    variant = _variant(model, precision, own_weights=compile != "off")
     variant.eval()
+    project = variant.logits  # the variant's own (int8: its quantised projection)
     compiled = graphs = None
     if compile != "off":
         if compile == "aot" and not (precision == "fp32" and device.type == "cpu"):
@@ -213,21 +195,12 @@ def prepare(model: Any, precision: str, device: torch.device, compile: str = "of
     return Prepared(variant, project, compiled, graphs)
 
 
-def _variant(model: Any, precision: str, device: torch.device,
-             own_weights: bool) -> tuple[Any, Callable[[Tensor], Tensor]]:
-    """The module that decodes and its projection of a step's rows, built from ``model``'s weights (module
-    docstring); ``own_weights``: a copy of float32 weights rather than new modules around them (a compiled step is
-    keyed by the weights' identity, and must not meet weights that changed in place)."""
+def _variant(model: Any, precision: str, own_weights: bool) -> Any:
+    """The module that decodes, built from ``model``'s weights (module docstring); ``own_weights``: a copy of
+    float32 weights rather than the model itself (a compiled step is keyed by the weights' identity, and must not
+    meet weights that changed in place)."""
     if precision == "bf16":
-        twin = bf16_copy(model)
-        return twin, twin.logits
+        return bf16_copy(model)
     if precision == "int8":
-        twin = int8_copy(model)
-        return twin, twin.logits
-    if device.type == "cpu":
-        from mtpipe.engine.packed import packed_copy
-
-        return packed_copy(model, own_weights)
-    if own_weights:
-        model = copy.deepcopy(model)
-    return model, model.logits
+        return int8_copy(model)
+    return copy.deepcopy(model) if own_weights else model

@@ -23,6 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from mtpipe import platform
 from mtpipe.config import DecodeConfig
 from mtpipe.engine.lanes import first_line
 from mtpipe.engine.protocol import Lane, blank_results
@@ -243,7 +244,7 @@ def worker_gpu(index: int, cfg: DecodeConfig) -> int | None:
     """The GPU that worker process ``index`` decodes on when ``decode.device`` lets it use one and the machine has
     several: worker i on GPU i mod count, so N processes on N GPUs decode side by side; None (torch's current device,
     or the CPU) otherwise. Only asks torch when a GPU may be used, so that CPU workers never initialise CUDA."""
-    if cfg.device == "cpu" or (cfg.device == "auto" and cfg.precision == "int8"):  # int8 runs on the CPU only
+    if not platform.may_decode_on_gpu(cfg.device, cfg.precision):  # e.g. int8, which runs on the CPU only
         return None
     import torch
 
@@ -252,13 +253,9 @@ def worker_gpu(index: int, cfg: DecodeConfig) -> int | None:
 
 
 def worker_threads(cfg: DecodeConfig, workers: int) -> int:
-    """CPU threads per worker process: ``decode.threads`` when set, else this process's CPUs split evenly."""
-    import os
-
-    if cfg.threads > 0:
-        return cfg.threads
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cpus // workers)
+    """CPU threads per worker process: ``decode.threads`` when set, else this process's CPUs split evenly
+    (:func:`mtpipe.platform.threads_per_process`)."""
+    return platform.threads_per_process(cfg.threads, workers)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -53,6 +53,14 @@ def drop_heads(o: Tensor, p: Tensor) -> Tensor:
     return o * (keep * scale).to(o.dtype)
 
 
+class AttentionWeights(nn.Identity):
+    """The attention weights ``softmax(Q K^T / sqrt(d_k))`` ``[B, h, Lq, Lk]`` of a forward pass, passed through
+    unchanged: where a forward hook (``register_forward_hook``) sees them, as ``mtpipe attention`` draws them (the
+    paper's Figures 3-5). The attention calls it only while a hook is registered on it
+    (:meth:`MultiHeadAttention.observed`), the weights then computed as a matrix of their own; otherwise attention
+    may take a fused kernel that never materialises them, and this module is not called."""
+
+
 class MultiHeadAttention(nn.Module):
     """``MultiHead(Q, K, V) = Concat(head_1..head_h) W^O`` with ``head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)``
     (section 3.2.2).
@@ -60,7 +68,8 @@ class MultiHeadAttention(nn.Module):
     The h per-head projections are one matrix each (``h * d_k`` outputs). For self-attention Q, K and V come from
     one fused ``[d_model -> h*(2 d_k + d_v)]`` matmul, for encoder-decoder attention K and V from one
     ``[d_model -> h*(d_k+d_v)]`` matmul over the encoder output: fewer, larger matmuls are faster on every backend.
-    The layers call :meth:`self_attend` or :meth:`attend_memory` (section 3.2.3's three uses of attention).
+    The layers call :meth:`self_attend` or :meth:`attend_memory` (section 3.2.3's three uses of attention). The
+    weights of every head pass through :attr:`weights` while a forward hook observes it (:class:`AttentionWeights`).
     """
 
     def __init__(self, d_model: int, heads: int, d_k: int, d_v: int, dropout: float, self_attention: bool,
@@ -69,9 +78,7 @@ class MultiHeadAttention(nn.Module):
         self.heads, self.d_k, self.d_v, self.dropout = heads, d_k, d_v, dropout
         self.self_attention = self_attention
         self.window = window  # restricted self-attention's r (section 4); 0 = every position
-        # Attention weights [B, h, Lq, Lk] of every forward pass are appended here while a list is set
-        # (Transformer.recording, for `mtpipe attention`): the same forward, the weights kept instead of discarded.
-        self.record: list[Tensor] | None = None
+        self.weights = AttentionWeights()  # the softmax weights, for a forward hook (`mtpipe attention`)
         # DropHead probability (Transformer.set_drophead; None = off, the default): a 0-dim buffer updated in place,
         # not a float, so a new value each update is data to torch.compile, not a reason to recompile.
         self.register_buffer("drophead", None, persistent=False)
@@ -95,6 +102,12 @@ class MultiHeadAttention(nn.Module):
                     nn.init.xavier_uniform_(w, gain=2**-0.5)
                 nn.init.uniform_(lin.bias, -(fan_in**-0.5), fan_in**-0.5)
 
+    def observed(self) -> bool:
+        """Whether a forward hook is registered on :attr:`weights` (then the weights pass through it)."""
+        # _modules["weights"], not self.weights: nn.Module's attribute lookup would cost more than the rest of the
+        # check, paid by every attention of every decoding step
+        return bool(self._modules["weights"]._forward_hooks)
+
     def _split(self, x: Tensor, d: int) -> Tensor:
         b, length, _ = x.shape
         return x.view(b, length, self.heads, d).transpose(1, 2)  # [B, L, h*d] -> [B, L, h, d] -> [B, h, L, d]
@@ -114,13 +127,13 @@ class MultiHeadAttention(nn.Module):
                banded: bool = False) -> Tensor:
         """The h heads' scaled dot-product attention, DropHead in training, and the output projection W^O:
         ``[B, h, Lq, d]`` queries -> ``[B, Lq, D]``. ``banded``: restricted self-attention computed band by band
-        (:func:`mtpipe.model.ops.banded_attention`), ``mask`` then being the keys' padding mask."""
+        (:func:`mtpipe.model.ops.banded_attention`), ``mask`` then being the keys' padding mask. While
+        :attr:`weights` is observed, the weights are computed as one full matrix and passed through it."""
         p = self.dropout if self.training else 0.0
-        if self.record is not None:
-            if banded:  # the full matrix, so that it can be kept
+        if self.observed():
+            if banded:  # the full matrix, so that it can be observed
                 mask, causal = self._window_mask(q.size(2), mask, causal), False
-            weights = attention_weights(q, k, mask, causal)  # [B, h, Lq, Lk]
-            self.record.append(weights.detach().float())
+            weights = self.weights(attention_weights(q, k, mask, causal))  # [B, h, Lq, Lk]
             o = torch.matmul(dropout(weights, p, True).to(v.dtype), v)  # [B, h, Lq, Lk] x [B, h, Lk, d_v]
         elif banded:
             o = banded_attention(q, k, v, mask, self.window, causal, p)
@@ -167,10 +180,13 @@ class MultiHeadAttention(nn.Module):
 
         The same ``softmax(q [K_prev; k]^T / sqrt(d_k)) [V_prev; v]`` as :meth:`attend` (section 3.2.1) over the
         t + 1 positions, with the new position's score and value taken apart instead of first written into the
-        cache: a step then reads the cache and writes it once, after all layers (:meth:`Transformer.step`), and
-        the step is a pure function of its inputs, which is what ``torch.compile`` needs (``decode.compile``).
-        Inference only: no dropout, no DropHead."""
-        o = cached_attention(q, k, v, k_prev, v_prev, prev_mask, self.record)  # [R, h, 1, d_v]
+        cache: a step then reads the cache and writes it once, after all layers
+        (:meth:`mtpipe.model.transformer.Transformer.step`), and the step is a pure function of its inputs, which is
+        what ``torch.compile`` needs (``decode.compile``).
+        Inference only: no dropout, no DropHead. The weights ``[R, h, 1, t+1]`` pass through :attr:`weights` while
+        it is observed."""
+        observe = self.weights if self.observed() else None
+        o = cached_attention(q, k, v, k_prev, v_prev, prev_mask, observe)  # [R, h, 1, d_v]
         b = o.size(0)
         return self.out(o.transpose(1, 2).reshape(b, 1, self.heads * self.d_v))  # [R, 1, h*d_v] -> [R, 1, D]
 

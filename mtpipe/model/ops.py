@@ -1,25 +1,24 @@
 """Speed choices behind :mod:`mtpipe.model.transformer` (CPU tricks, and one GPU kernel choice for decoding): how its
-operations are computed, never what they compute.
+operations are computed, never what they compute, given the device they run on (the machine itself is
+:mod:`mtpipe.platform`'s to describe).
 
 Each CPU function here is a drop-in for a plain torch formulation (named in its docstring) that was measurably slow on
 CPU for this model's shapes; the measurements are in docs/performance.md and docs/journal/2026-11-benchmarks.md
 (``bench/train_throughput.py``, ``bench/decode_speed.py``). On GPUs, under ``torch.compile`` and wherever the trick
-does not apply, each falls back to the plain formulation. The float32 products through oneDNN (:func:`linear`,
-:func:`mm`, :class:`Linear`'s packed weights when decoding, :class:`DecodingProjection`) differ from torch's own by
-float rounding only, as does :func:`explicit_attention` from the fused kernel with gradients on; everything else is
-bit-identical to its plain formulation in fp32 eval under ``no_grad``.
+does not apply, each falls back to the plain formulation. :func:`explicit_attention` differs from the fused kernel
+by float rounding with gradients on; everything else is bit-identical to its plain formulation in fp32 eval under
+``no_grad``. A benchmark times a trick's worth by switching it off for a block (:func:`fused_attention`,
+:func:`fused_dropout`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from mtpipe import env
 
 # --------------------------------------------------------------------------------------------------------------------
 # Dropout (section 5.4) from cheap random bits
@@ -50,11 +49,28 @@ def keep_mask(like: Tensor, p: float) -> tuple[Tensor, float]:
     return keep, levels / (levels - dropped)
 
 
+# Whether eager CPU dropout draws the masks of keep_mask; False only inside fused_dropout.
+_cheap_masks = True
+
+
+@contextlib.contextmanager
+def fused_dropout() -> Iterator[None]:
+    """Inside the block, dropout is ``F.dropout`` on the CPU too, where :func:`keep_mask`'s masks would be drawn: how
+    ``bench/train_throughput.py`` times that trick's worth (``--plain dropout``). A step compiled inside the block
+    uses ``F.dropout`` anyway."""
+    global _cheap_masks
+    before, _cheap_masks = _cheap_masks, False
+    try:
+        yield
+    finally:
+        _cheap_masks = before
+
+
 def _fused_dropout_available(x: Tensor) -> bool:
     """``F.dropout`` is cheap on GPUs (one fused kernel), and under ``torch.compile`` it is what dynamo can trace
     (``random_`` would break the graph; inductor draws the random numbers inside its own kernels). Only eager CPU
-    code needs :func:`keep_mask`."""
-    return x.device.type != "cpu" or torch.compiler.is_compiling()
+    code needs :func:`keep_mask` (outside :func:`fused_dropout`)."""
+    return not _cheap_masks or x.device.type != "cpu" or torch.compiler.is_compiling()
 
 
 def dropout(x: Tensor, p: float, training: bool) -> Tensor:
@@ -81,143 +97,8 @@ def residual(x: Tensor, sublayer_out: Tensor, p: float, training: bool) -> Tenso
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# float32 matrix products through oneDNN on CPU
+# Linear layers under CPU bf16 autocast in training
 # --------------------------------------------------------------------------------------------------------------------
-
-# --------------------------------------------------------------------------------------------------------------------
-# The CPU's features, decided here once: the operators below, the engine's packed layers, its precision choice
-# (``precision: auto``) and its compiled-package key all read them from this module
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def cpu_capability() -> str:
-    """The kernels torch dispatches on this CPU (``DEFAULT``, ``AVX2``, ``AVX512``, ...; ``ATEN_CPU_CAPABILITY`` can
-    lower it: how an AVX2-only CPU is emulated, or a user's choice)."""
-    return torch.backends.cpu.get_cpu_capability()
-
-
-# Whether torch dispatches AVX-512 kernels: the products' thresholds and training's route below depend on it.
-AVX512 = cpu_capability() == "AVX512"
-
-# ONEDNN_MAX_CPU_ISA values below the first with bf16 instructions (AVX512_CORE_BF16): oneDNN then runs bf16
-# matmuls through slow conversions, as on a CPU without native bf16.
-_ONEDNN_ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
-
-
-def cpu_supports_bf16() -> bool:
-    """Whether this CPU has native bf16 matmuls (AMX-BF16 or AVX512-BF16) that torch may use; without them bf16
-    autocast is slower than fp32 on CPU. A restriction of the instruction set (``ATEN_CPU_CAPABILITY=avx2``,
-    ``ONEDNN_MAX_CPU_ISA=AVX2``: how an AVX2-only CPU is emulated, or a user's choice) counts as their absence."""
-    capability = cpu_capability().upper()
-    if "AMX" in capability:
-        return True
-    if "AVX512" not in capability:
-        return False
-    if env.get("ONEDNN_MAX_CPU_ISA", "ALL").strip().upper() in _ONEDNN_ISAS_WITHOUT_BF16:
-        return False
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return False
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[-1].split())
-            return "amx_bf16" in flags or "avx512_bf16" in flags
-    return False
-
-
-# Whether float32 products may run in oneDNN (bench/train_throughput.py and bench/decode_speed.py --plain onednn set it
-# False, to time torch's own route).
-ONEDNN_FP32 = True
-# Whether training's float32 products (those autograd differentiates) take the route too: only where torch dispatches
-# AVX-512. On a real AVX2-only CPU a training step ran slower with the route than with torch's own products (an
-# AVX-512 CPU restricted to AVX2 had suggested the opposite, which did not carry over), while decoding's products
-# came out about even; hence the ISA check (measured: docs/journal/2026-11-benchmarks.md, "Decoding and training on a
-# real AVX2-only CPU").
-ONEDNN_FP32_TRAINING = AVX512
-# Products of fewer multiply-adds than this stay on torch's route: oneDNN's call has a larger fixed cost (its kernel
-# and the weights' blocked layout are made per call), so small products, e.g. a server's few-sentence decoding step
-# at d 128, ran slower through it. The break-even lies lower where oneDNN runs AVX-512 than with AVX2 only, hence
-# two settings (measured on 1 and 2 threads, d 128-1,024: docs/journal/2026-11-benchmarks.md, "float32 products
-# through oneDNN"). A training step's products and a decoding step's of a full batch are far above either.
-_ONEDNN_MIN_MACS = 1 << 20 if AVX512 else 1 << 23
-
-
-def _probe_onednn() -> bool:
-    """Whether this torch build can run a float32 product through oneDNN's linear kernel (x86 and aarch64 builds)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        x = torch.ones(2, 3)
-        return bool(torch.ops.mkldnn._linear_pointwise(x, torch.ones(4, 3), None, "none", [], "").eq(3).all())
-    except (RuntimeError, AttributeError, NotImplementedError):  # an op this build lacks
-        return False
-
-
-# Probed once at import, not per product (and never traced by torch.compile: torch.backends calls break graphs).
-_ONEDNN_AVAILABLE = _probe_onednn()
-
-
-def _onednn_worth(a: Tensor, macs: int) -> bool:
-    """Whether a float32 CPU product of ``macs`` multiply-adds should run in oneDNN rather than torch's ``mm``.
-
-    Why: torch's float32 ``mm`` / ``addmm`` on x86 is MKL's, and MKL runs its AVX2 code on AMD CPUs even where they
-    have AVX-512, while oneDNN's linear kernel dispatches AVX-512 there: large products ran much faster through
-    oneDNN, and still somewhat faster with the CPU restricted to AVX2 (measured: docs/journal/2026-11-benchmarks.md,
-    "float32 products through oneDNN"); a training step on a real AVX2-only CPU did not gain, hence
-    :data:`ONEDNN_FP32_TRAINING`. Small products stay on torch's (:data:`_ONEDNN_MIN_MACS`).
-    Not under autocast (its bf16 products already run in oneDNN), nor while ``torch.compile`` traces: inductor's own
-    oneDNN lowering takes only frozen, pre-packed weights, and the product as an opaque custom op added a fixed cost
-    per call in the compiled graph, which made the small products a compiled step for a server's few sentences is
-    made of slower than inductor's own."""
-    return macs >= _ONEDNN_MIN_MACS and not torch.compiler.is_compiling() and _onednn_open(a)
-
-
-def _onednn_open(a: Tensor) -> bool:
-    """Whether the oneDNN route is open to ``a`` at all, whatever the product's size (float32 on CPU, outside
-    autocast, where this torch build has it); the caller has checked that ``torch.compile`` is not tracing."""
-    return (ONEDNN_FP32 and _ONEDNN_AVAILABLE and a.dtype == torch.float32 and a.device.type == "cpu"
-            and not torch.is_autocast_enabled("cpu"))
-
-
-def _dnn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``x weight^T + bias`` by oneDNN's linear kernel; ``x [..., K]``, ``weight [N, K]`` (any strides)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-def mm(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` for 2-D ``a [M, K]`` and ``b [K, N]``, as ``torch.mm``; through oneDNN where :func:`_onednn_worth`
-    says so (float32 on CPU), the result then equal to ``torch.mm``'s up to float rounding.
-
-    oneDNN's kernel reads both operands with any strides, but ran much slower when ``a`` is a transposed view
-    (column-major, as in the ``dW = dY^T X`` of a backward pass) and the output has more rows than columns (e.g. the
-    output projection's ``dW``); then ``(b^T a^T)^T`` is computed instead, the same product, returned as a
-    transposed view."""
-    if not _onednn_worth(a, a.size(0) * a.size(1) * b.size(1)):
-        return torch.mm(a, b)
-    if a.stride(0) == 1 and a.size(0) > b.size(1):  # column-major a, tall output
-        return _dnn(b.t(), a).t()  # ([N, K] x [K, M])^T = [M, N]
-    return _dnn(a, b.t())  # [M, K] x [K, N]
-
-
-class _LinearFunction(torch.autograd.Function):
-    """``F.linear`` for float32 CPU tensors with the forward and both backward products through :func:`mm`'s
-    oneDNN route: ``y = x W^T + b``, ``dx = dy W``, ``dW = dy^T x``, ``db = sum dy`` (``x`` as ``[rows, in]``)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return _dnn(x, weight, bias)  # [rows, in] -> [rows, out]
-
-    @staticmethod
-    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        x, weight = ctx.saved_tensors
-        dx = mm(dy, weight) if ctx.needs_input_grad[0] else None  # [rows, out] x [out, in]
-        dw = mm(dy.t(), x) if ctx.needs_input_grad[1] else None  # [out, rows] x [rows, in]
-        db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None  # [out]
-        return dx, dw, db
-
 
 # In CPU bf16 training, linear layers see their row count rounded up to a multiple of this (see `linear`).
 _ROW_BLOCK = 128
@@ -226,29 +107,15 @@ _ROW_BLOCK = 128
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``x W^T + b`` over the last dimension of ``x``, as ``F.linear``.
 
-    Why, in float32 on CPU: the products (forward, and with gradients both backward ones) run in oneDNN where
-    :func:`_onednn_worth` says so (where MKL leaves AVX-512 unused, oneDNN does not); with gradients only where
-    :data:`ONEDNN_FP32_TRAINING` (AVX-512).
-
     Why, under CPU bf16 autocast in training: the products run in oneDNN, which JIT-compiles a kernel for every new
     (rows, in, out) shape and caches it. rows = batch x length differs in nearly every token-bucketed batch, so each
     new batch paid for kernel generation and grew the kernel cache. Padding the rows up to a multiple of 128 (zeros,
     sliced off again; at most 127 rows of extra work) makes the shapes repeat, so the kernels are reused from the
-    cache. Not when decoding (no grad): a few beams' rows would be padded to 128. Elsewhere this is plain
-    ``F.linear``.
+    cache. Not when decoding (no grad): a few beams' rows would be padded to 128. Not while ``torch.compile`` traces
+    (the compiler's own products). Elsewhere this is plain ``F.linear``.
     """
-    if torch.compiler.is_compiling():  # the compiler's own products (see _onednn_worth)
-        return F.linear(x, weight, bias)
-    if weight.dtype == x.dtype and _onednn_worth(x, x.numel() * weight.size(0)):
-        if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad
-                                                or (bias is not None and bias.requires_grad)):
-            return _dnn(x, weight, bias)  # [..., in] -> [..., out]
-        if not ONEDNN_FP32_TRAINING:
-            return F.linear(x, weight, bias)
-        rows = x.numel() // x.size(-1) if x.size(-1) else 0
-        y = _LinearFunction.apply(x.reshape(rows, x.size(-1)), weight, bias)  # [..., in] -> [rows, in] -> [rows, out]
-        return y.view(*x.shape[:-1], y.size(-1))  # [rows, out] -> [..., out]
-    if x.device.type != "cpu" or not torch.is_grad_enabled() or not torch.is_autocast_enabled("cpu"):
+    if (torch.compiler.is_compiling() or x.device.type != "cpu" or not torch.is_grad_enabled()
+            or not torch.is_autocast_enabled("cpu")):
         return F.linear(x, weight, bias)
     rows = x.numel() // x.size(-1) if x.size(-1) else 0
     pad = -rows % _ROW_BLOCK
@@ -316,6 +183,24 @@ def attention_kernels(device: torch.device) -> contextlib.AbstractContextManager
 _EXPLICIT_MAX_QUERIES = 64
 
 
+# Whether the CPU attention below may be two matmuls; False only inside fused_attention.
+_explicit_attention = True
+
+
+@contextlib.contextmanager
+def fused_attention() -> Iterator[None]:
+    """Inside the block, attention is torch's fused ``F.scaled_dot_product_attention`` wherever
+    :func:`prefer_explicit_attention` would choose two matmuls (training's, the encoder's and a decoding step's
+    cross-attention): how ``bench/train_throughput.py`` and ``bench/decode_speed.py`` time that trick's worth
+    (``--plain attention``). A step compiled inside the block keeps the choice it was compiled with."""
+    global _explicit_attention
+    before, _explicit_attention = _explicit_attention, False
+    try:
+        yield
+    finally:
+        _explicit_attention = before
+
+
 def prefer_explicit_attention(q: Tensor) -> bool:
     """Whether :func:`explicit_attention` beats ``F.scaled_dot_product_attention`` for queries ``q [B, h, Lq, d]``.
 
@@ -326,7 +211,8 @@ def prefer_explicit_attention(q: Tensor) -> bool:
     (encoding a batch to decode it, validation) up to :data:`_EXPLICIT_MAX_QUERIES` queries too: torch's CPU kernel
     did not run faster on 2 threads than on 1 for sentences of 18-60 positions, where the two matmuls did.
     """
-    return q.device.type == "cpu" and (torch.is_grad_enabled() or q.size(2) <= _EXPLICIT_MAX_QUERIES)
+    return (_explicit_attention and q.device.type == "cpu"
+            and (torch.is_grad_enabled() or q.size(2) <= _EXPLICIT_MAX_QUERIES))
 
 
 def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
@@ -337,7 +223,7 @@ def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -
     ``causal``: query i sees keys j <= i (section 3.2.3). The scale and the bias are applied in one ``add`` pass over
     the scores. Every row keeps at least one key (a source has its EOS, a causal or windowed row its own position),
     so no row is all -inf. Also what ``mtpipe attention`` plots
-    (:meth:`mtpipe.model.transformer.Transformer.recording`).
+    (:class:`mtpipe.model.attention.AttentionWeights`).
     """
     scores = torch.matmul(q, k.transpose(-1, -2))  # [B, h, Lq, d_k] x [B, h, d_k, Lk] -> [B, h, Lq, Lk]
     lq, lk = scores.shape[-2:]
@@ -357,12 +243,12 @@ def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cau
 
 
 def cached_attention(q: Tensor, k: Tensor, v: Tensor, k_prev: Tensor, v_prev: Tensor, prev_mask: Tensor | None,
-                     record: list[Tensor] | None = None) -> Tensor:
+                     observe: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """Incremental decoding's self-attention (section 3.2.1 for one new position): ``softmax(q [K_prev; k]^T /
     sqrt(d_k)) [V_prev; v]`` with the queries ``q`` ``[R, h, 1, d_k]``, the earlier positions ``k_prev`` / ``v_prev``
     ``[R, h, t, d]`` (``prev_mask`` ``[R, 1, 1, t]``, True = may attend, or None) and the new position's own ``k`` /
-    ``v`` ``[R, h, 1, d]``; returns ``[R, h, 1, d_v]``. The weights ``[R, h, 1, t+1]`` are appended to ``record``
-    when it is a list (``mtpipe attention``).
+    ``v`` ``[R, h, 1, d]``; returns ``[R, h, 1, d_v]``. The weights ``[R, h, 1, t+1]`` pass through ``observe``
+    when it is given (:class:`mtpipe.model.attention.AttentionWeights`, for ``mtpipe attention``).
 
     Two forms of the same sums. Eagerly, batched matmuls (one small product per row and head). Under
     ``torch.compile`` (``decode.compile``), element-wise products summed over ``d`` and over ``t``: the compiler
@@ -382,8 +268,8 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, k_prev: Tensor, v_prev: Te
         s_prev = s_prev.masked_fill(~prev_mask, float("-inf"))
     # Every row keeps its own position, so no row is all -inf.
     weights = torch.softmax(torch.cat([s_prev, s_new], dim=-1), dim=-1)  # [R, h, 1, t+1]
-    if record is not None:
-        record.append(weights.detach().float())
+    if observe is not None:
+        weights = observe(weights)
     weights = weights.to(v.dtype)
     w_prev, w_new = weights[..., :t], weights[..., t:]  # [R, h, 1, t], [R, h, 1, 1]
     if fused:

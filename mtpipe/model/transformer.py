@@ -46,9 +46,8 @@ CPU speed choices (dropout masks, linear shapes, bf16 activations, matmul attent
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -259,29 +258,6 @@ class Transformer(nn.Module):
                     m.drophead = torch.tensor(float(p), device=m.out.weight.device)
                 else:
                     m.drophead.fill_(float(p))
-
-    @contextlib.contextmanager
-    def recording(self) -> Iterator[dict[str, list[list[Tensor]]]]:
-        """Keep the attention weights of every forward pass run inside the block (for ``mtpipe attention``, the
-        paper's Figures 3-5): ``{"encoder": ..., "decoder": ..., "cross": ...}``, each one list per layer of the
-        ``[B, h, Lq, Lk]`` float32 weights of every call, in call order (one per :meth:`step` when decoding).
-
-        The weights are those of the forward pass itself (:func:`mtpipe.model.ops.attention_weights`, the formula the
-        CPU paths compute anyway), not of a second implementation."""
-        groups = {"encoder": [layer.self_attn for layer in self.encoder],
-                  "decoder": [layer.self_attn for layer in self.decoder],
-                  "cross": [layer.cross_attn for layer in self.decoder]}
-        kept: dict[str, list[list[Tensor]]] = {name: [] for name in groups}
-        for name, modules in groups.items():
-            for m in modules:
-                m.record = []
-                kept[name].append(m.record)
-        try:
-            yield kept
-        finally:
-            for modules in groups.values():
-                for m in modules:
-                    m.record = None
 
     # -- incremental decoding --------------------------------------------------------------------------------------
 

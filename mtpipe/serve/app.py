@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpipe.config import DecodeConfig, ServeConfig
-from mtpipe.engine.opening import OpenModel, open_model
+from mtpipe.engine.opening import OpenModel, check_source, open_model
 from mtpipe.engine.search import DecodeRules
 from mtpipe.engine.workers import WorkerProcess, worker_threads
 from mtpipe.errors import MtpipeError
@@ -137,21 +137,6 @@ def warm_beams(cfg: ServeConfig, defaults: DecodeConfig) -> tuple[int, ...]:
     """The beams the warm-up decodes with besides ``decode.beam``: greedy search and the largest beam a request may
     ask for (``serve.max_beam``), the sizes a compiled step builds new graphs for."""
     return tuple(sorted({1, defaults.beam, cfg.max_beam}))
-
-
-def check_source(defaults: DecodeConfig, checkpoint: Path) -> None:
-    """What can be checked of the model before the port opens, without loading it: that it is there and is what
-    ``decode.engine`` reads (a missing or wrong checkpoint fails with one line, before anything listens)."""
-    from mtpipe import artifacts
-    from mtpipe.engine.opening import refuse_export
-
-    if defaults.engine == "ctranslate2":
-        from mtpipe.engine import ct2
-
-        ct2.decode_source(checkpoint)
-        return
-    refuse_export(checkpoint, "serve")
-    artifacts.read_manifest(checkpoint, "checkpoint")
 
 
 def open_served(cfg: ServeConfig, defaults: DecodeConfig, rules: DecodeRules, checkpoint: Path,
@@ -324,7 +309,7 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
     if defaults.processes > 1:  # set for the decode stage, say, in the params.yaml a server shares
         info(f"decode.processes={defaults.processes} applies to mtpipe decode; the server's decoding processes are "
              f"serve.workers ({cfg.workers})")
-    check_source(defaults, checkpoint)
+    check_source(defaults, checkpoint, "serve")  # the model is there and is what the engine reads
     sock = listen(cfg.host, cfg.port)
     url = url_of(sock)
     workers: list[WorkerProcess] = []
@@ -369,5 +354,5 @@ def serve_model(cfg: ServeConfig, defaults: DecodeConfig, checkpoint: Path, toke
     table("served", ["", "value"], [[k.replace("_", " "), v] for k, v in counters.items()])
 
 
-__all__ = ["Stopper", "check_open_files", "check_source", "listen", "open_served", "require_serve", "serve_model",
+__all__ = ["Stopper", "check_open_files", "listen", "open_served", "require_serve", "serve_model",
            "start_http", "startup_table", "url_of", "warm_beams"]

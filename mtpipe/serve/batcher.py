@@ -141,7 +141,7 @@ class Batcher:
 
     def start(self, lane: Lane, worker: int = 0) -> None:
         """:meth:`run` in a thread of its own (the server runs worker 0 in the main thread instead: see
-        :func:`serve_model`)."""
+        :func:`mtpipe.serve.app.serve_model`)."""
         self._enter()
         threading.Thread(target=self._loop, args=(lane, worker), name=f"mtpipe-decode-{worker}", daemon=True).start()
 

@@ -79,7 +79,7 @@ class ConnectionGuard:
     def drop_stalled(self) -> int:
         """Close the connections still sending a request or stuck writing an answer (in the event loop's thread);
         those whose request is in and not yet answered are left to their answer (503 after
-        :meth:`Batcher.abandon`). The number closed."""
+        :meth:`mtpipe.serve.batcher.Batcher.abandon`). The number closed."""
         import h11
 
         dropped = 0

@@ -5,9 +5,10 @@ for one input sentence:
 
 * the sentence is encoded as ``decode`` encodes raw text (NFC, stripped, the checkpoint's SentencePiece model) and
   translated by the same search (greedy by default, ``--beam`` for beam search);
-* the translation is then decoded once more, step by step (:meth:`Transformer.start` / :meth:`Transformer.step`,
-  the incremental path ``decode`` runs), under :meth:`Transformer.recording`: every weight drawn is one the model's
-  own forward pass computed, not a re-implementation (:func:`record_attention`);
+* the translation is then decoded once more, step by step (:meth:`mtpipe.engine.variants.Prepared.start` /
+  :meth:`~mtpipe.engine.variants.Prepared.step`, the incremental path ``decode`` runs), with forward hooks on the
+  attention weights (:func:`observe_attention`): every weight drawn is one the model's own forward pass computed,
+  not a re-implementation (:func:`record_attention`);
 * three kinds of attention per layer (section 3.2.3), each ``[h, Lq, Lk]``: the encoder's self-attention over the
   source pieces, the decoder's masked self-attention over its inputs (start token + output; future positions, which
   the causal mask hides, are grey), and the encoder-decoder attention of each output step over the source (the
@@ -25,12 +26,13 @@ The output directory is an artifact of kind ``attention`` (a manifest), written 
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from mtpipe.config import MAX_BEAM
 from mtpipe.errors import MtpipeError
@@ -68,14 +70,40 @@ class AttentionMaps:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# The weights: the model's own forward pass, recorded
+# The weights: the model's own forward pass, observed
 # --------------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def observe_attention(model: Any) -> Iterator[dict[str, list[list[Any]]]]:
+    """Keep the attention weights of every forward pass of ``model`` run inside the block: a forward hook on each
+    attention's :class:`~mtpipe.model.attention.AttentionWeights`, removed on leaving. Yields ``{"encoder": ...,
+    "decoder": ..., "cross": ...}``, each one list per layer of the ``[B, h, Lq, Lk]`` float32 weights of every call,
+    in call order (one per step when decoding). The hooks see the eager forward only (not a compiled step, nor one
+    replayed from CUDA graphs)."""
+    groups = {"encoder": [layer.self_attn for layer in model.encoder],
+              "decoder": [layer.self_attn for layer in model.decoder],
+              "cross": [layer.cross_attn for layer in model.decoder]}
+    kept: dict[str, list[list[Any]]] = {kind: [[] for _ in modules] for kind, modules in groups.items()}
+
+    def keep(calls: list[Any]) -> Callable[..., None]:
+        def hook(module: Any, inputs: Any, weights: Any) -> None:
+            calls.append(weights.detach().float())
+        return hook
+
+    handles = [m.weights.register_forward_hook(keep(calls))
+               for kind, modules in groups.items() for m, calls in zip(modules, kept[kind])]
+    try:
+        yield kept
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def record_attention(model: Any, src_ids: list[int], out_ids: list[int]) -> dict[str, list[Any]]:
     """Every layer's attention weights while ``model`` encodes ``src_ids`` (EOS appended) and decodes ``out_ids``
     (EOS last) step by step, as decoding does (:func:`mtpipe.engine.variants.prepare`'s ``start`` / ``step``, the
-    self-attention cache included), under :meth:`Transformer.recording`.
+    self-attention cache included), under :func:`observe_attention`.
 
     Returns ``{kind: [layer weights [h, Lq, Lk] (torch float32)]}``. Each step's rows (``[1, h, 1, Lk]``) are stacked
     into the ``[h, T, Lk]`` matrix; a decoder self-attention row covers the positions so far (with a restricted
@@ -91,7 +119,7 @@ def record_attention(model: Any, src_ids: list[int], out_ids: list[int]) -> dict
     from mtpipe.engine.variants import prepare
 
     prepared = prepare(model, "fp32", torch.device("cpu"))  # as decoding runs it: the eager step, on the CPU
-    with torch.inference_mode(), prepared.recording() as kept:
+    with torch.inference_mode(), observe_attention(prepared.model) as kept:
         state = prepared.start(*prepared.encode(src))
         for token in tgt_in:
             _, state = prepared.step(torch.tensor([token], dtype=torch.long), state)
@@ -360,7 +388,7 @@ def attention_command(checkpoint: Path, tokens: Path | None, text: str | None, o
     import torch
 
     from mtpipe.console import info, table
-    from mtpipe.engine.loading import load_model_and_vocab
+    from mtpipe.engine.loading import open_checkpoint
 
     if out is None:
         raise MtpipeError("--out: required (the directory for the pictures)")
@@ -372,7 +400,7 @@ def attention_command(checkpoint: Path, tokens: Path | None, text: str | None, o
         raise MtpipeError(f"{checkpoint}: checkpoint not found (--checkpoint: a checkpoint directory)")
     if tokens is not None and not Path(tokens).is_dir():
         raise MtpipeError(f"{tokens}: bpe artifact not found (--tokens: the directory with spm.model)")
-    loaded = load_model_and_vocab(checkpoint, tokens)
+    loaded = open_checkpoint(checkpoint, tokens)  # as every command opens a checkpoint's model
     model = loaded.model
     layers = chosen_layers(layer, len(model.encoder), len(model.decoder))
     torch.manual_seed(0)  # nothing here is random (eval mode); set anyway, so that a run repeats exactly
@@ -393,4 +421,4 @@ def attention_command(checkpoint: Path, tokens: Path | None, text: str | None, o
 
 
 __all__ = ["AttentionMaps", "KINDS", "MAX_PIECES", "attention_command", "attention_maps", "chosen_layers",
-           "head_figure", "layer_figure", "record_attention", "tick_labels", "write_attention"]
+           "head_figure", "layer_figure", "observe_attention", "record_attention", "tick_labels", "write_attention"]

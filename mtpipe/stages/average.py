@@ -22,10 +22,13 @@ back to the stored dtype. Non-floating tensors (counters, masks) are not average
 
 Output: a weights-only checkpoint (no ``trainer.pt``: it cannot be resumed, only decoded or fine-tuned) at the
 largest input step, whose manifest lists the inputs in ``extra["averaged"]`` (path, step, manifest hash) and their
-manifest hashes under ``upstream``. It carries the SentencePiece model and the recorded decode settings of the newest
-input that has them (:func:`carried`), so that it decodes on its own as its inputs do. An average of a fine-tune's
-checkpoints carries their lineage (``extra["finetuned_from"]``, the parent they were fine-tuned from:
-:func:`carried_lineage`), so that a model made by fine-tuning names its parent however it was averaged.
+manifest hashes under ``upstream``. Its manifest is the newest input's with the averaging's own fields set
+(:meth:`mtpipe.artifacts.CheckpointManifest.for_average`): every other field is carried, whatever it is
+and whenever it was added, but a validation measured on an input's weights (``extra["valid"]``). It carries the
+SentencePiece model and the recorded decode settings of the newest input that has them (:func:`carried`), so that it
+decodes on its own as its inputs do. An average of a fine-tune's checkpoints carries their lineage
+(``extra["finetuned_from"]``, the parent they were fine-tuned from: :func:`carried_lineage`), so that a model made by
+fine-tuning names its parent however it was averaged.
 
 ``average.prune`` (LayerDrop, Fan et al. 2019; :func:`mtpipe.engine.pruning.prune_plan`) then removes layers from the average:
 the output's model config has the reduced layer counts (``layerdrop`` kept as a record), so ``mtpipe decode`` runs
@@ -56,13 +59,6 @@ def discover(run_dir: Path) -> list[tuple[int, Path]]:
     return artifacts.list_checkpoints(run_dir)
 
 
-def _step_of(d: Path, m: artifacts.Manifest) -> int:
-    step = m.extra.get("step")
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise MtpipeError(f"{d}: checkpoint manifest has no integer 'step' (got {step!r})")
-    return step
-
-
 def select(cfg: AverageConfig, run_dir: Path, checkpoints: list[Path] | None) -> list[tuple[int, Path]]:
     """The ``(step, directory)`` inputs to average, sorted by step."""
     if checkpoints:
@@ -70,8 +66,7 @@ def select(cfg: AverageConfig, run_dir: Path, checkpoints: list[Path] | None) ->
         for d in map(Path, checkpoints):
             if d.resolve() in chosen:
                 raise MtpipeError(f"--checkpoint {d}: given twice (each checkpoint would count double)")
-            m = artifacts.read_manifest(d, "checkpoint")
-            chosen[d.resolve()] = (_step_of(d, m), d)
+            chosen[d.resolve()] = (artifacts.checkpoint_fields(d).step, d)
         return sorted(chosen.values(), key=lambda sd: sd[0])
 
     found = discover(run_dir)
@@ -99,10 +94,7 @@ def checkpoint_metric(d: Path, m: artifacts.Manifest) -> tuple[str, float | None
     metric = ((m.params or {}).get("train") or {}).get("stop_metric", "valid_ppl")
     if metric not in artifacts.STOP_METRICS:
         raise MtpipeError(f"{d}: checkpoint manifest names an unknown train.stop_metric {metric!r}")
-    curve = artifacts.STOP_METRICS[metric][0]
-    value = (m.extra.get("valid") or {}).get(curve)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise MtpipeError(f"{d}: checkpoint manifest has a non-numeric {curve} ({value!r})")
+    value = (artifacts.checkpoint_fields(d, m).valid or {}).get(artifacts.STOP_METRICS[metric][0])
     return metric, None if value is None else float(value)
 
 
@@ -178,14 +170,13 @@ def check_compatible(ref: artifacts.Checkpoint, other: artifacts.Checkpoint) -> 
 
 def _check_manifests(inputs: list[tuple[int, Path]]) -> None:
     """Config and vocabulary checks from the manifests alone, before loading any weights."""
-    first = artifacts.read_manifest(inputs[0][1], "checkpoint")
+    first = artifacts.checkpoint_fields(inputs[0][1])
     for _, d in inputs[1:]:
-        m = artifacts.read_manifest(d, "checkpoint")
-        for what in ("model_config", "vocab"):
-            a, b = first.extra.get(what) or {}, m.extra.get(what) or {}
-            if what == "model_config":  # checkpoints written before a variant field existed have its default
-                a, b = with_model_defaults(a), with_model_defaults(b)
-            _check_same(what, a, b, inputs[0][1], d)
+        m = artifacts.checkpoint_fields(d)
+        # checkpoints written before a variant field existed have its default
+        _check_same("model_config", with_model_defaults(first.model_config), with_model_defaults(m.model_config),
+                    inputs[0][1], d)
+        _check_same("vocab", first.vocab, m.vocab, inputs[0][1], d)
 
 
 def average_state_dicts(inputs: list[tuple[int, Path]]) -> tuple[artifacts.Checkpoint, dict[str, torch.Tensor]]:
@@ -230,22 +221,20 @@ def carried(inputs: list[tuple[int, Path]]) -> tuple[Path | None, Path | None, d
     spm = spm_vocab = decode = None
     for _, d in reversed(inputs):
         m = artifacts.read_manifest(d, "checkpoint")
+        meta = artifacts.checkpoint_fields(d, m)
         if spm is None and (own := artifacts.checkpoint_spm(d, m)) is not None:
             spm = own
-            name = m.extra.get("spm_vocab")
-            spm_vocab = artifacts.verify_file(d, name, m) if name is not None else None
-        if decode is None and isinstance(m.extra.get("decode"), dict):
-            decode = m.extra["decode"]
+            spm_vocab = artifacts.verify_file(d, meta.spm_vocab, m) if meta.spm_vocab is not None else None
+        if decode is None:
+            decode = meta.decode
     return spm, spm_vocab, decode
 
 
 def carried_lineage(inputs: list[tuple[int, Path]]) -> dict[str, Any] | None:
-    """The parent (``extra["finetuned_from"]``, :func:`mtpipe.artifacts.read_lineage`) the average records: that of
-    the newest input that has one; inputs of different parents are warned about (each input's own manifest, listed
-    in ``extra["averaged"]``, still names its parent)."""
-    records = [r for _, d in inputs
-               if (r := artifacts.read_lineage(d, artifacts.read_manifest(d, "checkpoint"),
-                                               artifacts.FINETUNED_FROM)) is not None]
+    """The parent (``extra["finetuned_from"]``, a lineage record: :func:`mtpipe.artifacts.check_lineage`)
+    the average records: that of the newest input that has one; inputs of different parents are warned about (each
+    input's own manifest, listed in ``extra["averaged"]``, still names its parent)."""
+    records = [r for _, d in inputs if (r := artifacts.checkpoint_fields(d).finetuned_from) is not None]
     if len({r["sha256"] for r in records}) > 1 or (records and len(records) < len(inputs)):
         warn(f"the inputs were not all fine-tuned from one parent: the average records {records[-1]['path']}, the "
              "newest input's")
@@ -274,12 +263,10 @@ def average_checkpoints(cfg: AverageConfig, run_dir: Path, checkpoints: list[Pat
     averaged = [{"path": str(d), "step": step, "sha256": h} for (step, d), h in zip(inputs, hashes)]
     params = {**ref.manifest.params, "average": to_dict(cfg)}
     upstream = {f"checkpoint_{i}": d for i, (_, d) in enumerate(inputs)}  # explicit inputs may share a step
-    extra: dict[str, Any] = {"averaged": averaged}
     spm, spm_vocab, decode = carried(inputs)
-    if decode is not None:
-        extra["decode"] = decode
-    if (lineage := carried_lineage(inputs)) is not None:
-        extra[artifacts.FINETUNED_FROM] = lineage
+    # The newest input's fields, the averaging's own set: a field this code does not name is carried.
+    own: dict[str, Any] = {"step": max_step, "averaged": averaged, "decode": decode,
+                           "finetuned_from": carried_lineage(inputs)}
     if spm is None:
         warn("no input carries its SentencePiece model (checkpoints written by an older mtpipe): decode the average "
              "with --tokens")
@@ -287,12 +274,11 @@ def average_checkpoints(cfg: AverageConfig, run_dir: Path, checkpoints: list[Pat
         from mtpipe.engine.pruning import prune_state_dict
 
         state = prune_state_dict(state, plan)
-        extra["pruned"] = {"spec": cfg.prune, "encoder_kept": list(plan.encoder), "decoder_kept": list(plan.decoder)}
-    else:
-        model_config = ref.model_config
-    writing.write_checkpoint(out, state_dict=state, model_config=model_config, vocab=ref.vocab, step=max_step,
-                               trainer_state=None, params=params, upstream=upstream, extra=extra, spm=spm,
-                               spm_vocab=spm_vocab, force=force)
+        own.update(model_config=model_config, pruned={"spec": cfg.prune, "encoder_kept": list(plan.encoder),
+                                                      "decoder_kept": list(plan.decoder)})
+    meta = artifacts.checkpoint_fields(inputs[-1][1]).for_average(**own)
+    writing.write_checkpoint(out, state_dict=state, meta=meta, trainer_state=None, params=params, upstream=upstream,
+                             spm=spm, spm_vocab=spm_vocab, force=force)
     n_params = sum(t.numel() for t in state.values())
     info(f"averaged {len(inputs)} checkpoints (steps {inputs[0][0]:,}..{max_step:,}, {n_params:,} values) "
          f"-> {out} (weights only, step {max_step:,}"
@@ -307,9 +293,8 @@ def _prune_plan(cfg: AverageConfig, first: Path) -> tuple[Any, dict[str, Any]]:
         return None, {}
     from mtpipe.engine.pruning import prune_plan, pruned_config
 
-    m = artifacts.read_manifest(first, "checkpoint")
     try:
-        model_cfg = ModelConfig(**(m.extra.get("model_config") or {})).resolved()
+        model_cfg = ModelConfig(**artifacts.checkpoint_fields(first).model_config).resolved()
     except TypeError as e:
         raise MtpipeError(f"{first}: checkpoint model config does not fit this mtpipe ({e})") from None
     plan = prune_plan(model_cfg, cfg.prune, where="average.prune")

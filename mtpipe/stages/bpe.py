@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import os
 import re
 import shutil
 import time
@@ -39,7 +38,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import pyarrow as pa
 
-from mtpipe import artifacts, console, memory
+from mtpipe import artifacts, console, memory, platform
 from mtpipe.artifacts import (
     BOS_ID,
     EOS_ID,
@@ -48,7 +47,6 @@ from mtpipe.artifacts import (
     TOKENS_SCHEMA,
     UNK_ID,
     file_hash,
-    from_numpy,
     load_spm,
     open_parquet,
     read_manifest,
@@ -56,17 +54,10 @@ from mtpipe.artifacts import (
 )
 from mtpipe.config import BpeConfig, to_dict
 from mtpipe.errors import MtpipeError
+from mtpipe.reading import from_numpy
 from mtpipe.writing import ArtifactWriter, prepare_output
 
 ENCODE_ROWS = 32768  # pairs per encode call: enough work per call for every thread, bounded memory
-
-
-def nproc() -> int:
-    """CPU cores this process may use."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -186,12 +177,6 @@ def to_arrow(ids: list[list[int]], n_src: int) -> tuple[pa.Array, pa.Array, np.n
     src = pa.ListArray.from_arrays(from_numpy(offsets[: n_src + 1]), from_numpy(src_flat))
     tgt = pa.ListArray.from_arrays(from_numpy(offsets[n_src:] - cut), from_numpy(tgt_flat))
     return src, tgt, src_flat, tgt_flat
-
-
-def encode_pairs(sp: Any, src: list[str], tgt: list[str], threads: int) -> tuple[pa.Array, pa.Array,
-                                                                                   np.ndarray, np.ndarray]:
-    """Token ids (no BOS/EOS) of both sides: list<int32> arrays and each side's flat ids."""
-    return to_arrow(sp.encode(src + tgt, out_type=int, num_threads=threads), len(src))
 
 
 class SplitTokens:
@@ -314,7 +299,7 @@ def tokenize_corpus(cfg: BpeConfig, corpus: Path, out: Path, spm_model: Optional
         if not spm_model.is_file():
             raise MtpipeError(f"{spm_model}: SentencePiece model not found")
         load_spm(spm_model)  # validate before any work
-    threads = cfg.threads or nproc()
+    threads = platform.threads_per_process(cfg.threads)
     known = ["train", "valid", "test"]
     order = sorted(splits, key=lambda s: (known.index(s) if s in known else len(known), s))
     upstream = {"corpus": corpus, **({"checkpoint": Path(cfg.from_model)} if cfg.from_model is not None else {})}

@@ -42,14 +42,13 @@ from mtpipe.artifacts import (
     BATCH_TOKENS_SCHEMA,
     BATCHES_SCHEMA,
     TRAIN_ARROW,
-    from_numpy,
     open_parquet,
     read_manifest,
     splits_of,
-    to_numpy,
 )
 from mtpipe.config import BucketConfig, to_dict
 from mtpipe.errors import MtpipeError
+from mtpipe.reading import from_numpy, to_numpy
 from mtpipe.writing import ArtifactWriter, prepare_output
 
 SPLITS = ("train", "valid")

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from mtpipe import artifacts, writing
 from mtpipe.config import DecodeConfig, to_dict
-from mtpipe.engine.opening import WARM_UP_TEXTS, ModelSource, detokenise, encode_lines, locate
+from mtpipe.engine.opening import BATCHES, LINES, ModelSource, detokenise, encode_lines, locate, warm_up
 from mtpipe.engine.protocol import Engine
 from mtpipe.engine.search import DecodeRules, Hypothesis, max_source_len
 from mtpipe.errors import MtpipeError
@@ -342,13 +342,12 @@ class Totals:
 
 
 def warm_stdin(engine: Engine, sp: Any, rules: DecodeRules) -> None:
-    """decode.compile: the compiled step built before the first line is read, not while it waits (all the warm-up
-    sentences, then one alone: lines come one at a time, and a lone sentence has a graph of its own)."""
+    """decode.compile: the compiled step built before the first line is read, not while it waits
+    (:func:`mtpipe.engine.opening.warm_up` for stdin's lines)."""
     from mtpipe.console import info
 
-    if engine.compiled:
-        warm = [sp.encode(t, out_type=int)[: engine.max_positions - 1] for t in WARM_UP_TEXTS]
-        info(f"compiled step built in {engine.warm_up([warm, warm[:1]], rules):.0f} s (decode.compile); reading stdin")
+    if (seconds := warm_up(engine, rules, LINES, sp=sp)) is not None:
+        info(f"compiled step built in {seconds:.0f} s (decode.compile); reading stdin")
 
 
 def translate_stream(cfg: DecodeConfig, rules: DecodeRules, checkpoint: Path, tokens: Path | None, fd: int,
@@ -393,9 +392,8 @@ def translate_file(cfg: DecodeConfig, rules: DecodeRules, checkpoint: Path, toke
     with closing(engine):  # decode.processes: the processes end with the decoding
         log_start(f"decoding {len(inputs.sources):,} sentences of {inputs.desc}", checkpoint, inputs.step,
                   engine, cfg, rules)
-        if engine.compiled and inputs.sources:  # decode.compile: building is not part of the decoding seconds
-            # several sentences, then one alone, which runs in the same graph as two copies of itself
-            totals.build = engine.warm_up([inputs.sources[:8], inputs.sources[:1]], rules)
+        # decode.compile: building is not part of the decoding seconds
+        totals.build = warm_up(engine, rules, BATCHES, sources=inputs.sources) or 0.0
         results, seconds = translate_sources(engine, inputs.sources, rules)
     totals.add(results, seconds)
     return inputs, hypothesis_rows(results, inputs.ids, inputs.sp, cfg.nbest), totals, engine.describe()
@@ -438,8 +436,8 @@ def translate_chunks(engine: Engine, reader: LineChunks, rules: DecodeRules, cfg
 
     chunks = encoded()
     head = next(chunks, None)
-    if engine.compiled and head is not None and head[1]:  # decode.compile: built before the timed decoding
-        totals.build = engine.warm_up([head[1][:8], head[1][:1]], rules)
+    if head is not None:  # decode.compile: built before the timed decoding
+        totals.build = warm_up(engine, rules, BATCHES, sources=head[1]) or 0.0
 
     def in_order() -> Iterator[tuple[int, list[list[int]], int]]:
         nonlocal head

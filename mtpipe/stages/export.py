@@ -15,11 +15,11 @@ parameters the same way (:func:`_hf_state_dict`): ``qkv`` split into ``q_proj``/
 ``out_bias`` or zeros, ``decoder_start_token_id`` = the model's start token. Their attention has one head size, so
 d_k = d_v = d_model / h is needed.
 
-* ``MarianMTModel`` (:func:`export_marian`) is the post-norm Transformer: no final encoder/decoder norm; tied
+* ``MarianMTModel`` (``export.format=marian``) is the post-norm Transformer: no final encoder/decoder norm; tied
   embeddings -- ``share_encoder_decoder_embeddings`` false for ``share_embeddings=decoder|none``,
   ``tie_word_embeddings`` false for ``none``. Marian does not save its sinusoid table (sines in the first half, the
   paper's frequencies) but rebuilds it on load, so the positions must be the sinusoids and d_model even.
-* ``PegasusForConditionalGeneration`` (:func:`export_pegasus`) is the pre-norm Transformer (fairseq's
+* ``PegasusForConditionalGeneration`` (``export.format=pegasus``) is the pre-norm Transformer (fairseq's
   ``normalize_before``: ``x + F(LayerNorm(x))``) with a final ``layer_norm`` on each stack: ``encoder_norm`` /
   ``decoder_norm``. transformers 5.24's ``PegasusSinusoidalPositionalEmbedding`` is Marian's (copied from it), but
   Pegasus saves the table with the weights (no ``_keys_to_ignore_on_save``) and from_pretrained keeps the loaded
@@ -147,19 +147,6 @@ def export_huggingface(checkpoint: Path, tokens: Path | None, out: Path, arch: s
     console.info(f"export: {checkpoint} -> {out} (Hugging Face {HF_CLASSES[arch]}, transformers "
                  f"{transformers.__version__}; AutoTokenizer loads MarianTokenizer: spm.model + </s>)")
     return artifacts.read_manifest(out, "export").extra
-
-
-def export_marian(checkpoint: Path, tokens: Path | None, out: Path, params: dict[str, Any] | None = None, *,
-                  force: bool = False) -> dict[str, Any]:
-    """Export a post-norm model to a Hugging Face ``MarianMTModel`` directory (:func:`export_huggingface`)."""
-    return export_huggingface(checkpoint, tokens, out, "marian", params, force=force)
-
-
-def export_pegasus(checkpoint: Path, tokens: Path | None, out: Path, params: dict[str, Any] | None = None, *,
-                   force: bool = False) -> dict[str, Any]:
-    """Export a pre-norm model to a Hugging Face ``PegasusForConditionalGeneration`` directory
-    (:func:`export_huggingface`)."""
-    return export_huggingface(checkpoint, tokens, out, "pegasus", params, force=force)
 
 
 def _write_hf_tokenizer(w: Any, src: ExportSource) -> None:
@@ -339,5 +326,4 @@ def export_model(cfg: Any, checkpoint: Path, tokens: Path | None, out: Path, *,
     return export_ctranslate2(checkpoint, tokens, out, cfg.quantization, params=params, force=force)
 
 
-__all__ = ["export_huggingface", "export_marian", "export_model", "export_pegasus", "hf_architecture",
-           "marian_mismatch", "pegasus_mismatch"]
+__all__ = ["export_huggingface", "export_model", "hf_architecture", "marian_mismatch", "pegasus_mismatch"]

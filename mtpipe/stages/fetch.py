@@ -40,9 +40,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mtpipe import console
-from mtpipe.artifacts import CORPUS_SCHEMA, from_numpy, read_manifest, read_table, to_numpy
+from mtpipe.artifacts import CORPUS_SCHEMA, read_manifest, read_table
 from mtpipe.config import FetchConfig, to_dict, train_slice
 from mtpipe.errors import MtpipeError
+from mtpipe.reading import from_numpy, to_numpy
 from mtpipe.stages.sources import Batch, SplitReader, local_source, open_source, resolve_splits
 from mtpipe.writing import ArtifactWriter, prepare_output
 

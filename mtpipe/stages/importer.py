@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpipe import console, writing
-from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, SPECIALS, UNK_ID, file_hash
+from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID, SPECIALS, UNK_ID, CheckpointManifest, file_hash
 from mtpipe.config import ModelConfig, to_dict
 from mtpipe.errors import MtpipeError
 from mtpipe.stages.fairseq_files import (
@@ -425,12 +425,11 @@ def _summary(cfg: dict[str, Any], facts: dict[str, Any], vocab: Vocabulary) -> d
 def _write_imported(out: Path, model: Any, model_cfg: dict[str, Any], vocab: Any, checkpoint: Path,
                     opts: dict[str, Any], spm_dir: Path, *, force: bool) -> None:
     """Write the converted model as an mtpipe checkpoint carrying ``spm_dir``'s spm.model and spm.vocab."""
-    writing.write_checkpoint(out, state_dict=model.state_dict(), model_config=model_cfg,
-                             vocab={"spm_sha256": file_hash(spm_dir / "spm.model"), "size": len(vocab.pieces)},
-                             step=0, params={"import": {"format": "fairseq"}},
-                             extra={"imported_from": {"format": "fairseq", "checkpoint": str(checkpoint),
-                                                      "fairseq_model": {k: opts[k] for k in sorted(opts)
-                                                                        if _plain(opts[k])}}},
+    meta = CheckpointManifest(
+        model_config=model_cfg, vocab={"spm_sha256": file_hash(spm_dir / "spm.model"), "size": len(vocab.pieces)},
+        step=0, imported_from={"format": "fairseq", "checkpoint": str(checkpoint),
+                               "fairseq_model": {k: opts[k] for k in sorted(opts) if _plain(opts[k])}})
+    writing.write_checkpoint(out, state_dict=model.state_dict(), meta=meta, params={"import": {"format": "fairseq"}},
                              spm=spm_dir / "spm.model", spm_vocab=spm_dir / "spm.vocab", force=force)
 
 

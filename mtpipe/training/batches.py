@@ -20,7 +20,7 @@
   sentences' token ids, batch after batch (an uncompressed Arrow IPC file); its record batches become
   :class:`TokenSplit` views of the mapped file (:class:`MappedSplit`), so every process of a node reads the one copy
   the page cache holds, and a process's own memory for the train data is a few arrays per batch, not per sentence.
-  The file is hashed at the first start only (``artifacts.verify_file(remember=True)``). A bucket artifact without
+  The file is hashed at the first start only (:func:`mtpipe.reading.verify_remembered`). A bucket artifact without
   it (made by an older mtpipe) is read as before: ``train.parquet`` of both artifacts into each process's memory.
 * :func:`load_train_data` reads and checks both artifacts for a run of ``world_size`` processes (:class:`TrainData`).
 """
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mtpipe import artifacts
+from mtpipe import artifacts, reading
 from mtpipe.artifacts import BOS_ID, EOS_ID, PAD_ID
 from mtpipe.console import warn
 from mtpipe.errors import MtpipeError
@@ -175,15 +175,15 @@ def load_split(tokens: Path, split: str) -> TokenSplit:
 
     def flat(column: str) -> tuple[np.ndarray, np.ndarray]:
         arr = table_.column(column).combine_chunks()  # one ListArray; offsets index into arr.values
-        offsets = artifacts.to_numpy(arr.offsets).astype(np.int64)
-        values = np.asarray(artifacts.to_numpy(arr.values), dtype=np.int32)
+        offsets = reading.to_numpy(arr.offsets).astype(np.int64)
+        values = np.asarray(reading.to_numpy(arr.values), dtype=np.int32)
         if offsets[0] != 0 or offsets[-1] != len(values):  # a sliced array: rebase so offsets start at 0
             values, offsets = values[offsets[0] : offsets[-1]], offsets - offsets[0]
         return values, offsets
 
     src, src_off = flat("src")
     tgt, tgt_off = flat("tgt")
-    ids = artifacts.to_numpy(table_.column("id")).astype(np.int64)
+    ids = reading.to_numpy(table_.column("id")).astype(np.int64)
     return TokenSplit(split, src, src_off, tgt, tgt_off, ids)
 
 
@@ -239,8 +239,8 @@ def load_batches(batches: Path, split: str, tokens: TokenSplit) -> BatchTable:
     name = f"{split}.parquet"
     t = artifacts.read_table(batches, name, "batches", columns=["batch", "ids"])
     arr = t.column("ids").combine_chunks()
-    off = artifacts.to_numpy(arr.offsets).astype(np.int64)
-    ids = artifacts.to_numpy(arr.values).astype(np.int64)[off[0] : off[-1]]
+    off = reading.to_numpy(arr.offsets).astype(np.int64)
+    ids = reading.to_numpy(arr.values).astype(np.int64)[off[0] : off[-1]]
     off = off - off[0]
     if len(off) < 2:
         raise MtpipeError(f"{batches / name}: has no batches")
@@ -263,7 +263,7 @@ def map_train(batches: Path, manifest: artifacts.Manifest, name: str = "train") 
     ids, offsets and ids are views of the mapped file; the per-batch token counts and widths are computed from the
     sentence offsets, one record batch at a time (the same values :func:`load_batches` computes from the tokens
     artifact)."""
-    ipc = artifacts.open_ipc(batches, artifacts.TRAIN_ARROW, artifacts.BATCH_TOKENS_SCHEMA, manifest)
+    ipc = reading.open_ipc(batches, artifacts.TRAIN_ARROW, artifacts.BATCH_TOKENS_SCHEMA, manifest)
     path = ipc.path
     chunks: list[TokenSplit] = []
     starts, offs = [0], [np.zeros(1, np.int64)]
@@ -277,9 +277,9 @@ def map_train(batches: Path, manifest: artifacts.Manifest, name: str = "train") 
                                                                                           cols[c].values.values))]
         if any(a.null_count for a in nested):
             raise MtpipeError(f"{path}: record batch {k} holds nulls")
-        outer = artifacts.to_numpy(cols["ids"].offsets)  # int32 [batches + 1]: each batch's sentences
+        outer = reading.to_numpy(cols["ids"].offsets)  # int32 [batches + 1]: each batch's sentences
         n = len(cols["ids"].values)
-        if not all(np.array_equal(outer, artifacts.to_numpy(cols[c].offsets)) for c in ("src", "tgt")) or \
+        if not all(np.array_equal(outer, reading.to_numpy(cols[c].offsets)) for c in ("src", "tgt")) or \
                 outer[0] != 0 or outer[-1] != n or len(cols["src"].values) != n or len(cols["tgt"].values) != n:
             raise MtpipeError(f"{path}: record batch {k}: ids, src and tgt do not hold the same sentences (not written "
                               "by `mtpipe bucket`): re-run it")
@@ -289,14 +289,14 @@ def map_train(batches: Path, manifest: artifacts.Manifest, name: str = "train") 
         side = {}
         for c in ("src", "tgt"):
             sent = cols[c].values  # list<int32>: one row per sentence
-            values, offsets = artifacts.to_numpy(sent.values), artifacts.to_numpy(sent.offsets)
+            values, offsets = reading.to_numpy(sent.values), reading.to_numpy(sent.offsets)
             side[c] = (values, offsets)
             if offsets[0] < 0 or offsets[-1] > len(values):
                 raise MtpipeError(f"{path}: record batch {k}: {c} offsets point outside its token ids")
             lens = np.diff(offsets).astype(np.int64) + 1  # + EOS (src, tgt_out) / + BOS (tgt_in)
             counts[f"{c}_tokens"].append(np.add.reduceat(lens, outer[:-1]))
             counts[f"{c}_width"].append(np.maximum.reduceat(lens, outer[:-1]))
-        chunks.append(TokenSplit(name, *side["src"], *side["tgt"], ids=artifacts.to_numpy(cols["ids"].values)))
+        chunks.append(TokenSplit(name, *side["src"], *side["tgt"], ids=reading.to_numpy(cols["ids"].values)))
         offs.append(outer[1:].astype(np.int64) + starts[-1])
         starts.append(starts[-1] + n)
     off = np.concatenate(offs)

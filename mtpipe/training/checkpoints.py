@@ -31,19 +31,18 @@ from mtpipe.training.state import Best, TrainState, rng_state, trainer_state
 
 
 @rank0_only
-def write(out: Path, model: torch.nn.Module, model_config: dict[str, Any], vocab: dict[str, Any],
-          trainer_state: dict[str, Any], cfg: TrainConfig, upstream: dict[str, Path], extra: dict[str, Any],
-          spm: tuple[Path | None, Path | None] = (None, None), seconds: float = 0.0) -> None:
-    """Write checkpoint ``out/checkpoints/step_{step:08d}`` (:func:`mtpipe.writing.write_checkpoint`: atomic, so a
-    kill leaves the previous ones intact; ``spm``: the SentencePiece model and its vocab listing it carries), its
-    training time so far (``seconds``) in ``out/clock.json`` first, record the best one in ``out/best.json``, and
-    remove all but the last ``train.keep_last`` and the best (:func:`prunable`)."""
-    step = int(trainer_state["step"])
+def write(out: Path, model: torch.nn.Module, meta: artifacts.CheckpointManifest, trainer_state: dict[str, Any],
+          cfg: TrainConfig, upstream: dict[str, Path], spm: tuple[Path | None, Path | None] = (None, None),
+          seconds: float = 0.0) -> None:
+    """Write checkpoint ``out/checkpoints/step_{meta.step:08d}`` (:func:`mtpipe.writing.write_checkpoint`: atomic, so
+    a kill leaves the previous ones intact; ``meta``: its manifest's fields; ``spm``: the SentencePiece model and its
+    vocab listing it carries), its training time so far (``seconds``) in ``out/clock.json`` first, record the best
+    one in ``out/best.json``, and remove all but the last ``train.keep_last`` and the best (:func:`prunable`)."""
+    step = meta.step
     write_clock(out, {**read_clock_file(out), step: seconds})
     writing.write_checkpoint(
-        artifacts.checkpoint_path(out, step), state_dict=model.state_dict(), model_config=model_config, vocab=vocab,
-        step=step, trainer_state=trainer_state, params={"model": model_config, "train": to_dict(cfg)},
-        upstream=upstream, extra=extra, spm=spm[0], spm_vocab=spm[1],
+        artifacts.checkpoint_path(out, step), state_dict=model.state_dict(), meta=meta, trainer_state=trainer_state,
+        params={"model": meta.model_config, "train": to_dict(cfg)}, upstream=upstream, spm=spm[0], spm_vocab=spm[1],
     )
     best = Best.from_dict(dict(trainer_state.get("best") or {}))
     if best.step >= 0:
@@ -171,9 +170,9 @@ class Checkpointer:
         rngs = distributed.all_gather_object(rng if rng is not None else rng_state(self.device))
         if distributed.is_rank0():
             ts = trainer_state(state, optimizer, scaler, rngs, self.world, accum, self.cfg.seed, per_update)
-            write(self.out, self.model, self.model_config, vocab, ts, self.cfg,
-                  upstream={"tokens": self.tokens, "batches": self.batches},
-                  extra={"epoch": state.epoch, "world_size": self.world, "precision": self.precision,
-                         "valid": valid_at_step(state), "decode": self.decode, "train_batches": self.batches_id,
-                         **({artifacts.FINETUNED_FROM: self.lineage} if self.lineage is not None else {})},
+            meta = artifacts.CheckpointManifest(
+                model_config=self.model_config, vocab=vocab, step=int(ts["step"]), epoch=state.epoch,
+                world_size=self.world, precision=self.precision, valid=valid_at_step(state), decode=self.decode,
+                train_batches=self.batches_id, finetuned_from=self.lineage)
+            write(self.out, self.model, meta, ts, self.cfg, upstream={"tokens": self.tokens, "batches": self.batches},
                   spm=self.spm, seconds=state.train_seconds)

@@ -26,7 +26,7 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
-from mtpipe import env
+from mtpipe import env, platform
 from mtpipe.errors import MtpipeError
 
 if TYPE_CHECKING:
@@ -117,10 +117,8 @@ def init(device: str = "auto", timeout: float = DEFAULT_TIMEOUT) -> Context:
     rank, world, local = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0)
     if device not in ("auto", "cpu", "cuda"):
         raise MtpipeError(f"train.device: {device!r} is not one of auto, cpu, cuda")
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    use_cuda = platform.use_gpu(device, "train.device")
     if use_cuda:
-        if not torch.cuda.is_available():
-            raise MtpipeError("train.device=cuda but no CUDA GPU is visible to this process")
         n = torch.cuda.device_count()
         if local >= n:
             raise MtpipeError(f"LOCAL_RANK={local} but only {n} CUDA GPU(s) are visible: use at most {n} processes "

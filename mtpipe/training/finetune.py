@@ -12,7 +12,7 @@ training checkpoint, an ``mtpipe average`` output or an ``mtpipe import``ed mode
   parent's SentencePiece model (``mtpipe bpe --from-model PARENT``), compared by the model's sha256, which the bpe
   artifact's manifest and the parent's ``vocab`` record both hold.
 * Lineage: every checkpoint of the run records its parent (``extra["finetuned_from"]``: path, manifest sha256, step;
-  :func:`mtpipe.artifacts.read_lineage`), and so does ``train.json``.
+  :func:`mtpipe.artifacts.check_lineage`), and so does ``train.json``.
 * Resume takes precedence: a run directory that already holds checkpoints continues from its latest one, exactly as
   any run resumes (:mod:`mtpipe.training.resume`), with the model and lineage that checkpoint records; the parent is
   not read again (it may have moved). The same holds for a run of a parent given no longer: its checkpoints say it
@@ -75,13 +75,13 @@ def plan(out: Path, finetune_from: str | None, model_cfg: ModelConfig, vocab: di
     found = artifacts.list_checkpoints(out)
     if found:
         step, latest = found[-1]
-        m = artifacts.read_manifest(latest, "checkpoint")
-        recorded = artifacts.read_lineage(latest, m, artifacts.FINETUNED_FROM)
+        meta = artifacts.checkpoint_fields(latest)
+        recorded = meta.finetuned_from
         if recorded is not None:
             if finetune_from is not None and not same_parent(recorded, Path(finetune_from)):
                 warn(f"{out}: a fine-tune of {recorded['path']} resumes from its step {step:,}; train.finetune_from "
                      f"{finetune_from} applies to a fresh run only")
-            return FineTune(model_for(model_cfg, m.extra.get("model_config") or {}, latest, "the run's checkpoint"),
+            return FineTune(model_for(model_cfg, meta.model_config, latest, "the run's checkpoint"),
                             recorded, None)
         if finetune_from is not None:
             warn(f"{out}: holds checkpoints of a run not started from {finetune_from}; it resumes from step "
@@ -91,11 +91,9 @@ def plan(out: Path, finetune_from: str | None, model_cfg: ModelConfig, vocab: di
         return None
     parent = Path(finetune_from)
     m = artifacts.read_manifest(parent, "checkpoint")
-    for key in ("model_config", "vocab", "step"):
-        if key not in m.extra:
-            raise MtpipeError(f"{parent}: checkpoint manifest lacks '{key}'")
-    check_vocabulary(parent, m.extra["vocab"], vocab, tokens)
-    return FineTune(model_for(model_cfg, m.extra["model_config"], parent, "the parent checkpoint"),
+    meta = artifacts.checkpoint_fields(parent, m)
+    check_vocabulary(parent, meta.vocab, vocab, tokens)
+    return FineTune(model_for(model_cfg, meta.model_config, parent, "the parent checkpoint"),
                     artifacts.lineage_record(parent, m), parent)
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import sys
 import typing
 from dataclasses import fields
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from mtpipe import env as mtenv
+from mtpipe import platform
 from mtpipe.errors import MtpipeError
 from mtpipe.training.failures import REPORTS_ENV, record_error
 
@@ -51,14 +51,6 @@ def resolve_nproc(nproc: str) -> int:
     if n < 1:
         raise MtpipeError(f"train.nproc: {n} must be >= 1")
     return n
-
-
-def available_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask: a container's or taskset's limit, not the host's)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def inside_torchrun(env: Mapping[str, str] | None = None) -> bool:
@@ -136,10 +128,8 @@ def launch_command(model: Any, train: Any, paths: Mapping[str, Path | None], for
     nproc = resolve_nproc(train.nproc)
     if nproc == 1 and env.get("MTPIPE_NNODES", "1") in ("", "1") and max_restarts == 0:
         return None
-    if train.threads == 0 and "OMP_NUM_THREADS" not in env:
-        # torchrun gives every worker one thread (OMP_NUM_THREADS=1) unless told otherwise: share this machine's
-        # cores among the workers instead, so nproc=2 on 8 cores runs 2 x 4 threads, not 2 x 1.
-        train = dataclasses.replace(train, threads=max(1, available_cpus() // nproc))
+    # torchrun gives every worker one thread unless told otherwise: the platform shares this machine's cores
+    train = dataclasses.replace(train, threads=platform.torchrun_threads(train.threads, nproc, env))
     args = [arg for name, path in paths.items() if path is not None for arg in ("--" + name, str(path))]
     args += section_flags(model) + section_flags(train, skip=LAUNCHER_ONLY) + (["--force"] if force else [])
     return torchrun_command(nproc, args, env, max_restarts=max_restarts, dist_timeout=train.dist_timeout)

@@ -21,12 +21,13 @@ formula on whole logits, differentiated by autograd (``testkit/oracles.py``).
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from mtpipe.model import ops
 from mtpipe.model.ops import _ROW_BLOCK
 
 
@@ -39,6 +40,32 @@ _BLOCK_BYTES = {"cpu": 32 << 20, "other": 1 << 30}
 # bf16 autocast the products run in oneDNN, which compiles a kernel per shape (mtpipe.model.ops.linear), so the shapes
 # must repeat.
 _ROW_MULTIPLE = _ROW_BLOCK
+
+
+# Whether the loss is computed a block of rows at a time; False only inside whole_logits.
+_blocked = True
+
+
+@contextlib.contextmanager
+def whole_logits() -> Iterator[None]:
+    """Inside the block, :func:`projected_label_smoothed_nll` makes the whole ``[N, V]`` logits and the textbook loss
+    on them, differentiated by autograd (the NLL too), as a plain implementation would: how
+    ``bench/train_throughput.py`` times the blocks' worth (``--plain loss``)."""
+    global _blocked
+    before, _blocked = _blocked, False
+    try:
+        yield
+    finally:
+        _blocked = before
+
+
+def _on_whole_logits(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
+                     eps: float) -> tuple[Tensor, Tensor]:
+    lprobs = torch.log_softmax(F.linear(h, weight, bias).float(), dim=-1)  # [N, V]
+    nll = -lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # [N, 1] -> [N]
+    if eps == 0.0:
+        return nll.sum(), nll.sum()
+    return ((1.0 - eps) * nll + eps * -lprobs.mean(dim=-1)).sum(), nll.sum()
 
 
 def _block_rows(device: torch.device, vocab: int) -> int:
@@ -79,8 +106,6 @@ def _blocks(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, eps:
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
     nll = torch.zeros((), dtype=torch.float32, device=h.device)
     grads = _Grads(h, weight, bias, cdtype) if want_grad else None
-    # float32 training products through oneDNN only where mtpipe.model.ops allows it for training (AVX-512)
-    mm = ops.mm if not want_grad or ops.ONEDNN_FP32_TRAINING else torch.mm
     rows = _block_rows(h.device, vocab)
     pad_to = _ROW_MULTIPLE if h.device.type == "cpu" and cdtype != torch.float32 else 1
     for lo in range(0, n, rows):
@@ -89,7 +114,7 @@ def _blocks(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, eps:
         extra = -(hi - lo) % pad_to
         if extra:  # zero rows, so that the shapes repeat; sliced off below
             x = torch.cat([x, x.new_zeros(extra, x.size(1))])  # [c + extra, D]
-        z = mm(x, w.t())[: hi - lo]  # [c, D] x [D, V] -> [c, V]
+        z = torch.mm(x, w.t())[: hi - lo]  # [c, D] x [D, V] -> [c, V]
         if b is not None:
             z = z + b
         y = target[lo:hi, None]  # [c, 1]
@@ -98,7 +123,7 @@ def _blocks(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, eps:
         nll += block_nll
         loss += (1.0 - eps) * block_nll - eps * lprobs.sum() / vocab
         if grads is not None:
-            grads.add_block(z, lprobs, x, target[lo:hi], w, eps, lo, extra, mm)
+            grads.add_block(z, lprobs, x, target[lo:hi], w, eps, lo, extra)
     if grads is None:
         return loss, nll, None, None, None
     return (loss, nll, *grads.finish(w, eps, n))
@@ -111,15 +136,15 @@ class _Grads:
     def __init__(self, h: Tensor, weight: Tensor, bias: Tensor | None, cdtype: torch.dtype):
         self.vocab, self.cdtype = weight.size(0), cdtype
         self.h = torch.empty(h.shape, dtype=torch.float32, device=h.device)
-        # dW accumulates transposed, [D, V], in float32 products on CPU: oneDNN (mtpipe.model.ops.mm) makes X^T G
-        # in that layout at full speed and G^T X (a tall product of a transposed view) at half speed
+        # dW accumulates transposed, [D, V], in float32 products on CPU (X^T G a block, returned as a view): the
+        # order of the sums, and so training's float32 results, stay those of earlier runs
         self.wide = cdtype == torch.float32 and h.device.type == "cpu"
         self.w = torch.zeros(weight.shape[::-1] if self.wide else weight.shape, dtype=torch.float32, device=h.device)
         self.b = torch.zeros(self.vocab, dtype=torch.float32, device=h.device) if bias is not None else None
         self.h_sum = torch.zeros(h.size(1), dtype=torch.float32, device=h.device)  # colsum(h), [D]
 
     def add_block(self, z: Tensor, lprobs: Tensor, x: Tensor, target: Tensor, w: Tensor, eps: float, lo: int,
-                  extra: int, mm: Any) -> None:
+                  extra: int) -> None:
         """The block of rows ``lo:lo + c``: its logits ``z`` ``[c, V]``, their float32 log-probabilities
         ``lprobs`` (consumed: exponentiated in place in float32), its inputs ``x`` ``[c + extra, D]`` (``extra``
         zero rows) and targets ``[c]``."""
@@ -135,9 +160,9 @@ class _Grads:
         self.h_sum += x.sum(0, dtype=torch.float32)
         if extra:
             gc = torch.cat([gc, gc.new_zeros(extra, vocab)])  # [c + extra, V]: the zero rows add nothing to dW
-        self.h[lo : lo + c] = mm(gc, w)[:c]  # [c, V] x [V, D] -> [c, D]
+        self.h[lo : lo + c] = torch.mm(gc, w)[:c]  # [c, V] x [V, D] -> [c, D]
         if self.wide:
-            self.w += mm(x.t(), gc)  # [D, c] x [c, V] -> [D, V]
+            self.w += torch.mm(x.t(), gc)  # [D, c] x [c, V] -> [D, V]
         else:
             self.w += torch.mm(gc.t(), x)
 
@@ -190,6 +215,8 @@ def projected_label_smoothed_nll(h: Tensor, weight: Tensor, bias: Tensor | None,
     measures it), in a fraction of the memory. Everything but the products is float32, whatever
     the autocast dtype (a bf16 softmax over 37k entries loses the small probabilities that the smoothing term sums).
     """
+    if not _blocked:
+        return _on_whole_logits(h, weight, bias, target, eps)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         return _ProjectedSmoothedNLL.apply(h, weight, bias, target, eps)

@@ -194,7 +194,7 @@ def batches_changed(ck: artifacts.Checkpoint, batches_id: str, batches: Path) ->
     """Whether the train batches differ from those ``ck`` was trained on: by their identity
     (:attr:`mtpipe.training.batches.TrainData.batches_id`) where the checkpoint records it, else (a checkpoint of
     an older mtpipe) by the bucket artifact's manifest."""
-    recorded = ck.manifest.extra.get("train_batches")
+    recorded = ck.meta.train_batches
     if recorded:
         return recorded != batches_id
     return ck.manifest.upstream.get("batches") not in (None, artifacts.manifest_hash(batches))

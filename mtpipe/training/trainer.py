@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from mtpipe import artifacts
+from mtpipe import artifacts, platform
 from mtpipe.config import ModelConfig, TrainConfig, to_dict
 from mtpipe.console import console, info, progress, warn
 from mtpipe.engine import runtime
@@ -80,7 +80,7 @@ class Trainer:
         self.rank, self.world = self.ctx.rank, self.ctx.world_size
         self.device = self.ctx.device
         self._set_up_device()
-        self.precision = runtime.resolve_precision(cfg.precision, self.device)
+        self.precision = platform.training_precision(cfg.precision, self.device)
         self.data = load_train_data(self.tokens, self.batches, cfg.tokens_per_update, self.world)
         # train.finetune_from: the parent's model, and its weights unless the run resumes (mtpipe.training.finetune)
         self.finetune = finetune.plan(self.out, cfg.finetune_from, model_cfg, self.data.vocab, self.tokens)
@@ -127,7 +127,7 @@ class Trainer:
         t.cfg, t.device, t.rank, t.world, t.data = cfg, device, 0, 1, data
         t.batches = Path("<batches in memory>")
         t._set_up_device()
-        t.precision = runtime.resolve_precision(cfg.precision, device)
+        t.precision = platform.training_precision(cfg.precision, device)
         t.model = t._build_model(model_cfg)
         if state_dict is not None:
             t.model.load_state_dict(state_dict)
@@ -153,12 +153,8 @@ class Trainer:
         self.overflows_in_a_row = 0
 
     def _set_up_device(self) -> None:
-        if self.cfg.threads > 0:
-            torch.set_num_threads(self.cfg.threads)
-        if self.device.type == "cuda":
-            # TF32 tensor-core matmuls for the fp32 work (fp32 runs, and the fp32 ops that autocast keeps).
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+        platform.set_threads(self.cfg.threads)
+        platform.set_fp32_matmuls(self.device)  # TF32 on a GPU
 
     def _build_model(self, model_cfg: ModelConfig) -> nn.Module:
         """Identical initialisation on every rank (one seed), then one dropout stream per rank."""

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from mtpipe import platform
 from mtpipe.config import TrainConfig, check_sections
 from mtpipe.engine import runtime
 from mtpipe.model.ops import attention_kernels
@@ -157,7 +158,7 @@ class Updater:
         if not self.primed:
             self._prime(batch)
         with distributed.no_sync(self.module, skip=not sync):
-            with runtime.autocast(self.device, self.precision), attention_kernels(self.device):
+            with platform.autocast(self.device, self.precision), attention_kernels(self.device):
                 loss, nll = self.module(*batch)
             scaled = loss * scale
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()

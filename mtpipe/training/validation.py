@@ -24,10 +24,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from mtpipe import artifacts
+from mtpipe import artifacts, platform
 from mtpipe.config import TrainConfig
 from mtpipe.console import progress
-from mtpipe.engine import runtime
 from mtpipe.errors import MtpipeError
 from mtpipe.model.ops import attention_kernels
 from mtpipe.training import distributed
@@ -113,7 +112,7 @@ class Validator:
         with torch.no_grad():
             for i in range(self.rank, len(valid), self.world):
                 batch = train_batch(valid_tokens, valid.batch(i), self.model.start_id).to(self.device)
-                with runtime.autocast(self.device, self.precision), attention_kernels(self.device):
+                with platform.autocast(self.device, self.precision), attention_kernels(self.device):
                     loss, nll = loss_module(*batch)
                 sums += torch.stack([loss, nll]).double()
         distributed.all_reduce_sum(sums)
