@@ -56,6 +56,9 @@ DATA = Path(mtenv.get("MTPIPE_MULTI30K") or REPO / "data" / "multi30k")  # {spli
 
 # Tricks --plain switches off, one row each: (whose trick: the eager step's or the compiled one's, what replaces it)
 PLAIN = {
+    "ranking": ("eager", "one top-k over every extension instead of mtpipe.engine.search.top_candidates' chunks"),
+    "onednn-packed": ("eager", "torch's own float32 products (F.linear, the model's logits) instead of oneDNN's on "
+                      "packed copies of the weights (mtpipe.engine.packed)"),
     "attention": ("eager", "torch's fused scaled_dot_product_attention for a decoding step's cross-attention and the "
                   "encoder instead of two matmuls (mtpipe.model.ops.prefer_explicit_attention)"),
     "cuda-graphs": ("engine", "the eager step on a GPU instead of decode.cuda_graphs' replayed graphs"),
@@ -70,11 +73,12 @@ def switched_off(trick: str | None) -> contextlib.AbstractContextManager:
     """One of :data:`PLAIN`'s tricks switched off (nothing for the tricks an engine's settings switch off: cuda-graphs,
     twice, package), around the opening of the row's engine, which prepares its variant, and around each of its calls
     (the warm-up's too: the compiled step is built then)."""
-    from mtpipe.engine import runners
+    from mtpipe.engine import packed, runners, search
     from mtpipe.model import ops
 
-    if trick == "attention":
-        return ops.fused_attention()
+    switches = {"attention": ops.fused_attention, "ranking": search.one_top_k, "onednn-packed": packed.torch_products}
+    if trick in switches:
+        return switches[trick]()
     if trick == "gather":
         return runners.gather_in_graph_from(1 << 40)  # more bytes than any row: always before the graph
     return contextlib.nullcontext()

@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from mtpipe import env
 from mtpipe.errors import MtpipeError
@@ -130,6 +130,32 @@ def kernels() -> Kernels:
     return Kernels(onednn=torch.backends.mkldnn.is_available(),
                    fbgemm="fbgemm" in torch.backends.quantized.supported_engines,
                    quantised=torch.backends.quantized.engine)
+
+
+@dataclasses.dataclass(frozen=True)
+class OneDNNLinear:
+    """oneDNN's float32 linear kernel and its weight packer, as this torch build exposes them."""
+
+    linear: Callable[..., Any]  # (x [..., in], weight [out, in] or packed, bias) -> x W^T + b
+    pack: Callable[[Any], Any]  # weight [out, in] -> the same weight in oneDNN's pre-packed, blocked layout
+
+
+@functools.cache
+def onednn_linear() -> OneDNNLinear | None:
+    """oneDNN's float32 linear kernel (:class:`OneDNNLinear`), or None where this torch build lacks it: asked once,
+    on the first call, by one small product (x86 and aarch64 builds have it)."""
+    import torch
+
+    if not torch.backends.mkldnn.is_available():
+        return None
+    ops = torch.ops.mkldnn
+    try:
+        if not bool(ops._linear_pointwise(torch.ones(2, 3), torch.ones(4, 3), None, "none", [], "").eq(3).all()):
+            return None
+    except (RuntimeError, AttributeError, NotImplementedError):  # an op this build lacks
+        return None
+    return OneDNNLinear(linear=lambda x, w, b: ops._linear_pointwise(x, w, b, "none", [], ""),
+                        pack=lambda w: ops._reorder_linear_weight(w, 256))  # 256 rows: a hint for the blocking
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -285,6 +311,6 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
-__all__ = ["CPU", "CPU_ONLY_PRECISIONS", "Kernels", "assume_cpu", "autocast", "check_decoding_device", "cpu",
-           "cpu_count", "decoding_device", "kernels", "may_decode_on_gpu", "set_fp32_matmuls", "set_threads",
+__all__ = ["CPU", "CPU_ONLY_PRECISIONS", "Kernels", "OneDNNLinear", "assume_cpu", "autocast", "check_decoding_device",
+           "cpu", "cpu_count", "onednn_linear", "decoding_device", "kernels", "may_decode_on_gpu", "set_fp32_matmuls", "set_threads",
            "threads", "threads_per_process", "torch_threads", "torchrun_threads", "training_precision", "use_gpu"]

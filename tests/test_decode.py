@@ -1164,3 +1164,47 @@ def test_sentences_joining_a_running_search_decode_as_they_would_alone(model, st
     for i, hyps in enumerate(alone):
         assert [h.tokens for h in got[i]] == [h.tokens for h in hyps], i
         assert [h.score for h in got[i]] == pytest.approx([h.score for h in hyps], abs=1e-4)
+
+
+def test_top_candidates_equal_a_top_k_over_every_extension():
+    """The chunked ranking (chunk maxima first) returns what one top-k over all k x V extensions returns, also with
+    empty beams (-inf scores), banned tokens, rows where only EOS may follow, and a vocabulary that is not a
+    multiple of the chunk width."""
+    from mtpipe.engine.search import top_candidates
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(60):
+        vocab, n, k, m = 512 + 37 * trial, 1 + trial % 5, 1 + trial % 4, 1 + trial % 9
+        logp = F.log_softmax(torch.randn(n * k, vocab, generator=g) * 3, dim=-1)
+        logp[:, [PAD_ID, BOS_ID]] = float("-inf")
+        scores = torch.randn(n, k, generator=g) - 5
+        if trial % 3 == 0:
+            scores[:, 1:] = float("-inf")  # a sentence that just joined: one live beam
+        if trial % 4 == 0:
+            logp[: k] = float("-inf")  # the first sentence at its length limit: only EOS
+            logp[: k, EOS_ID] = -0.5
+        want_v, want_i = (logp.view(n, k, vocab) + scores.unsqueeze(2)).view(n, k * vocab).topk(m, dim=1)
+        got_v, got_i = top_candidates(logp, scores, m)
+        assert torch.equal(got_v, want_v)
+        finite = torch.isfinite(want_v)
+        assert torch.equal(got_i[finite], want_i[finite])
+
+
+def test_the_float32_cpu_variant_through_onednn_decodes_what_torch_s_own_products_decode(model):
+    """decode's float32 CPU variant (mtpipe.engine.packed: oneDNN's products on packed weights) finds the same
+    hypotheses as the same model on torch's own products, with scores equal up to float rounding."""
+    from mtpipe.engine import packed
+    from mtpipe.engine.variants import prepare
+
+    srcs = sources(9, seed=5)
+    cfg = DecodeConfig(beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5)
+    with packed.torch_products():
+        assert not any(isinstance(m, packed.PackedLinear)
+                       for m in prepare(copy.deepcopy(model), "fp32", torch.device("cpu")).model.modules())
+        a = translate(model, srcs, cfg)
+    if platform.onednn_linear() is not None:
+        assert any(isinstance(m, packed.PackedLinear)
+                   for m in prepare(copy.deepcopy(model), "fp32", torch.device("cpu")).model.modules())
+    b = translate(model, srcs, cfg)
+    assert [[h.tokens for h in r] for r in a] == [[h.tokens for h in r] for r in b]
+    assert [h.score for r in a for h in r] == pytest.approx([h.score for r in b for h in r], abs=1e-4)

@@ -187,6 +187,10 @@ REGISTERING = {"command", "callback", "route", "get", "post"}
 ALLOWED: dict[tuple[str, str], str] = {
     ("mtpipe.platform", "assume_cpu"): "the context through which a test or a benchmark asks what mtpipe decides on "
                                        "another CPU (no module global is flipped from outside)",
+    ("mtpipe.engine.search", "one_top_k"): "the context that switches the chunked ranking off for a block: how "
+                                           "bench/decode_speed.py times it",
+    ("mtpipe.engine.packed", "torch_products"): "the context that keeps torch's own float32 products for a block: how "
+                                                "bench/decode_speed.py times the oneDNN variant",
     ("mtpipe.model.ops", "fused_attention"): "the context that switches the two-matmul attention off for a block: "
                                              "how bench/decode_speed.py and bench/train_throughput.py time it",
     ("mtpipe.model.ops", "fused_dropout"): "the context that switches keep_mask's cheap dropout masks off for a "

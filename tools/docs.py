@@ -309,6 +309,19 @@ def _pays(worth: list[float]) -> bool:
     return round(min(worth), 2) > 1.0
 
 
+# Tricks that are parts of another, each measured alone while the others still ran: the float32 CPU variant's oneDNN
+# products on packed weights (onednn-packed) is its linear layers on packed copies (layer-packing), its projection on
+# a kept copy (projection) in oneDNN's packed layout (packing), and oneDNN's products where no copy is packed
+# (onednn). Switched off alone, each part's work fell to the others, so each alone was within noise; the whole,
+# switched off at once, is what a part's verdict follows.
+PART_OF = {"packing": "onednn-packed", "layer-packing": "onednn-packed", "projection": "onednn-packed",
+           "onednn": "onednn-packed"}
+# Tricks whose worth is a compiled graph not built (seconds before the first translation), which bench/decode_speed.py
+# does not time (its warm-up builds every graph before the timed rounds): their rows show what they cost per step.
+BUILD_SAVERS = {"twice": "kept: saves building a lone sentence's graph (build time is not timed here)",
+                "package": "kept: a graph loaded from disk instead of built (build time is not timed here)"}
+
+
 def trick_verdicts(directory: Path = RESULTS) -> dict[str, str]:
     """Per trick: "kept" where it pays somewhere (its worth's minimum, as the table shows it, above 1.00x on some CPU
     class), else "deleted" (every spread includes 1.00x, or it loses): the rule the code follows (tests/test_docs.py
@@ -317,6 +330,12 @@ def trick_verdicts(directory: Path = RESULTS) -> dict[str, str]:
     for t in trick_rows(directory):
         pays = _pays(t["worth"])
         verdict[t["trick"]] = "kept" if pays or verdict.get(t["trick"]) == "kept" else "deleted"
+    for trick, why in BUILD_SAVERS.items():
+        if trick in verdict:
+            verdict[trick] = why
+    for part, whole in PART_OF.items():
+        if whole in verdict and part in verdict:
+            verdict[part] = f"{'kept in' if verdict[whole] == 'kept' else 'deleted with'} {whole}"
     return verdict
 
 
@@ -501,8 +520,11 @@ def render_decode_corpus(directory: Path = RESULTS) -> str:
         text += (f"\nKilled (SIGKILL) at {r['lines']:,} lines, {r['seconds_into_unfinished_chunk']:,} s into the chunk "
                  f"after {r['finished_chunks_at_kill']} finished ones: the rerun resumed {r['lines_resumed']:,} lines "
                  f"and translated {r['lines_translated_by_rerun']:,}; the killed run's work lost was about "
-                 f"{round(r['lines_lost_estimate'], -3):,.0f} lines; killed run plus rerun took "
-                 f"{_num(r['seconds_lost'], 0)} s more than the uninterrupted run; the artifact is "
+                 f"{round(r['lines_lost_estimate'], -3):,.0f} lines; "
+                 + (f"killed run plus rerun took {_num(r['seconds_lost'], 0)} s more than the uninterrupted run"
+                    if r["seconds_lost"] >= 0 else "the seconds of the runs are not comparable (killed run plus "
+                    "rerun took less than the uninterrupted run: the machine's load changed between them)")
+                 + "; the artifact is "
                  f"{'byte-identical to' if r['identical_to_uninterrupted'] else '**not** identical to'} the "
                  "uninterrupted run's.\n")
     return text + "\n" + describe(doc)
@@ -573,11 +595,12 @@ def render_distillation(directory: Path = RESULTS) -> str:
 
 
 def render_equivalence(directory: Path = RESULTS) -> str:
-    """development.md: the newest fingerprints (bench/equivalence.py) against the oldest recorded, entry by entry."""
+    """development.md: the newest fingerprints (bench/equivalence.py) against the ones recorded just before them (a
+    change's before and after), entry by entry."""
     found = results("equivalence", directory)
     if len(found) < 2:
         return NOT_MEASURED.format(command="python bench/equivalence.py record")
-    first, last = found[0], found[-1]
+    first, last = found[-2], found[-1]
     rows = []
     for part in ("train", "decode"):
         a, b = first["figures"][part], last["figures"][part]

@@ -46,9 +46,10 @@ reference step of ``testkit/oracles.py``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -203,15 +204,58 @@ StepFn = Callable[[Tensor, Any], "tuple[Tensor | Callable[[int, int], Tensor], A
 _BLOCK_ROWS = 256
 
 
+# Vocabulary entries per chunk in :func:`top_candidates`: contiguous runs whose maxima torch reduces in vectorised
+# passes, far cheaper per entry than a top-k over a sentence's k x V entries (the width is bench/decode_speed.py's
+# "ranking" row's to measure).
+_CHUNK = 128
+
+
+@contextlib.contextmanager
+def one_top_k() -> Iterator[None]:
+    """Inside the block, :func:`top_candidates` ranks with one top-k over every extension instead of by chunks: how
+    ``bench/decode_speed.py`` times the chunks' worth (``--plain ranking``)."""
+    global _CHUNK
+    before, _CHUNK = _CHUNK, 1 << 40
+    try:
+        yield
+    finally:
+        _CHUNK = before
+
+
 def top_candidates(logp: Tensor, scores: Tensor, m: int) -> tuple[Tensor, Tensor]:
     """The ``m`` best one-token extensions of each sentence, best first: ``logp`` ``[n*k, V]`` (the k beams of a
     sentence in consecutive rows), ``scores`` ``[n, k]`` the beams' log-probabilities so far -> values ``[n, m]``
-    (score + log-probability) and indices into each sentence's ``k * V`` extensions (``beam * V + token``): one
-    top-k over all ``k * V`` sums. ``logp`` is not changed."""
+    (score + log-probability) and indices into each sentence's ``k * V`` extensions (``beam * V + token``).
+
+    Exact, and much cheaper than a top-k over all ``k * V`` sums, which read every entry in scalar code: the
+    vocabulary is cut into chunks of ``_CHUNK`` entries, each chunk's maximum (one vectorised pass) plus its beam's
+    score ranks the chunks, and only the best ``m`` chunks are searched. That is exact because each of the ``m``
+    best extensions lies in a chunk whose maximum is at least as high, and at most ``m`` chunks can have a higher
+    maximum than the m-th best extension (each such maximum is itself a better extension); ties may resolve to a
+    different one of equal value, as a top-k's may. ``logp`` is not changed."""
+    rows, vocab = logp.shape
     n, k = scores.shape
-    vocab = logp.size(1)
-    cand = (logp.view(n, k, vocab) + scores.unsqueeze(2)).view(n, k * vocab)  # [n*k, V] -> [n, k, V] -> [n, k*V]
-    return cand.topk(min(m, k * vocab), dim=1)
+    if vocab < 4 * _CHUNK or m >= k * -(-vocab // _CHUNK):  # few chunks (tiny vocabularies): one top-k is as cheap
+        cand = (logp.view(n, k, vocab) + scores.unsqueeze(2)).view(n, k * vocab)  # [n*k, V] -> [n, k*V]
+        return cand.topk(min(m, k * vocab), dim=1)
+    whole = vocab // _CHUNK * _CHUNK
+    peaks = logp[:, :whole].view(rows, whole // _CHUNK, _CHUNK).amax(-1)  # [n*k, V'] -> [n*k, V'/C, C] -> [n*k, J]
+    if whole < vocab:  # the last, shorter chunk
+        peaks = torch.cat([peaks, logp[:, whole:].amax(-1, keepdim=True)], dim=1)  # [n*k, J]
+    chunks = peaks.size(1)
+    peaks = peaks.view(n, k, chunks).add_(scores.unsqueeze(2)).view(n, k * chunks)  # [n*k, J] -> [n, k*J]
+    _, best = peaks.topk(min(m, k * chunks), dim=1)  # [n, m'] chunk ids: beam * J + chunk
+    beam_of = best // chunks  # [n, m']
+    first = (best % chunks) * _CHUNK  # [n, m'] the chunk's first vocabulary entry
+    cols = first.unsqueeze(2) + torch.arange(_CHUNK, device=logp.device)  # [n, m', C]
+    row = torch.arange(n, device=logp.device).unsqueeze(1) * k + beam_of  # [n, m'] rows of logp
+    # [n, m', C] entries of the chosen chunks; past the vocabulary's end (the last chunk) -> -inf
+    values = logp.view(-1)[(row.unsqueeze(2) * vocab + cols.clamp(max=vocab - 1)).view(-1)].view(cols.shape)
+    values = values.add_(scores.gather(1, beam_of).unsqueeze(2)).masked_fill_(cols >= vocab, float("-inf"))
+    top, j = values.view(n, -1).topk(min(m, k * vocab), dim=1)  # [n, m'*C] -> [n, m]
+    pick = j // _CHUNK  # [n, m] which chosen chunk
+    token = first.gather(1, pick) + j % _CHUNK
+    return top, beam_of.gather(1, pick) * vocab + token
 
 
 class BeamSearch:

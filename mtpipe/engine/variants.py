@@ -1,7 +1,8 @@
 """A model prepared to decode (:func:`prepare`): its variant for the decoding precision and device, and the step
 runner, chosen once.
 
-Variants: float32, the model itself (a copy of it for a compiled step); bf16, a copy with bf16 weights
+Variants: float32, the model itself (a copy of it for a compiled step), on CPU with its linear layers and projection
+through oneDNN on packed copies of their weights (:mod:`mtpipe.engine.packed`); bf16, a copy with bf16 weights
 (:func:`bf16_copy`); int8 (CPU), a copy with int8 linear layers (:func:`int8_copy`). Runners: the eager step, the
 compiled one (``decode.compile``, :mod:`mtpipe.engine.runners`), or on a GPU the step replayed from CUDA graphs
 (``decode.cuda_graphs``, :mod:`mtpipe.engine.cuda_graphs`).
@@ -179,9 +180,8 @@ def prepare(model: Any, precision: str, device: torch.device, compile: str = "of
     compile = compile_mode(compile)
     model.eval()
     platform.check_decoding_device(precision, device)  # (decode.compile with int8: refused by DecodeConfig)
-    variant = _variant(model, precision, own_weights=compile != "off")
+    variant, project = _variant(model, precision, device, own_weights=compile != "off")
     variant.eval()
-    project = variant.logits  # the variant's own (int8: its quantised projection)
     compiled = graphs = None
     if compile != "off":
         if compile == "aot" and not (precision == "fp32" and device.type == "cpu"):
@@ -195,12 +195,18 @@ def prepare(model: Any, precision: str, device: torch.device, compile: str = "of
     return Prepared(variant, project, compiled, graphs)
 
 
-def _variant(model: Any, precision: str, own_weights: bool) -> Any:
-    """The module that decodes, built from ``model``'s weights (module docstring); ``own_weights``: a copy of
-    float32 weights rather than the model itself (a compiled step is keyed by the weights' identity, and must not
-    meet weights that changed in place)."""
-    if precision == "bf16":
-        return bf16_copy(model)
-    if precision == "int8":
-        return int8_copy(model)
-    return copy.deepcopy(model) if own_weights else model
+def _variant(model: Any, precision: str, device: torch.device,
+             own_weights: bool) -> tuple[Any, Callable[[Tensor], Tensor]]:
+    """The module that decodes and its projection of a step's rows (the variant's own logits; int8: its quantised
+    projection; float32 on CPU: oneDNN's, :mod:`mtpipe.engine.packed`), built from ``model``'s weights (module
+    docstring); ``own_weights``: a copy of float32 weights rather than the model itself or new modules around its
+    weights (a compiled step is keyed by the weights' identity, and must not meet weights that changed in place)."""
+    if precision in ("bf16", "int8"):
+        twin = bf16_copy(model) if precision == "bf16" else int8_copy(model)
+        return twin, twin.logits
+    if device.type == "cpu":
+        from mtpipe.engine.packed import packed_copy
+
+        return packed_copy(model, own_weights)
+    twin = copy.deepcopy(model) if own_weights else model
+    return twin, twin.logits
