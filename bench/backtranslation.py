@@ -8,6 +8,7 @@ translated by a de->en model trained on A for the same budget. Per row and seed:
 the updates made and the training minutes; per seed the whole pipeline's minutes.
 
     python bench/backtranslation.py --data DIR [--seeds 1,2] [--budget-minutes 37]
+    python bench/backtranslation.py --data DIR --seeds 2 --add-to bench/results/backtranslation-<time>.json
     python bench/backtranslation.py --data DIR --seeds 1 --budget-minutes 1 --pairs 2000   # a check of the bench
 """
 
@@ -34,13 +35,17 @@ def collect(repo: Path, seed: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     example_runs.add_flags(ap, budget=37)
+    ap.add_argument("--add-to", type=Path, help="an earlier results file of this benchmark, measured with the same "
+                    "budget and pairs: its seeds' runs are kept and this run's seeds added to them")
     args = ap.parse_args()
     probe = machine.probe()
-    runs = example_runs.run_seeds("backtranslation", "backtranslation", args, collect)
+    settings = {"budget_minutes": 0 if args.budget_updates else args.budget_minutes,
+                "budget_updates": args.budget_updates, "pairs": args.pairs or "all"}
+    earlier = example_runs.earlier_runs(args.add_to, "backtranslation", settings, args.seeds)
+    runs = earlier + example_runs.run_seeds("backtranslation", "backtranslation", args, collect)
     machine.write_results("backtranslation", {
-        "budget_minutes": 0 if args.budget_updates else args.budget_minutes,
-        "budget_updates": args.budget_updates, "pairs": args.pairs or "all", "rows": ROWS,
-        "results": example_runs.rows(runs, list(ROWS)), "runs": runs}, args.results, machine=probe)
+        **settings, "rows": ROWS, "results": example_runs.rows(runs, list(ROWS)), "runs": runs,
+        **({"added_to": args.add_to.name} if args.add_to else {})}, args.results, machine=probe)
     return 0
 
 

@@ -13,7 +13,10 @@ matter here: what is measured is how memory and time grow with the corpus; outpu
 
 For each size, one uninterrupted run (a fresh ``python -m mtpipe decode --out``; stdout to /dev/null): its wall
 seconds, lines per second and peak RSS (``wait4``'s ``ru_maxrss``); at the smallest size also the whole file in one
-chunk (``--chunk-lines`` = its lines: what decode did before it read in chunks). At ``--resume-at`` lines: a run
+chunk (``--chunk-lines`` = its lines: what decode did before it read in chunks); and, unless
+``--no-default-caches``, the chunked run again with oneDNN's two kernel caches at their libraries' default of 1,024
+entries each, where mtpipe bounds them (:data:`mtpipe.platform.KERNEL_CACHE`): at the smallest size ``--rounds``
+interleaved rounds of the two, whose speeds are compared, at the others one run each. At ``--resume-at`` lines: a run
 killed (SIGKILL) halfway through a chunk once ``--kill-after`` chunks are finished, then the same command again: the
 lines the rerun translated, the lines the killed run had translated in its unfinished chunk and lost (its rate times
 the seconds since its last finished chunk), the seconds lost against the uninterrupted run, and whether the
@@ -45,6 +48,8 @@ sys.path.insert(0, str(REPO))
 from bench.machine import write_results  # noqa: E402 (after the path it needs)
 
 DECODE = ["--beam", "1", "--max-len-a", "0", "--max-len-b", "8"]
+# oneDNN's two kernel caches at their libraries' default size (mtpipe bounds them: mtpipe.platform.KERNEL_CACHE)
+DEFAULT_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024", "LRU_CACHE_CAPACITY": "1024"}
 
 
 def words(seed: int = 0) -> tuple[list[str], list[float]]:
@@ -102,10 +107,11 @@ def command(checkpoint: Path, corpus: Path, out: Path, chunk_lines: int, threads
             "--stats", *DECODE]
 
 
-def run(cmd: list[str], log: Path, kill: Any = None) -> dict[str, Any]:
-    """Run ``cmd`` (stdout to /dev/null, stderr to ``log``); its wall seconds, peak RSS and exit status. ``kill``:
-    called every 0.2 s with the process, returns True once it has been killed."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+def run(cmd: list[str], log: Path, kill: Any = None, extra: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``cmd`` (stdout to /dev/null, stderr to ``log``; ``extra``: variables added to its environment); its wall
+    seconds, peak RSS and exit status. ``kill``: called every 0.2 s with the process, returns True once it has been
+    killed."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", **(extra or {})}
     start = time.perf_counter()
     with open(log, "a", encoding="utf-8") as err, open(os.devnull, "w") as null:
         err.write(f"$ {' '.join(cmd)}\n")
@@ -184,6 +190,10 @@ def main() -> None:
     ap.add_argument("--resume-at", type=int, help="the corpus size of the kill and rerun (default: the smallest)")
     ap.add_argument("--kill-after", type=int, default=3, help="finished chunks before the kill (2 or more)")
     ap.add_argument("--no-whole", action="store_true", help="skip the one-chunk run at the smallest size")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the bounded and default caches' "
+                    "runs at the smallest size (their speed is compared)")
+    ap.add_argument("--no-default-caches", action="store_true", help="skip the runs with oneDNN's kernel caches at "
+                    "their libraries' default size")
     ap.add_argument("--work", type=Path, help="work directory (kept); default a temporary one, removed")
     ap.add_argument("--results", type=Path, help="results file (default bench/results/decode_corpus-<time>.json)")
     args = ap.parse_args()
@@ -198,15 +208,20 @@ def main() -> None:
         for lines in sizes:
             corpus = work / f"corpus-{lines}.txt"
             write_corpus(corpus, lines)
-            variants = [("chunks", args.chunk_lines)]
+            pair = [("chunks", args.chunk_lines, {})]
+            if not args.no_default_caches:
+                pair.append(("chunks, default caches", args.chunk_lines, DEFAULT_CACHES))
+            rounds = args.rounds if lines == sizes[0] and len(pair) > 1 else 1
+            variants = [(k, *v) for k in range(rounds) for v in (pair if k % 2 == 0 else pair[::-1])]
             if lines == sizes[0] and not args.no_whole and lines > args.chunk_lines:
-                variants.append(("one chunk", lines))
-            for name, chunk in variants:
+                variants.append((0, "one chunk", lines, {}))
+            for k, name, chunk, extra in variants:
                 out = work / f"out-{lines}-{chunk}"
-                r = run(command(checkpoint, corpus, out, chunk, args.threads), log)
+                r = run(command(checkpoint, corpus, out, chunk, args.threads), log, extra=extra)
                 if r["exit"]:
                     raise SystemExit(f"decode of {corpus} exited {r['exit']} (see {log})")
-                r.update(lines=lines, chunk_lines=chunk, reading=name, lines_per_s=round(lines / r["seconds"], 1),
+                r.update(lines=lines, chunk_lines=chunk, reading=name, round=k,
+                         lines_per_s=round(lines / r["seconds"], 1),
                          corpus_mb=round(corpus.stat().st_size / 2**20, 1), files_sha256=files_hash(out))
                 figures["runs"].append(r)
                 print(json.dumps(r), file=sys.stderr)
@@ -219,7 +234,7 @@ def main() -> None:
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
-    chunked = [r for r in figures["runs"] if r["reading"] == "chunks"]
+    chunked = [r for r in figures["runs"] if r["reading"] == "chunks" and r["round"] == 0]
     figures["peak_rss_mb_largest_over_smallest"] = round(chunked[-1]["peak_rss_mb"] / chunked[0]["peak_rss_mb"], 3)
     write_results("decode_corpus", figures, args.results)
 

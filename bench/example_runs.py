@@ -37,6 +37,26 @@ def add_flags(ap: argparse.ArgumentParser, budget: float) -> None:
     ap.add_argument("--keep", action="store_true", help="keep each copy (default: only its logs and metrics)")
 
 
+def earlier_runs(path: Path | None, name: str, settings: dict[str, Any], seeds: str) -> list[dict[str, Any]]:
+    """The runs of an earlier results file of this benchmark (``--add-to``), to which this one's seeds are added:
+    refused unless it was measured with the same ``settings`` (budget, pairs) and holds none of ``seeds``."""
+    if path is None:
+        return []
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    figures = doc.get("figures", {})
+    if doc.get("name") != name:
+        raise SystemExit(f"{path}: not a results file of bench/{name}.py")
+    differ = [k for k, v in settings.items() if figures.get(k) != v]
+    if differ:
+        raise SystemExit(f"{path}: measured with other {', '.join(differ)} "
+                         f"({', '.join(f'{k} {figures.get(k)!r}' for k in differ)}): its runs cannot be added to")
+    have = {r["seed"] for r in figures["runs"]}
+    again = sorted(have & {int(x) for x in seeds.split(",")})
+    if again:
+        raise SystemExit(f"{path}: already has seed(s) {', '.join(map(str, again))}")
+    return list(figures["runs"])
+
+
 def _scaled(text: str, pairs: int) -> str:
     return ":".join(str(int(x) * pairs // MULTI30K_TRAIN) if x else "" for x in text.split(":"))
 
@@ -113,7 +133,8 @@ def training(repo: Path, run: str) -> dict[str, Any]:
 def model_row(repo: Path, metrics: str, run: str) -> dict[str, Any]:
     """A model's test2016 scores (metrics/<metrics>.json) and its training."""
     score = json.loads((repo / "metrics" / f"{metrics}.json").read_text(encoding="utf-8"))
-    return {"bleu": round(score["bleu"], 2), "chrf": round(score["chrf"], 2), **training(repo, run),
+    return {"bleu": round(score["bleu"], 2), "chrf": round(score["chrf"], 2), "ratio": round(score["ratio"], 3),
+            **training(repo, run),
             "signature": score.get("signatures", {}).get("bleu")}
 
 
@@ -156,6 +177,7 @@ def rows(runs: list[dict[str, Any]], names: list[str]) -> dict[str, dict[str, An
         out[row] = {"bleu": [g["bleu"] for g in got], "chrf": [g["chrf"] for g in got],
                     "bleu_mean": round(statistics.mean(g["bleu"] for g in got), 2),
                     "chrf_mean": round(statistics.mean(g["chrf"] for g in got), 2),
+                    "ratio": [g.get("ratio") for g in got],  # hypothesis length over the references'
                     "updates": [g["updates"] for g in got], "train_minutes": [g["train_minutes"] for g in got],
                     "seeds": [r["seed"] for r in have]}
     return out

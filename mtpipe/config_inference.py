@@ -134,7 +134,7 @@ class DecodeConfig(Section):
     chunk_lines: int = _h(
         "--input FILE is read, translated and written this many lines at a time (length-sorted batches within a "
         "chunk, the output in input order), so that the text and translations held are bounded by this, not by the "
-        "file (peak memory still grows somewhat with the file: docs/decoding.md). With --out, each "
+        "file (docs/decoding.md measures peak memory against the file's size). With --out, each "
         "finished chunk is kept beside the output (.OUT.partial) until the artifact is assembled: a killed run, "
         "rerun with the same command, resumes after its last finished chunk.", default=50_000, ge=1)
     shard: str = _h(

@@ -93,6 +93,11 @@ _TABLE = (
     Variable("ONEDNN_MAX_CPU_ISA", "ALL", "oneDNN's ISA limit; one without bf16 instructions makes bf16 on CPU "
              "unavailable, and it keys the compiled decoder step kept on disk.", (_PLATFORM, _MACHINE),
              (_MACHINE,)),
+    Variable("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024 (oneDNN's)", "Compiled kernels oneDNN keeps; set, it is left "
+             "alone; unset, decoding on oneDNN's float32 kernel sets 64 before oneDNN's first use (a corpus's many "
+             "product shapes would fill the default with hundreds of MB).", (), (_PLATFORM, "bench/decode_corpus.py")),
+    Variable("LRU_CACHE_CAPACITY", "1024 (torch's)", "As ONEDNN_PRIMITIVE_CACHE_CAPACITY, for the kernels torch's "
+             "oneDNN bindings keep; set with it.", (), (_PLATFORM, "bench/decode_corpus.py")),
     Variable("TORCHINDUCTOR_CACHE_DIR", "torch's default", "Inductor's cache; set, it is left alone; unset with "
              "ATEN_CPU_CAPABILITY set, compiling sets it to a directory of that capability's own.", (_RUNTIME,),
              (_RUNTIME,)),

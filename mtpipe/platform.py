@@ -140,14 +140,28 @@ class OneDNNLinear:
     pack: Callable[[Any], Any]  # weight [out, in] -> the same weight in oneDNN's pre-packed, blocked layout
 
 
+# Entries of each of oneDNN's two caches of compiled kernels (its primitive cache, ONEDNN_PRIMITIVE_CACHE_CAPACITY,
+# and the one torch's oneDNN bindings keep, LRU_CACHE_CAPACITY; 1024 each by default) in a process that decodes on
+# oneDNN's float32 kernel: one kernel per product shape, and a corpus's batches bring new shapes for a long time.
+KERNEL_CACHE = 64
+
+
 @functools.cache
 def onednn_linear() -> OneDNNLinear | None:
     """oneDNN's float32 linear kernel (:class:`OneDNNLinear`), or None where this torch build lacks it: asked once,
-    on the first call, by one small product (x86 and aarch64 builds have it)."""
+    on the first call, by one small product (x86 and aarch64 builds have it).
+
+    Before that first product, oneDNN's kernel caches are bounded to :data:`KERNEL_CACHE` entries each (unless
+    the variables are set): with their default 1024, a decode of a large corpus grew by hundreds of MB as batches of
+    new shapes filled them (a kernel of a few hundred KB per shape), at no gain in speed over 64 entries
+    (docs/decoding.md, "Memory"). oneDNN reads the variables when it first builds a kernel, so a process that ran
+    oneDNN before keeps their earlier values."""
     import torch
 
-    if not torch.backends.mkldnn.is_available():
+    if not kernels().onednn:
         return None
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        env.put(name, str(KERNEL_CACHE), replace=False)
     ops = torch.ops.mkldnn
     try:
         if not bool(ops._linear_pointwise(torch.ones(2, 3), torch.ones(4, 3), None, "none", [], "").eq(3).all()):

@@ -472,3 +472,28 @@ def test_a_trick_pays_only_where_its_slowest_round_gains(tmp_path: Path):
     write_result(tmp_path, "decode_speed", doc("onednn-packed", [14.0, 13.5, 14.3]), stamp="20261201T050000Z")
     assert docs.trick_verdicts(tmp_path)["packing"] == "kept in onednn-packed"
     assert "| b | AVX2 CPU | fp32 | b | 1.05x (1.02-1.10) | yes | 100.0 % | kept |" in docs.render_decode_tricks(tmp_path)
+
+
+def test_decode_corpus_renders_the_caches_comparison_per_size(tmp_path: Path) -> None:
+    """bench/decode_corpus.py's bounded and default kernel caches: the table holds each size's first round; the
+    comparison sentence gives min / median / max over the rounds of a size, and one figure for a size run once."""
+    from tools import docs
+
+    def run(lines: int, reading: str, k: int, rss: float, speed: float) -> dict:
+        return {"lines": lines, "chunk_lines": 100, "reading": reading, "round": k, "seconds": lines / speed,
+                "lines_per_s": speed, "corpus_mb": 1.0, "peak_rss_mb": rss, "exit": 0}
+
+    runs = [run(1000, "chunks", 0, 100, 50), run(1000, "chunks, default caches", 0, 150, 50),
+            run(1000, "chunks, default caches", 1, 160, 40), run(1000, "chunks", 1, 110, 48),
+            run(1000, "chunks", 2, 105, 45), run(1000, "chunks, default caches", 2, 155, 50),
+            run(1000, "one chunk", 0, 300, 60), run(4000, "chunks", 0, 120, 50),
+            run(4000, "chunks, default caches", 0, 240, 50)]
+    write_result(tmp_path, "decode_corpus", {"chunk_lines": 100, "threads": 1, "decode": "--beam 1", "model": "tiny",
+                                              "runs": runs, "peak_rss_mb_largest_over_smallest": 1.2})
+    text = docs.render_decode_corpus(tmp_path)
+    assert text.count("| 1,000 | chunks of 100 |") == 1
+    assert "| 1,000 | chunks of 100, oneDNN's default kernel caches |" in text
+    assert "with oneDNN's default kernel caches 1.60x" in text
+    assert ("at 1,000 lines (3 rounds) peak RSS 100 / 105 / 110 MB against 150 / 155 / 160 MB, speed 0.90 / "
+            "1.00 / 1.20x; at 4,000 lines (1 round) peak RSS 120 MB against 240 MB, speed 1.00x"
+            ) in text

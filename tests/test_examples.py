@@ -112,8 +112,8 @@ def test_the_benchmarks_figures_render_in_the_docs(tmp_path: Path) -> None:
     sys.path.insert(0, str(REPO))
     from tools import docs
 
-    def model(bleu: float) -> dict:
-        return {"bleu": bleu, "chrf": 60.0, "updates": 3000, "train_minutes": 37.0}
+    def model(bleu: float, ratio: float = 1.01) -> dict:
+        return {"bleu": bleu, "chrf": 60.0, "ratio": ratio, "updates": 3000, "train_minutes": 37.0}
 
     def rows(runs: list[dict], names: list[str]) -> dict:  # the results file's rows, as bench/example_runs.py writes them
         out = {}
@@ -122,7 +122,7 @@ def test_the_benchmarks_figures_render_in_the_docs(tmp_path: Path) -> None:
             got = [r["models"][row] for r in have]
             out[row] = {"bleu": [g["bleu"] for g in got], "chrf": [g["chrf"] for g in got],
                         "bleu_mean": round(sum(g["bleu"] for g in got) / len(got), 2),
-                        "chrf_mean": round(sum(g["chrf"] for g in got) / len(got), 2),
+                        "chrf_mean": round(sum(g["chrf"] for g in got) / len(got), 2), "ratio": [g["ratio"] for g in got],
                         "updates": [g["updates"] for g in got], "train_minutes": [g["train_minutes"] for g in got],
                         "seeds": [r["seed"] for r in have]}
         return out
@@ -134,18 +134,26 @@ def test_the_benchmarks_figures_render_in_the_docs(tmp_path: Path) -> None:
 
     assert "Not measured" in docs.render_backtranslation(tmp_path) and "Not measured" in docs.render_distillation(
         tmp_path)
-    runs = [{"seed": s, "models": {"a": model(30.0 + s), "bt_beam": model(31.5 + s)}} for s in (1, 2)]
+    runs = [{"seed": s, "models": {"a": model(30.0 + s), "bt_beam": model(31.5 + s), "bt_sample": model(31.3 - s)}}
+            for s in (1, 2)]
     write("backtranslation", {"budget_minutes": 37, "pairs": "all", "rows": {"a": "A alone", "bt_beam": "A + BT"},
-                              "results": rows(runs, ["a", "bt_beam"])})
+                              "results": rows(runs, ["a", "bt_beam", "bt_sample"])})
     table = docs.render_backtranslation(tmp_path)
-    assert "| A alone | 31.00 / 32.00 | 31.50 | 60.0 | 3,000 / 3,000 | 37.0 / 37.0 |" in table
+    assert "| A alone | 31.00 / 32.00 | 31.50 | 60.0 | 1.01 / 1.01 | 3,000 / 3,000 | 37.0 / 37.0 |" in table
     assert "| A + BT | 32.50 / 33.50 | 33.00 (+1.50) |" in table and "`python bench/backtranslation.py" in table
-    runs = [{"seed": 1, "models": {"teacher_beam": model(38.0), "distilled_beam": model(35.0)}},
-            {"seed": 2, "models": {"distilled_beam": model(36.0)}}]
+    assert "- A + BT against A alone: +1.50 BLEU (+1.50, +1.50 seed by seed: each seed the same way)." in table
+    assert "- bt_sample against A alone: -1.70 BLEU (-0.70, -2.70 seed by seed: each seed the same way)." in table
+    runs = [{"seed": 1, "models": {"teacher_beam": model(38.0), "distilled_beam": model(35.0, 1.25),
+                                   "reference_beam": model(34.0)}},
+            {"seed": 2, "models": {"distilled_beam": model(36.0, 1.3), "reference_beam": model(36.5)}}]
     speed = {m: {s: {"median": v} for s in ("beam", "greedy")} for m, v in (("teacher", 50.0), ("distilled", 200.0))}
     write("distillation", {"budget_minutes": 37, "pairs": 2000, "models": {"teacher": "teacher"},
-                           "results": rows(runs, ["teacher_beam", "distilled_beam"]),
+                           "results": rows(runs, ["teacher_beam", "distilled_beam", "reference_beam"]),
                            "speed_sentences_per_s": speed, "speed_threads": 2})
     table = docs.render_distillation(tmp_path)
-    assert "| teacher | beam | 38.00 | 38.00 |" in table and "| distilled | beam | 35.00 / 36.00 | 35.50 |" in table
-    assert "| distilled | 200.0 (4.00x) | 200.0 (4.00x) |" in table and "first 2,000 training pairs" in table
+    assert "| teacher | beam | 38.00 | 38.00 |" in table
+    assert "| distilled | beam | 35.00 / 36.00 | 35.50 | 60.0 | 1.25 / 1.30 |" in table
+    assert ("- beam: the student on the teacher's output against the student on the references, +0.25 BLEU (+1.00, "
+            "-0.50 seed by seed: the seeds disagree).") in table
+    assert "| distilled | 200.0 (4.00x) | 200.0 (4.00x) |" in table
+    assert "the first 2,000 pairs of Multi30k's training split" in table

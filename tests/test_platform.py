@@ -5,6 +5,7 @@ switches one of the operators' tricks off for a block (no module global is set f
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -215,3 +216,48 @@ def test_gather_in_graph_from_holds_for_its_block_only() -> None:
     with pytest.raises(RuntimeError), runners.gather_in_graph_from(0):
         raise RuntimeError
     assert runners._GATHER_IN_GRAPH_BYTES == default
+
+
+_KERNEL_CACHE_PROBE = """
+import os, sys
+from mtpipe import platform
+import torch
+kernel = platform.onednn_linear()
+if kernel is None:
+    print("no-onednn"); sys.exit(0)
+print(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], os.environ["LRU_CACHE_CAPACITY"])
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+w = torch.randn(96, 32)
+packed = kernel.pack(w)
+with torch.inference_mode():
+    for n in range(1, 40):  # the first kernels, and the allocator's first growth, before the measurement
+        kernel.linear(torch.randn(n, 32), packed, None)
+    before = rss()
+    for n in range(40, 400):  # a kernel per new shape, as a corpus's batches bring them
+        kernel.linear(torch.randn(n, 32), packed, None)
+print(rss() - before)
+"""
+
+
+def _kernel_cache_probe(extra: dict[str, str]) -> tuple[str, int]:
+    unset = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+    environ = {k: v for k, v in os.environ.items() if k not in unset}
+    out = subprocess.run([sys.executable, "-c", _KERNEL_CACHE_PROBE], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, env={**environ, **extra})
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.split("\n")
+    return lines[0], int(lines[1]) if len(lines) > 1 and lines[1] else 0
+
+
+def test_onednn_kernel_caches_are_bounded_unless_set() -> None:
+    """Decoding on oneDNN's float32 kernel bounds its two kernel caches (unless the variables are set): a kernel per
+    new product shape then no longer grows the process for the first thousand shapes."""
+    caps, bounded = _kernel_cache_probe({})
+    if caps == "no-onednn":
+        pytest.skip("this torch build has no oneDNN float32 linear kernel")
+    assert caps == f"{platform.KERNEL_CACHE} {platform.KERNEL_CACHE}"
+    caps, default = _kernel_cache_probe({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024", "LRU_CACHE_CAPACITY": "1024"})
+    assert caps == "1024 1024"  # a user's setting is left alone
+    assert bounded < default / 2, (bounded, default)

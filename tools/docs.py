@@ -505,16 +505,41 @@ def render_decode_corpus(directory: Path = RESULTS) -> str:
     if doc is None:
         return NOT_MEASURED.format(command="python bench/decode_corpus.py")
     f = doc["figures"]
-    body = [[_num(r["lines"], 0), f"chunks of {r['chunk_lines']:,}" if r["reading"] == "chunks" else
-             "one chunk (the whole file)", _num(r["corpus_mb"], 0), _num(r["seconds"], 0), _num(r["lines_per_s"], 0),
-             _num(r["peak_rss_mb"], 0)] for r in f["runs"]]
+    reading = {"chunks": "chunks of {:,}", "chunks, default caches": "chunks of {:,}, oneDNN's default kernel caches",
+               "one chunk": "one chunk (the whole file)"}
+    first = [r for r in f["runs"] if not r.get("round")]  # the table: each size's first round
+    body = [[_num(r["lines"], 0), reading[r["reading"]].format(r["chunk_lines"]), _num(r["corpus_mb"], 0),
+             _num(r["seconds"], 0), _num(r["lines_per_s"], 0), _num(r["peak_rss_mb"], 0)] for r in first]
     threads = " (torch's default)" if not f["threads"] else ""
     text = (f"{f['model']}; `{f['decode']} --threads {f['threads']}`{threads}.\n\n"
             + _table(["lines", "read in", "corpus MB", "seconds", "lines/s", "peak RSS MB"], body))
-    chunked = [r for r in f["runs"] if r["reading"] == "chunks"]
+    chunked = [r for r in first if r["reading"] == "chunks"]
     if len(chunked) > 1:
         text += (f"\nPeak RSS at {chunked[-1]['lines']:,} lines is {_num(f['peak_rss_mb_largest_over_smallest'])}x "
-                 f"that at {chunked[0]['lines']:,}.\n")
+                 f"that at {chunked[0]['lines']:,}")
+        defaults = [r for r in first if r["reading"] == "chunks, default caches"]
+        if len(defaults) > 1:
+            text += (f"; with oneDNN's default kernel caches "
+                     f"{_num(defaults[-1]['peak_rss_mb'] / defaults[0]['peak_rss_mb'])}x")
+        text += ".\n"
+    pairs = [(r, d) for r in f["runs"] if r["reading"] == "chunks" for d in f["runs"]
+             if d["reading"] == "chunks, default caches"
+             and (d["lines"], d.get("round")) == (r["lines"], r.get("round"))]
+    sizes: dict[int, list[tuple[float, float, float]]] = {}
+    for r, d in pairs:  # per size, per round: (bounded's peak RSS, default's, speed bounded / default)
+        sizes.setdefault(r["lines"], []).append((r["peak_rss_mb"], d["peak_rss_mb"],
+                                                 r["lines_per_s"] / d["lines_per_s"]))
+    if sizes:
+        def spread(v: list[float], digits: int = 2) -> str:
+            return (_num(v[0], digits) if len(v) == 1 else
+                    f"{_num(min(v), digits)} / {_num(statistics.median(v), digits)} / {_num(max(v), digits)}")
+
+        text += ("\nmtpipe's bounded kernel caches against oneDNN's default ones (min / median / max over interleaved "
+                 "rounds where there are several): " + "; ".join(
+                     f"at {n:,} lines ({len(v)} round{'s' * (len(v) > 1)}) peak RSS "
+                     f"{spread([a for a, _, _ in v], 0)} MB "
+                     f"against {spread([b for _, b, _ in v], 0)} MB, speed {spread([c for _, _, c in v])}x"
+                     for n, v in sizes.items()) + ".\n")
     r = f.get("resume")
     if r:
         text += (f"\nKilled (SIGKILL) at {r['lines']:,} lines, {r['seconds_into_unfinished_chunk']:,} s into the chunk "
@@ -547,21 +572,39 @@ def render_fairseq_ensemble(directory: Path = RESULTS) -> str:
 
 def _example_cells(r: dict[str, Any], base: dict[str, Any] | None = None) -> list[str]:
     """One row of an example's results (bench/example_runs.py): BLEU of each seed, its mean (and its difference
-    from ``base``'s mean), chrF's mean, the updates and training minutes of each seed."""
+    from ``base``'s mean), chrF's mean, the length ratio of each seed (output over reference length; files written
+    before it was recorded: "-"), the updates and training minutes of each seed."""
     mean = _num(r["bleu_mean"]) + (f" ({r['bleu_mean'] - base['bleu_mean']:+.2f})" if base is not None else "")
-    return [" / ".join(_num(b) for b in r["bleu"]), mean, _num(r["chrf_mean"], 1),
+    ratio = " / ".join("-" if x is None else _num(x) for x in r.get("ratio") or [None])
+    return [" / ".join(_num(b) for b in r["bleu"]), mean, _num(r["chrf_mean"], 1), ratio,
             " / ".join(_num(u, 0) for u in r["updates"]), " / ".join(_num(m, 1) for m in r["train_minutes"])]
 
 
+def _difference(r: dict[str, Any], base: dict[str, Any]) -> str:
+    """``r``'s mean BLEU against ``base``'s, and seed by seed where both have the seed: "+0.93 (+0.94, +0.92 by
+    seed), each seed the same way" or "... the seeds disagree"."""
+    by_seed = dict(zip(base["seeds"], base["bleu"]))
+    diffs = [b - by_seed[s] for s, b in zip(r["seeds"], r["bleu"]) if s in by_seed]
+    text = f"{r['bleu_mean'] - base['bleu_mean']:+.2f} BLEU"
+    if len(diffs) > 1:
+        agree = all(d > 0 for d in diffs) or all(d < 0 for d in diffs)
+        text += (f" ({', '.join(f'{d:+.2f}' for d in diffs)} seed by seed: "
+                 + ("each seed the same way" if agree else "the seeds disagree") + ")")
+    elif len(diffs) == 1:
+        text += " (one seed)"
+    return text
+
+
 def _example_lead(f: dict[str, Any]) -> str:
-    pairs = "every training pair" if f["pairs"] == "all" else f"the first {f['pairs']:,} training pairs"
+    pairs = ("Multi30k's whole training split" if f["pairs"] == "all"
+             else f"the first {f['pairs']:,} pairs of Multi30k's training split")
     budget = (f"{f['budget_updates']:,} updates" if f.get("budget_updates")
               else f"{_num(f['budget_minutes'], 0)} minutes")
-    return (f"Each model trained for {budget} on {pairs}; test2016, cased sacreBLEU "
+    return (f"Each model trained for {budget}, its corpus cut from {pairs}; test2016, cased sacreBLEU "
             "(13a) and chrF; a cell per seed.\n\n")
 
 
-EXAMPLE_HEADER = ["BLEU (each seed)", "BLEU (mean)", "chrF (mean)", "updates", "training minutes"]
+EXAMPLE_HEADER = ["BLEU (each seed)", "BLEU (mean)", "chrF (mean)", "length ratio", "updates", "training minutes"]
 
 
 def render_backtranslation(directory: Path = RESULTS) -> str:
@@ -573,8 +616,10 @@ def render_backtranslation(directory: Path = RESULTS) -> str:
     res = f["results"]
     base = res.get("a")
     body = [[f["rows"].get(k, k), *_example_cells(r, base if k != "a" else None)] for k, r in res.items()]
+    verdict = "".join(f"- {f['rows'].get(k, k)} against A alone: {_difference(r, base)}.\n"
+                      for k, r in res.items() if k != "a" and base is not None)
     return (_example_lead(f) + _table(["training corpus", *EXAMPLE_HEADER[:1], "BLEU (mean, against A alone)",
-                                       *EXAMPLE_HEADER[2:]], body) + "\n" + describe(doc))
+                                       *EXAMPLE_HEADER[2:]], body) + "\n" + verdict + "\n" + describe(doc))
 
 
 def render_distillation(directory: Path = RESULTS) -> str:
@@ -589,7 +634,12 @@ def render_distillation(directory: Path = RESULTS) -> str:
     teacher = speed["teacher"]
     fast = [[f["models"].get(m, m), *(f"{_num(v[s]['median'], 1)} ({_num(v[s]['median'] / teacher[s]['median'])}x)"
                                       for s in ("beam", "greedy"))] for m, v in speed.items()]
-    return (_example_lead(f) + _table(["model", "search", *EXAMPLE_HEADER], body) + "\n"
+    res = f["results"]
+    verdict = "".join(
+        f"- {search}: the student on the teacher's output against the student on the references, "
+        f"{_difference(res[f'distilled_{search}'], res[f'reference_{search}'])}.\n"
+        for search in ("greedy", "beam") if f"distilled_{search}" in res and f"reference_{search}" in res)
+    return (_example_lead(f) + _table(["model", "search", *EXAMPLE_HEADER], body) + "\n" + verdict + "\n"
             + f"Decoding speed, test2016 with {f['speed_threads']} threads: sentences/s (median of the rounds; "
               "against the teacher's).\n\n" + _table(["model", "beam 4", "greedy"], fast) + "\n" + describe(doc))
 
