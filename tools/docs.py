@@ -535,10 +535,10 @@ def render_decode_corpus(directory: Path = RESULTS) -> str:
                     f"{_num(min(v), digits)} / {_num(statistics.median(v), digits)} / {_num(max(v), digits)}")
 
         text += ("\nmtpipe's bounded kernel caches against oneDNN's default ones (min / median / max over interleaved "
-                 "rounds where there are several): " + "; ".join(
+                 "rounds where there are several; speed only where there are 3 or more): " + "; ".join(
                      f"at {n:,} lines ({len(v)} round{'s' * (len(v) > 1)}) peak RSS "
-                     f"{spread([a for a, _, _ in v], 0)} MB "
-                     f"against {spread([b for _, b, _ in v], 0)} MB, speed {spread([c for _, _, c in v])}x"
+                     f"{spread([a for a, _, _ in v], 0)} MB against {spread([b for _, b, _ in v], 0)} MB"
+                     + (f", speed {spread([c for _, _, c in v])}x" if len(v) >= 3 else "")
                      for n, v in sizes.items()) + ".\n")
     r = f.get("resume")
     if r:
