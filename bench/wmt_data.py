@@ -11,9 +11,10 @@ Stages (``--stages``, run in this order; default gen,fetch,bpe,bucket,loader,res
   ``wmt/wmt14``'s) or ``both``, by a child process. Not a pipeline stage: its time is reported, not judged.
 * ``fetch``, ``bpe``, ``bucket``: the real CLI (``mtpipe <stage> --params``; the bench writes params.yaml from
   recipes/wmt14-en-de-base.yaml: vocabulary 37,000, SentencePiece trained on a sample of 10M sentences, 3,200-token
-  batches) as a subprocess. Every ~0.5 s the RSS, PSS and anonymous PSS (allocated memory; the rest is mapped files,
-  page cache) of its process tree (``/proc/<pid>/smaps_rollup`` of it and its children, summed) are read: the
-  peaks, a timeline, the wall and CPU seconds. bpe's SentencePiece training is told apart by its log line ("trained
+  batches) as a subprocess. Every ~0.5 s (every 0.05 s in the first 3 s) the RSS, PSS and anonymous PSS (allocated
+  memory; the rest is mapped files, page cache) of its process tree (``/proc/<pid>/smaps_rollup`` of it and its
+  children, summed) are read: the peaks (peak RSS at least the largest process's, which the kernel records), a
+  timeline, the wall and CPU seconds. bpe's SentencePiece training is told apart by its log line ("trained
   on N sentences in S s"): its seconds and the peaks up to ``HANDBACK_S`` after that line (when bpe hands the
   trainer's heap back) are the training's, the rest the encoding's.
   fetch reads ``--form`` (``both``: local files, then the datasets directory, a second row).
@@ -98,9 +99,9 @@ class Sampler(threading.Thread):
     """Reads a process tree's memory every ``every`` seconds: ``samples`` of (seconds since start, RSS, PSS,
     anonymous PSS)."""
 
-    def __init__(self, pid: int, t0: float, every: float = 0.5):
+    def __init__(self, pid: int, t0: float, every: float = 0.5, first: float = 0.05, warmup: float = 3.0):
         super().__init__(daemon=True)
-        self.pid, self.t0, self.every = pid, t0, every
+        self.pid, self.t0, self.every, self.first, self.warmup = pid, t0, every, first, warmup
         self.samples: list[tuple[float, int, int, int]] = []
         self.stop = threading.Event()
 
@@ -109,7 +110,8 @@ class Sampler(threading.Thread):
             rss, pss, anon = tree_memory(self.pid)
             if rss:
                 self.samples.append((time.perf_counter() - self.t0, rss, pss, anon))
-            self.stop.wait(self.every)
+            # densely at first: a short stage (a toy size, a starved CPU) could otherwise end between two samples
+            self.stop.wait(self.first if time.perf_counter() - self.t0 < self.warmup else self.every)
 
     def timeline(self, points: int = 120) -> list[list[float]]:
         """At most ``points`` samples, evenly spaced: [seconds, RSS MB, PSS MB, anonymous PSS MB]."""
@@ -148,7 +150,10 @@ def measured(cmd: list[str], log: Path, marks: dict[str, str] | None = None,
     code = os.waitstatus_to_exitcode(status)
     if code:
         raise SystemExit(f"{' '.join(map(str, cmd))}: exit {code} (see {log})")
-    return {"seconds": round(wall, 1), **sampler.peaks(), "max_process_rss_mb": round(usage.ru_maxrss / 1024, 1),
+    peaks, biggest = sampler.peaks(), round(usage.ru_maxrss / 1024, 1)
+    # the tree's peak is at least its largest process's, which the kernel records exactly; sampling can miss it
+    peaks["peak_rss_mb"] = max(peaks["peak_rss_mb"], biggest)
+    return {"seconds": round(wall, 1), **peaks, "max_process_rss_mb": biggest,
             "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 1), "samples": len(sampler.samples),
             "marks": seen, "timeline": sampler.timeline(), "_sampler": sampler}
 
