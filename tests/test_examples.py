@@ -93,7 +93,7 @@ def test_backtranslation_example(tmp_path: Path, tiny_corpus: Path) -> None:
 def test_distillation_example(tmp_path: Path, tiny_corpus: Path) -> None:
     repo = tiny_copy("distillation", tmp_path, tiny_corpus)
     ran = stages_run(run(repo, *DVC, "repro"))
-    assert len(ran) == 27
+    assert len(ran) == 33
     hyps = read_table(repo / "data" / "teacher_hyps", "train.parquet", "hypotheses").to_pydict()
     distilled = read_table(repo / "data" / "distilled", "train.parquet", "corpus").to_pydict()
     teacher = dict(zip(hyps["id"], hyps["hypothesis"]))
@@ -101,7 +101,7 @@ def test_distillation_example(tmp_path: Path, tiny_corpus: Path) -> None:
     student = read_manifest(repo / "models" / "distilled_average", "checkpoint")
     assert student is not None
     for model in ("teacher", "reference", "distilled"):
-        for search in ("beam", "greedy"):
+        for search in ("beam", "paperbeam", "greedy"):
             assert 0 <= json.loads((repo / "metrics" / f"{model}_{search}.json").read_text())["bleu"] <= 100
 
 
@@ -148,12 +148,13 @@ def test_the_benchmarks_figures_render_in_the_docs(tmp_path: Path) -> None:
             {"seed": 2, "models": {"distilled_beam": model(36.0, 1.3), "reference_beam": model(36.5)}}]
     speed = {m: {s: {"median": v} for s in ("beam", "greedy")} for m, v in (("teacher", 50.0), ("distilled", 200.0))}
     write("distillation", {"budget_minutes": 37, "pairs": 2000, "models": {"teacher": "teacher"},
+                           "searches": {"beam": "beam 4"},
                            "results": rows(runs, ["teacher_beam", "distilled_beam", "reference_beam"]),
                            "speed_sentences_per_s": speed, "speed_threads": 2})
     table = docs.render_distillation(tmp_path)
-    assert "| teacher | beam | 38.00 | 38.00 |" in table
-    assert "| distilled | beam | 35.00 / 36.00 | 35.50 | 60.0 | 1.25 / 1.30 |" in table
-    assert ("- beam: the student on the teacher's output against the student on the references, +0.25 BLEU (+1.00, "
+    assert "| teacher | beam 4 | 38.00 | 38.00 |" in table
+    assert "| distilled | beam 4 | 35.00 / 36.00 | 35.50 | 60.0 | 1.25 / 1.30 |" in table
+    assert ("- beam 4: the student on the teacher's output against the student on the references, +0.25 BLEU (+1.00, "
             "-0.50 seed by seed: the seeds disagree).") in table
-    assert "| distilled | 200.0 (4.00x) | 200.0 (4.00x) |" in table
+    assert "| distilled | 200.0 (4.00x) | 200.0 (4.00x) |" in table and "with 2 threads:" in table
     assert "the first 2,000 pairs of Multi30k's training split" in table

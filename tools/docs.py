@@ -211,6 +211,10 @@ def _num(x: Any, digits: int = 2) -> str:
     return f"{x:,.{digits}f}" if isinstance(x, (int, float)) and not isinstance(x, bool) else "–"
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
 def _med(stats: Any) -> Any:
     return stats.get("median") if isinstance(stats, dict) else stats
 
@@ -628,7 +632,8 @@ def render_distillation(directory: Path = RESULTS) -> str:
     if doc is None:
         return NOT_MEASURED.format(command="python bench/distillation.py --data DIR")
     f = doc["figures"]
-    body = [[f["models"].get(model, model), search, *_example_cells(r)]
+    searches = f.get("searches", {})
+    body = [[f["models"].get(model, model), searches.get(search, search), *_example_cells(r)]
             for (model, search), r in ((k.rsplit("_", 1), r) for k, r in f["results"].items())]
     speed = f["speed_sentences_per_s"]
     teacher = speed["teacher"]
@@ -636,11 +641,12 @@ def render_distillation(directory: Path = RESULTS) -> str:
                                       for s in ("beam", "greedy"))] for m, v in speed.items()]
     res = f["results"]
     verdict = "".join(
-        f"- {search}: the student on the teacher's output against the student on the references, "
-        f"{_difference(res[f'distilled_{search}'], res[f'reference_{search}'])}.\n"
-        for search in ("greedy", "beam") if f"distilled_{search}" in res and f"reference_{search}" in res)
+        f"- {searches.get(search, search)}: the student on the teacher's output against the student on the "
+        f"references, {_difference(res[f'distilled_{search}'], res[f'reference_{search}'])}.\n"
+        for search in dict.fromkeys(k.rsplit("_", 1)[1] for k in res)
+        if f"distilled_{search}" in res and f"reference_{search}" in res)
     return (_example_lead(f) + _table(["model", "search", *EXAMPLE_HEADER], body) + "\n" + verdict + "\n"
-            + f"Decoding speed, test2016 with {f['speed_threads']} threads: sentences/s (median of the rounds; "
+            + f"Decoding speed, test2016 with {_count(f['speed_threads'], 'thread')}: sentences/s (median of the rounds; "
               "against the teacher's).\n\n" + _table(["model", "beam 4", "greedy"], fast) + "\n" + describe(doc))
 
 
