@@ -10,7 +10,10 @@ worth); ``--compiled`` (``decode.compile``, built in the warm-up; the twice, pac
 ``--batches 8000,130,1sent``: batches of that many source tokens, or sentences a call: 130 tokens is a server's ~8
 sentences at 8 clients, 1sent a lone sentence (stdin, a single request). Reported: sentences/s, target tokens/s,
 decoder steps and ms per step, mtpipe's speed over the row's per round (against mtpipe at the same precision and
-batches; mtpipe's own rows against its first batches), outputs equal to mtpipe's, BLEU. ``--device cuda`` times a
+batches; mtpipe's own rows against its first batches), outputs equal to mtpipe's, BLEU; and each row's seconds from
+opening its engine to warmed up (graph builds: the twice and package tricks save builds, not step time; with
+``--compiled`` also a second opening of the fp32 compiled row, which loads the package the first built, as every
+later process does). ``--device cuda`` times a
 GPU (``decode.cuda_graphs`` on; ``--plain cuda-graphs``: the eager step). ``--profile``: a torch.profiler table of
 mtpipe's row (``--compiled``: the compiled one) instead, with CUDA time on a GPU.
 
@@ -30,6 +33,7 @@ import dataclasses
 import gzip
 import statistics
 import sys
+import tempfile
 import time
 import unicodedata
 from pathlib import Path
@@ -170,16 +174,24 @@ def main() -> None:
     if args.compiled:
         rows["compiled"] = ("compiled", None)
         rows.update({f"compiled, plain {t}": (f"compiled {t}", t) for t in tricks if PLAIN[t][0] == "compiled"})
-    engines = {}
-    for kind, trick in {(k, t) for k, t in rows.values() if k}:
+    engines, ready = {}, {}
+    # compiled rows keep their packages in a fresh directory: the first opening builds, the timed second one loads
+    packages = tempfile.TemporaryDirectory(prefix="decode-speed-packages-")
+    cfg = dataclasses.replace(cfg, package_cache=packages.name)
+
+    def open_engine(kind: str, trick: str | None, p: str) -> Any:
         # decode.compile: aot (the step packaged on disk, float32 on CPU; elsewhere jit), jit for plain package
         mode = "off" if not kind.startswith("compiled") else "jit" if trick == "package" else "aot"
+        c = dataclasses.replace(cfg, precision=p, compile=mode, cuda_graphs=kind != "cuda-graphs")
+        with switched_off(trick):
+            return mdecode.MtpipeEngine.open(model if kind == "eager" else copy.deepcopy(model), c,
+                                             lone_graph=kind == "compiled twice")
+
+    for kind, trick in {(k, t) for k, t in rows.values() if k}:
         for p in precisions:
-            c = dataclasses.replace(cfg, precision=p, compile=mode,
-                                    cuda_graphs=kind != "cuda-graphs")
-            with switched_off(trick):
-                engines[kind, p] = mdecode.MtpipeEngine.open(model if kind == "eager" else copy.deepcopy(model), c,
-                                                             lone_graph=kind == "compiled twice")
+            start = time.perf_counter()
+            engines[kind, p] = open_engine(kind, trick, p)
+            ready[kind, p] = time.perf_counter() - start
     keys = [(name, p) for p in precisions for name in rows if not (name == "naive" and p == "int8")]
     steps = [0]
     search = mdecode.beam_search
@@ -206,11 +218,39 @@ def main() -> None:
             torch.cuda.synchronize()
         return [h[0].tokens for h in hyps]
 
-    plans = batchings(args.batches, sources)
-    for key in keys:  # warm-up: allocator, kernel caches, the bf16 / int8 copies, compiled graphs, CUDA graphs
+    def warm_up(key: tuple[str, str]) -> float:
+        """Seconds of the warm-up: allocator, kernel caches, the bf16 / int8 copies, compiled graphs (built or loaded
+        here), CUDA graphs."""
+        start = time.perf_counter()
         with console.status(f"warm-up: {key[0]} {key[1]}"):
             for n in (48, 8, 1):
                 decode(key, sources[:n], cfg.max_tokens)
+        return time.perf_counter() - start
+
+    plans = batchings(args.batches, sources)
+    # Seconds from opening an engine to its warmed-up state, per row: what graph builds cost every process (the
+    # twice and package tricks save builds, not step time). The compiled row's package is built by its first
+    # opening (in a fresh directory) and loaded by a second, timed as "compiled, package on disk": what every later
+    # process pays.
+    warmup: dict[tuple[str, str], float] = {}
+    if args.compiled:  # torch.compile's once-per-process start-up (its imports, the C++ toolchain), before any row
+        prime = dataclasses.replace(cfg, precision="fp32", compile="jit")
+        primer = build_model(ModelConfig(preset="tiny", encoder_layers=1, decoder_layers=1, d_model=48, d_ff=96,
+                                         heads=2), model.vocab_size)
+        start = time.perf_counter()
+        with console.status("warm-up: torch.compile's start-up, on a model of other dimensions"):
+            mdecode.MtpipeEngine.open(primer.eval(), prime).translate([s[:20] for s in sources[:8]], rules)
+        warmup["torch.compile's start-up (once a process)", "fp32"] = time.perf_counter() - start
+    warmup.update({key: ready[rows[key[0]][0], key[1]] + warm_up(key) if rows[key[0]][0] else warm_up(key)
+                   for key in keys})
+    if args.compiled:
+        for p in [p for p in precisions if p == "fp32" and args.device == "cpu"]:  # where compile=aot packages
+            start = time.perf_counter()
+            engines["compiled again", p] = open_engine("compiled again", None, p)
+            rows["compiled, package on disk"] = ("compiled again", None)
+            warmup["compiled, package on disk", p] = time.perf_counter() - start + warm_up(
+                ("compiled, package on disk", p))
+            del rows["compiled, package on disk"]
     console.print(f"model {described}: d_model {model.cfg.d_model}, {model.cfg.encoder_layers}+"
                   f"{model.cfg.decoder_layers} layers; {len(sources):,} sentences; beam {args.beam}, alpha "
                   f"{args.alpha}; {args.threads} threads on {args.device}")
@@ -236,11 +276,12 @@ def main() -> None:
 
         seconds = machine.interleaved(keys, items, args.rounds, run)
     others = machine.others_share(ticks, own)
-    report(args, keys, plans, items, seconds, outputs, counts, others, described, sp, refs)
+    report(args, keys, plans, items, seconds, outputs, counts, others, described, sp, refs, warmup)
 
 
 def report(args: argparse.Namespace, keys: list, plans: dict, items: list, seconds: dict, outputs: dict,
-           counts: dict, others: float, described: str, sp: Any, refs: list[str] | None) -> None:
+           counts: dict, others: float, described: str, sp: Any, refs: list[str] | None,
+           warmup: dict) -> None:
     import sacrebleu
 
     first, figures = next(iter(plans)), []
@@ -265,6 +306,8 @@ def report(args: argparse.Namespace, keys: list, plans: dict, items: list, secon
             round(f["tgt_tokens_per_s"]), int(f["steps"]), round(f["ms_per_step"], 2),
             machine.spread(f["mtpipe_over_row_per_round"], "x"), f"{100 * f['same_as_mtpipe']:.1f}%",
             f["bleu"] if refs else "-"] for f in figures])
+    table("ready: seconds from opening the engine to its warmed-up state (graph builds, packages loaded)",
+          ["row", "precision", "seconds"], [[name, p, round(w, 1)] for (name, p), w in warmup.items()])
     console.print(f"other processes used {100 * others:.0f} % of the machine's CPU time during the run")
     naive = [statistics.median(f["mtpipe_over_row_per_round"]) for f in figures
              if (f["row"], f["precision"], f["batches"]) == ("naive", "fp32", first)]
@@ -272,7 +315,9 @@ def report(args: argparse.Namespace, keys: list, plans: dict, items: list, secon
         console.print(f"target mtpipe >= 4x naive at fp32: {naive[0]:.2f}x, {'met' if naive[0] >= 4 else 'MISSED'}")
     machine.write_results("decode_speed", {"model": described, "sentences": n, "beam": args.beam, "alpha": args.alpha,
                                            "max_len_b": args.max_len_b, "device": args.device, "plain": args.plain,
-                                           "others_cpu_share": others, "rows": figures}, args.results)
+                                           "others_cpu_share": others, "rows": figures,
+                                           "warmup_seconds": [{"row": name, "precision": p, "seconds": round(w, 2)}
+                                                              for (name, p), w in warmup.items()]}, args.results)
 
 
 def profile(key: tuple[str, str], decode: Any, sources: list[list[int]], max_tokens: int, device: str) -> None:

@@ -5,9 +5,10 @@ again per further seed, and each model's decoding speed.
 Rows: the teacher (the quickstart's model, trained for ``--budget-minutes``), the student (the tiny preset, the same
 budget) trained on the references, and the same student trained on the teacher's beam output on the training
 sources. Per row and seed: test2016 cased sacreBLEU and chrF with beam search (4; alpha 1.5, the example's, and the
-paper's 0.6) and greedy search, the updates made and the training minutes. The teacher is trained once (the first seed); later seeds retrain the students only
-(DVC re-runs what their seed changes). Decoding speed: sentences/s that `mtpipe decode` reports for test2016 (1,000
-sentences), beam and greedy, each model in turn, ``--rounds`` rounds, in the first seed's copy.
+paper's 0.6) and greedy search, the updates made and the training minutes. The teacher is trained once (the first
+seed); later seeds retrain the students only (DVC re-runs what their seed changes). Decoding speed: sentences/s that
+`mtpipe decode` reports for test2016 (1,000 sentences), beam and greedy, each model in turn, ``--rounds`` rounds, in
+the first seed's copy.
 
     python bench/distillation.py --data DIR [--seeds 1,2] [--budget-minutes 37]
     python bench/distillation.py --data DIR --seeds 1 --budget-minutes 1 --pairs 2000   # a check of the bench

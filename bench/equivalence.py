@@ -18,6 +18,10 @@ made in the work directory; nothing outside the repository is needed.
     python bench/equivalence.py record --results before.json --keep /tmp/eq-before     # on the old checkout
     python bench/equivalence.py record --results after.json --resume-from /tmp/eq-before
     python bench/equivalence.py compare before.json after.json                          # exit 1 on any difference
+    python bench/equivalence.py record --results after.json --decode-with /tmp/eq-before  # decoding alone
+
+``--decode-with`` trains nothing and decodes the earlier checkout's trained model (where training changed on purpose,
+decoding can still be compared) and records, per configuration, how many output rows equal that checkout's own.
 
 The results file (bench/machine.py's harness: command, commit, machine, date) holds the fingerprints under
 ``figures``; ``compare`` prints a table of the entries that differ or are missing on one side.
@@ -134,13 +138,15 @@ def weights_hash(checkpoint: Path) -> str:
 
 
 def output_hash(out: Path) -> dict[str, Any]:
-    """sha256 over a decode output's rows (every column: hypotheses, tokens, scores, n-best), and its row count."""
+    """sha256 over a decode output's rows (every column: hypotheses, tokens, scores, n-best), its row count, and a
+    short hash per row (how many rows two outputs share)."""
     import pyarrow.parquet as pq
 
     [table] = [pq.read_table(p) for p in sorted(out.glob("*.parquet"))]
     rows = table.to_pylist()
     return {"rows": len(rows), "sha256": hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest(),
-            "first": rows[0].get("hypothesis") if rows else None}
+            "first": rows[0].get("hypothesis") if rows else None,
+            "row_sha": [hashlib.sha256(json.dumps(r, sort_keys=True).encode()).hexdigest()[:10] for r in rows]}
 
 
 def record(args: argparse.Namespace) -> None:
@@ -159,7 +165,7 @@ def record(args: argparse.Namespace) -> None:
         mtpipe(work, "bucket", "--tokens", "bpe", "--max-tokens", "512", "--out", "bucket", log=log)
         figures["seconds"]["data"] = round(time.monotonic() - start, 1)
         runs = {"ws1": ["--nproc", "1"], "ws2": ["--nproc", "2"]}
-        for name, extra in runs.items():
+        for name, extra in runs.items() if not args.decode_with else ():  # decoding alone: no training
             t0 = time.monotonic()
             mtpipe(work, "train", "--tokens", "bpe", "--batches", "bucket", "--out", f"train-{name}", *TRAIN_FLAGS,
                    *extra, log=log)
@@ -178,7 +184,12 @@ def record(args: argparse.Namespace) -> None:
                    "--nproc", "1", log=log)
             figures["train"]["resumed from before"] = {str(UPDATES): weights_hash(
                 run / "checkpoints" / f"step_{UPDATES:08d}")}
-        model = work / "train-ws1" / "checkpoints" / f"step_{UPDATES:08d}"
+        # --decode-with: an earlier checkout's model and bpe, so that decoding is compared alone where training changed
+        earlier = Path(args.decode_with).resolve() if args.decode_with else None
+        model = (earlier or work) / "train-ws1" / "checkpoints" / f"step_{UPDATES:08d}"
+        tokens = str(earlier / "bpe") if earlier else "bpe"
+        if earlier:
+            figures["decoded_with"] = str(earlier)
         export = work / "export"
         mtpipe(work, "export", "--checkpoint", str(model), "--format", "ctranslate2", "--out", str(export), log=log)
         test_text = work / "test.en"
@@ -193,9 +204,13 @@ def record(args: argparse.Namespace) -> None:
                 flags = ["--checkpoint", str(model), *flags]
             out = work / "decode" / key.replace(" ", "_")
             t0 = time.monotonic()
-            mtpipe(work, "decode", "--tokens", "bpe", "--split", "test", "--threads", "2", *flags, "--out", str(out),
+            mtpipe(work, "decode", "--tokens", tokens, "--split", "test", "--threads", "2", *flags, "--out", str(out),
                    log=log)
             figures["decode"][key] = output_hash(out)
+            theirs = earlier / "decode" / key.replace(" ", "_") if earlier else None
+            if theirs is not None and theirs.exists():  # the earlier checkout's own output of the same model
+                mine, old = output_hash(out)["row_sha"], output_hash(theirs)["row_sha"]
+                figures["decode"][key]["same_rows_as_earlier"] = [sum(a == b for a, b in zip(mine, old)), len(old)]
             figures["seconds"][f"decode {key}"] = round(time.monotonic() - t0, 1)
             print(f"{key}: {figures['decode'][key]['sha256'][:12]} ({figures['seconds'][f'decode {key}']} s)",
                   file=sys.stderr)
@@ -221,10 +236,14 @@ def compare(args: argparse.Namespace) -> None:
             if va is None or vb is None:
                 missing.append(f"{part} {key} (only in {args.a if vb is None else args.b})")
                 continue
+            share = ""
+            if isinstance(va, dict) and "row_sha" in va and "row_sha" in vb:
+                same = sum(x == y for x, y in zip(va["row_sha"], vb["row_sha"]))
+                share = f" ({same} of {len(va['row_sha'])} rows the same)"
             if isinstance(va, dict) and "sha256" in va:
                 va, vb = va["sha256"], vb.get("sha256")
             if va != vb:
-                differ.append(f"{part} {key}: {str(va)[:40]} vs {str(vb)[:40]}")
+                differ.append(f"{part} {key}: {str(va)[:40]} vs {str(vb)[:40]}{share}")
     for x, y, name in ((a, b, args.b), (b, a, args.a)):  # a record that resumed the other's checkpoint
         resumed = y["figures"]["train"].get("resumed from before")
         if resumed is not None and resumed.get(str(UPDATES)) != x["figures"]["train"]["ws1"].get(str(UPDATES)):
@@ -247,6 +266,9 @@ def main() -> None:
     r.add_argument("--keep", type=Path, help="work directory to create and keep (for a later --resume-from)")
     r.add_argument("--resume-from", type=Path, help="an earlier checkout's kept work directory: resume its step-100 "
                    "checkpoint to the end with this checkout")
+    r.add_argument("--decode-with", type=Path, help="an earlier checkout's kept work directory: decode its "
+                   "trained model with its bpe, no training (decoding compared alone, where training changed); each "
+                   "output's rows compared with that checkout's own output of the same configuration")
     r.add_argument("--only", help="comma-separated decode configurations (default: all)")
     c = sub.add_parser("compare", help="compare two results files; exit 1 on any difference")
     c.add_argument("a", type=Path)

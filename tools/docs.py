@@ -646,17 +646,34 @@ def render_distillation(directory: Path = RESULTS) -> str:
         for search in dict.fromkeys(k.rsplit("_", 1)[1] for k in res)
         if f"distilled_{search}" in res and f"reference_{search}" in res)
     return (_example_lead(f) + _table(["model", "search", *EXAMPLE_HEADER], body) + "\n" + verdict + "\n"
-            + f"Decoding speed, test2016 with {_count(f['speed_threads'], 'thread')}: sentences/s (median of the rounds; "
-              "against the teacher's).\n\n" + _table(["model", "beam 4", "greedy"], fast) + "\n" + describe(doc))
+            + f"Decoding speed, test2016 with {_count(f['speed_threads'], 'thread')}: sentences/s (median of the "
+              "rounds; against the teacher's).\n\n" + _table(["model", "beam 4", "greedy"], fast) + "\n" + describe(doc))
+
+
+def _flag(command: str, flag: str) -> str | None:
+    words = command.split()
+    return words[words.index(flag) + 1] if flag in words[:-1] else None
+
+
+def _equivalence_pair(flag: str, directory: Path) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The newest record made with ``flag`` (--resume-from, --decode-with: an earlier checkout's kept directory) and
+    the earlier record that kept that directory (--keep): a change's before and after."""
+    found = results("equivalence", directory)
+    for last in reversed(found):
+        kept = _flag(last.get("command", ""), flag)
+        first = next((d for d in found if kept and _flag(d.get("command", ""), "--keep") == kept), None)
+        if first is not None:
+            return first, last
+    return None
 
 
 def render_equivalence(directory: Path = RESULTS) -> str:
-    """development.md: the newest fingerprints (bench/equivalence.py) against the ones recorded just before them (a
-    change's before and after), entry by entry."""
-    found = results("equivalence", directory)
-    if len(found) < 2:
-        return NOT_MEASURED.format(command="python bench/equivalence.py record")
-    first, last = found[-2], found[-1]
+    """development.md: the newest fingerprints (bench/equivalence.py) that resumed an earlier checkout's run against
+    that checkout's (a change's before and after), entry by entry."""
+    pair = _equivalence_pair("--resume-from", directory)
+    if pair is None:
+        return NOT_MEASURED.format(command="python bench/equivalence.py record --resume-from DIR")
+    first, last = pair
     rows = []
     for part in ("train", "decode"):
         a, b = first["figures"][part], last["figures"][part]
@@ -665,6 +682,25 @@ def render_equivalence(directory: Path = RESULTS) -> str:
         rows.append([part, len(keys), same, len(keys) - same])
     resumed = last["figures"]["train"].get("resume equals this checkout's own run")
     rows.append(["resume of the earlier checkout's step-100 checkpoint", 1, int(bool(resumed)), int(not resumed)])
+    return (_table(["fingerprints", "compared", "identical", "different"], rows) + "\n"
+            + f"Earlier: {describe(first)}Later: {describe(last)}")
+
+
+def render_equivalence_decoding(directory: Path = RESULTS) -> str:
+    """development.md: the newest decoding of an earlier checkout's model (bench/equivalence.py --decode-with)
+    against that checkout's own decoding of it: configurations, and output rows, identical."""
+    pair = _equivalence_pair("--decode-with", directory)
+    if pair is None:
+        return NOT_MEASURED.format(command="python bench/equivalence.py record --decode-with DIR")
+    first, last = pair
+    a, b = first["figures"]["decode"], last["figures"]["decode"]
+    keys = sorted(set(a) & set(b))
+    same = sum(a[k]["sha256"] == b[k]["sha256"] for k in keys)
+    rows = [["decoding configurations", len(keys), same, len(keys) - same]]
+    counted = [b[k]["same_rows_as_earlier"] for k in keys if "same_rows_as_earlier" in b[k]]
+    if counted:
+        rows.append(["output rows (hypotheses, tokens, scores)", sum(n for _, n in counted),
+                     sum(s for s, _ in counted), sum(n - s for s, n in counted)])
     return (_table(["fingerprints", "compared", "identical", "different"], rows) + "\n"
             + f"Earlier: {describe(first)}Later: {describe(last)}")
 
@@ -774,7 +810,8 @@ RENDERERS: dict[str, Callable[..., str]] = {
     "decode_tricks": render_decode_tricks,
     "train_throughput": render_train_throughput, "serve": render_serve, "train_data": render_train_data,
     "wmt_data": render_wmt_data,
-    "faults": render_faults, "equivalence": render_equivalence, "checkouts": render_checkouts,
+    "faults": render_faults, "equivalence": render_equivalence,
+    "equivalence-decoding": render_equivalence_decoding, "checkouts": render_checkouts,
     "gpu_paper": render_gpu_paper, "allreduce_quality": render_allreduce_quality,
     "decode_corpus": render_decode_corpus, "fairseq_ensemble": render_fairseq_ensemble,
     "backtranslation": render_backtranslation, "distillation": render_distillation,
