@@ -474,6 +474,31 @@ def test_a_trick_pays_only_where_its_slowest_round_gains(tmp_path: Path):
     assert "| b | AVX2 CPU | fp32 | b | 1.05x (1.02-1.10) | yes | 100.0 % | kept |" in docs.render_decode_tricks(tmp_path)
 
 
+def test_a_build_saving_trick_is_kept_where_the_engine_is_ready_sooner(tmp_path: Path):
+    """twice and package save graph builds, not step time: their verdict follows the seconds to ready that
+    bench/decode_speed.py records (with the trick, and without), unless their steps pay anyway."""
+    def doc(ready: dict[str, float], off: list[float]) -> dict:
+        rows = [{"row": "compiled", "precision": "fp32", "batches": "1sent", "seconds": [10.0] * 3,
+                 "same_as_mtpipe": 1.0},
+                {"row": "compiled, plain twice", "precision": "fp32", "batches": "1sent", "seconds": off,
+                 "same_as_mtpipe": 1.0}]
+        return {"model": "m", "sentences": 10, "beam": 4, "rows": rows,
+                "warmup_seconds": [{"row": r, "precision": "fp32", "seconds": v} for r, v in ready.items()]}
+    slower_steps = [9.0, 9.5, 9.8]
+    write_result(tmp_path, "decode_speed", doc({"compiled": 80.0, "compiled, plain twice": 120.0,
+                                                "compiled, package on disk": 3.0, "compiled, plain package": 100.0},
+                                               slower_steps), stamp="20261201T010000Z")
+    verdicts = docs.trick_verdicts(tmp_path)
+    assert verdicts["twice"].startswith("kept") and verdicts["package"].startswith("kept")
+    assert "| package | AVX2 CPU | fp32 | 3.0 | 100.0 | kept: " in docs.render_decode_tricks(tmp_path)
+    write_result(tmp_path, "decode_speed", doc({"compiled": 120.0, "compiled, plain twice": 119.0}, slower_steps),
+                 stamp="20261201T020000Z")
+    assert docs.trick_verdicts(tmp_path)["twice"] == "deleted"
+    write_result(tmp_path, "decode_speed", doc({"compiled": 120.0, "compiled, plain twice": 119.0},
+                                               [11.0, 11.5, 12.0]), stamp="20261201T030000Z")
+    assert docs.trick_verdicts(tmp_path)["twice"] == "kept"
+
+
 def test_decode_corpus_renders_the_caches_comparison_per_size(tmp_path: Path) -> None:
     """bench/decode_corpus.py's bounded and default kernel caches: the table holds each size's first round; the
     comparison sentence gives min / median / max over the rounds of a size, and one figure for a size run once."""

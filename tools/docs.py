@@ -320,23 +320,47 @@ def _pays(worth: list[float]) -> bool:
 # switched off at once, is what a part's verdict follows.
 PART_OF = {"packing": "onednn-packed", "layer-packing": "onednn-packed", "projection": "onednn-packed",
            "onednn": "onednn-packed"}
-# Tricks whose worth is a compiled graph not built (seconds before the first translation), which bench/decode_speed.py
-# does not time (its warm-up builds every graph before the timed rounds): their rows show what they cost per step.
-BUILD_SAVERS = {"twice": "kept: saves building a lone sentence's graph (build time is not timed here)",
-                "package": "kept: a graph loaded from disk instead of built (build time is not timed here)"}
+# Tricks whose worth is a compiled graph not built: seconds from opening an engine to warmed up, which
+# bench/decode_speed.py records per row (``warmup_seconds``; one opening each, before the timed rounds): the row with
+# the trick, and the row without it. Their step-speed rows show what they cost per step.
+BUILD_SAVERS = {"twice": ("compiled", "compiled, plain twice", "a lone sentence's graph not built"),
+                "package": ("compiled, package on disk", "compiled, plain package",
+                            "the step loaded from disk instead of built in every process")}
+
+
+def build_rows(directory: Path = RESULTS) -> list[dict[str, Any]]:
+    """Per build-saving trick, CPU class and precision, the newest measurement: seconds to ready with the trick and
+    without it."""
+    newest: dict[tuple[str, ...], dict[str, Any]] = {}
+    for doc in results("decode_speed", directory):
+        m = doc.get("machine", {})
+        if m.get("gpu"):
+            continue
+        cpu_class = machine_class(m) + (" (restricted)" if m.get("environment", {}).get("ATEN_CPU_CAPABILITY") else "")
+        ready = {(w["row"], w["precision"]): w["seconds"] for w in doc["figures"].get("warmup_seconds", [])}
+        for trick, (on, off, _) in BUILD_SAVERS.items():
+            for (row, precision), seconds in ready.items():
+                if row == on and (off, precision) in ready:
+                    newest[(trick, cpu_class, precision)] = {"trick": trick, "class": cpu_class, "precision": precision,
+                                                             "with": seconds, "without": ready[off, precision],
+                                                             "doc": doc}
+    return sorted(newest.values(), key=lambda t: (t["trick"], t["class"], t["precision"]))
 
 
 def trick_verdicts(directory: Path = RESULTS) -> dict[str, str]:
     """Per trick: "kept" where it pays somewhere (its worth's minimum, as the table shows it, above 1.00x on some CPU
     class), else "deleted" (every spread includes 1.00x, or it loses): the rule the code follows (tests/test_docs.py
-    checks it)."""
+    checks it). A trick of :data:`BUILD_SAVERS` is also kept where it makes the engine ready sooner."""
     verdict: dict[str, str] = {}
     for t in trick_rows(directory):
         pays = _pays(t["worth"])
         verdict[t["trick"]] = "kept" if pays or verdict.get(t["trick"]) == "kept" else "deleted"
-    for trick, why in BUILD_SAVERS.items():
-        if trick in verdict:
-            verdict[trick] = why
+    for trick, (_, _, what) in BUILD_SAVERS.items():
+        builds = [b for b in build_rows(directory) if b["trick"] == trick]
+        if builds and any(b["without"] > b["with"] for b in builds):
+            verdict[trick] = f"kept: {what}"
+        elif builds and verdict.get(trick) != "kept":  # neither a build saved nor a step faster
+            verdict[trick] = "deleted"
     for part, whole in PART_OF.items():
         if whole in verdict and part in verdict:
             verdict[part] = f"{'kept in' if verdict[whole] == 'kept' else 'deleted with'} {whole}"
@@ -354,9 +378,17 @@ def render_decode_tricks(directory: Path = RESULTS) -> str:
         return "yes" if _pays(worth) else ("no: slower" if round(max(worth), 2) < 1.0 else "no: within noise")
     body = [[t["trick"], t["class"], t["precision"], t["batches"], _spread(t["worth"]), pays(t["worth"]),
              f"{100 * t['same']:.1f} %", verdicts[t["trick"]]] for t in rows]
-    docs = {id(t["doc"]): t["doc"] for t in rows}
+    builds = build_rows(directory)
+    docs = {id(t["doc"]): t["doc"] for t in [*rows, *builds]}
+    ready = "" if not builds else (
+        "\nThe compiled step's tricks that save graph builds: seconds from opening the engine to warmed up (graphs "
+        "built, or a package loaded), one opening each.\n\n"
+        + _table(["trick", "CPU class", "precision", "ready with it (s)", "ready without it (s)", "verdict"],
+                 [[b["trick"], b["class"], b["precision"], _num(b["with"], 1), _num(b["without"], 1),
+                   verdicts[b["trick"]]] for b in builds]))
     return (_table(["trick", "CPU class", "precision", "batches", "speed with it / without: median (min-max)", "pays",
-                    "same output", "verdict"], body) + "\n" + "".join(describe(d) + "\n" for d in docs.values()))
+                    "same output", "verdict"], body) + ready + "\n" + "".join(describe(d) + "\n"
+                                                                         for d in docs.values()))
 
 
 def render_train_throughput(directory: Path = RESULTS) -> str:
