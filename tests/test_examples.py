@@ -156,5 +156,12 @@ def test_the_benchmarks_figures_render_in_the_docs(tmp_path: Path) -> None:
     assert "| distilled | beam 4 | 35.00 / 36.00 | 35.50 | 60.0 | 1.25 / 1.30 |" in table
     assert ("- beam 4: the student on the teacher's output against the student on the references, +0.25 BLEU (+1.00, "
             "-0.50 seed by seed: the seeds disagree).") in table
-    assert "| distilled | 200.0 (4.00x) | 200.0 (4.00x) |" in table and "with 2 threads:" in table
+    assert "| distilled | 200.0; 4.00x | 200.0; 4.00x |" in table and "with 2 threads:" in table
+    speed = {m: {s: {"median": v[1], "rounds": v} for s in ("beam", "greedy")}
+             for m, v in (("teacher", [40.0, 50.0, 60.0]), ("distilled", [100.0, 200.0, 300.0]))}
+    write("distillation", {"budget_minutes": 37, "pairs": 2000, "models": {"teacher": "teacher"},
+                           "results": rows(runs, ["teacher_beam"]), "speed_sentences_per_s": speed,
+                           "speed_threads": 1})
+    table = docs.render_distillation(tmp_path)
+    assert "| distilled | 200.0; 4.00x (2.50-5.00) |" in table and "with 1 thread:" in table
     assert "the first 2,000 pairs of Multi30k's training split" in table

@@ -669,8 +669,12 @@ def render_distillation(directory: Path = RESULTS) -> str:
             for (model, search), r in ((k.rsplit("_", 1), r) for k, r in f["results"].items())]
     speed = f["speed_sentences_per_s"]
     teacher = speed["teacher"]
-    fast = [[f["models"].get(m, m), *(f"{_num(v[s]['median'], 1)} ({_num(v[s]['median'] / teacher[s]['median'])}x)"
-                                      for s in ("beam", "greedy"))] for m, v in speed.items()]
+    def against(v: dict[str, Any], s: str) -> str:  # round by round against the teacher's, where rounds are recorded
+        if v[s].get("rounds") and teacher[s].get("rounds"):
+            return _spread([x / t for x, t in zip(v[s]["rounds"], teacher[s]["rounds"])])
+        return f"{_num(v[s]['median'] / teacher[s]['median'])}x"
+    fast = [[f["models"].get(m, m), *(f"{_num(v[s]['median'], 1)}; {against(v, s)}" for s in ("beam", "greedy"))]
+            for m, v in speed.items()]
     res = f["results"]
     verdict = "".join(
         f"- {searches.get(search, search)}: the student on the teacher's output against the student on the "
@@ -679,7 +683,7 @@ def render_distillation(directory: Path = RESULTS) -> str:
         if f"distilled_{search}" in res and f"reference_{search}" in res)
     return (_example_lead(f) + _table(["model", "search", *EXAMPLE_HEADER], body) + "\n" + verdict + "\n"
             + f"Decoding speed, test2016 with {_count(f['speed_threads'], 'thread')}: sentences/s (median of the "
-              "rounds; against the teacher's).\n\n" + _table(["model", "beam 4", "greedy"], fast) + "\n" + describe(doc))
+              "rounds); the speed over the teacher's, round by round: median (min-max).\n\n" + _table(["model", "beam 4", "greedy"], fast) + "\n" + describe(doc))
 
 
 def _flag(command: str, flag: str) -> str | None:
