@@ -231,7 +231,8 @@ def main() -> None:
     # Seconds from opening an engine to its warmed-up state, per row: what graph builds cost every process (the
     # twice and package tricks save builds, not step time). The compiled row's package is built by its first
     # opening (in a fresh directory) and loaded by a second, timed as "compiled, package on disk": what every later
-    # process pays.
+    # process pays. The rows of the compiled step's tricks, opened after it, load it too where their step is the same
+    # (plain twice: and build a lone sentence's graph; plain package: builds torch.compile's instead).
     warmup: dict[tuple[str, str], float] = {}
     if args.compiled:  # torch.compile's once-per-process start-up (its imports, the C++ toolchain), before any row
         prime = dataclasses.replace(cfg, precision="fp32", compile="jit")
