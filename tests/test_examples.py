@@ -137,10 +137,12 @@ def test_the_benchmarks_figures_render_in_the_docs(tmp_path: Path) -> None:
     runs = [{"seed": s, "models": {"a": model(30.0 + s), "bt_beam": model(31.5 + s), "bt_sample": model(31.3 - s)}}
             for s in (1, 2)]
     write("backtranslation", {"budget_minutes": 37, "pairs": "all", "rows": {"a": "A alone", "bt_beam": "A + BT"},
-                              "results": rows(runs, ["a", "bt_beam", "bt_sample"])})
+                              "results": rows(runs, ["a", "bt_beam", "bt_sample"]),
+                              "added_to": "backtranslation-20261130T000000Z.json"})
     table = docs.render_backtranslation(tmp_path)
     assert "| A alone | 31.00 / 32.00 | 31.50 | 60.0 | 1.01 / 1.01 | 3,000 / 3,000 | 37.0 / 37.0 |" in table
     assert "| A + BT | 32.50 / 33.50 | 33.00 (+1.50) |" in table and "`python bench/backtranslation.py" in table
+    assert "come from [`backtranslation-20261130T000000Z.json`](" in table
     assert "- A + BT against A alone: +1.50 BLEU (+1.50, +1.50 seed by seed: each seed the same way)." in table
     assert "- bt_sample against A alone: -1.70 BLEU (-0.70, -2.70 seed by seed: each seed the same way)." in table
     runs = [{"seed": 1, "models": {"teacher_beam": model(38.0), "distilled_beam": model(35.0, 1.25),

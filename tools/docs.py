@@ -656,8 +656,11 @@ def render_backtranslation(directory: Path = RESULTS) -> str:
     body = [[f["rows"].get(k, k), *_example_cells(r, base if k != "a" else None)] for k, r in res.items()]
     verdict = "".join(f"- {f['rows'].get(k, k)} against A alone: {_difference(r, base)}.\n"
                       for k, r in res.items() if k != "a" and base is not None)
+    added = f.get("added_to")
+    earlier = (f"The seeds this command did not run come from [`{added}`](@/bench/results/{added}), which it was "
+               "added to.\n" if added else "")
     return (_example_lead(f) + _table(["training corpus", *EXAMPLE_HEADER[:1], "BLEU (mean, against A alone)",
-                                       *EXAMPLE_HEADER[2:]], body) + "\n" + verdict + "\n" + describe(doc))
+                                       *EXAMPLE_HEADER[2:]], body) + "\n" + verdict + "\n" + describe(doc) + earlier)
 
 
 def render_distillation(directory: Path = RESULTS) -> str:
