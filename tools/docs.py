@@ -275,9 +275,11 @@ def render_decode_speed(directory: Path = RESULTS) -> str:
     if doc is None:
         return NOT_MEASURED.format(command="python bench/decode_speed.py --checkpoint ... --tokens ...")
     f = doc["figures"]
+    noise = str(f["model"]).startswith("random")  # random weights (--random-preset): no translation to score
     body = [[r["row"], r["precision"], r["batches"], _num(_med(r["sentences_per_s"]), 1),
              _spread(r["mtpipe_over_row_per_round"]),
-             f"{100 * r['same_as_mtpipe']:.1f} %", _num(r.get("bleu"))] for r in f["rows"]]
+             f"{100 * r['same_as_mtpipe']:.1f} %", "– (random weights)" if noise else _num(r.get("bleu"))]
+            for r in f["rows"]]
     return (f"{_command(str(f['model']))}, {f['sentences']:,} sentences, beam {f['beam']}.\n\n"
             + _table(["row", "precision", "batches", "sentences/s", "mtpipe's speed / the row's: median (min-max)",
                       "same output as mtpipe", "BLEU"], body) + "\n" + describe(doc))
@@ -381,7 +383,7 @@ def render_decode_tricks(directory: Path = RESULTS) -> str:
     body = [[t["trick"], t["class"], t["precision"], t["batches"], _spread(t["worth"]), pays(t["worth"]),
              f"{100 * t['same']:.1f} %", verdicts[t["trick"]]] for t in rows]
     builds = build_rows(directory)
-    docs = {id(t["doc"]): t["doc"] for t in [*rows, *builds]}
+    docs = {t["doc"]["path"]: t["doc"] for t in [*rows, *builds]}
     ready = "" if not builds else (
         "\nThe compiled step's tricks that save graph builds: seconds from opening the engine to warmed up (graphs "
         "built, or a package loaded), one opening each.\n\n"
