@@ -205,7 +205,9 @@ def write_results(name: str, figures: Any, path: Path | None = None, machine: di
     now = datetime.datetime.now(datetime.timezone.utc)
     path = Path(path or REPO / "bench" / "results" / f"{name}-{now:%Y%m%dT%H%M%SZ}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    argv = [os.path.relpath(sys.argv[0], REPO) if sys.argv[0].startswith("/") else sys.argv[0], *sys.argv[1:]]
+    # paths inside the repository as relative ones: the docs render a command the same wherever a checkout lies
+    argv = [os.path.relpath(a, REPO) if a.startswith("/") and Path(a).is_relative_to(REPO) else a
+            for a in sys.argv]
     doc = {"name": name, "command": command or "python " + " ".join(argv), "commit": commit(),
            "date": now.isoformat(timespec="seconds"), "machine": machine or probe(), "figures": figures}
     path.write_text(json.dumps(doc, indent=1, default=str) + "\n", encoding="utf-8")
