@@ -242,16 +242,14 @@ def main() -> None:
         with console.status("warm-up: torch.compile's start-up, on a model of other dimensions"):
             mdecode.MtpipeEngine.open(primer.eval(), prime).translate([s[:20] for s in sources[:8]], rules)
         warmup["torch.compile's start-up (once a process)", "fp32"] = time.perf_counter() - start
-    warmup.update({key: ready[rows[key[0]][0], key[1]] + warm_up(key) if rows[key[0]][0] else warm_up(key)
-                   for key in keys})
+    warmup.update({key: ready.get((rows[key[0]][0], key[1]), 0.0) + warm_up(key) for key in keys})
     if args.compiled:
+        rows["compiled, package on disk"] = ("compiled again", None)  # warmed up below, not among the timed keys
         for p in [p for p in precisions if p == "fp32" and args.device == "cpu"]:  # where compile=aot packages
             start = time.perf_counter()
             engines["compiled again", p] = open_engine("compiled again", None, p)
-            rows["compiled, package on disk"] = ("compiled again", None)
             warmup["compiled, package on disk", p] = time.perf_counter() - start + warm_up(
                 ("compiled, package on disk", p))
-            del rows["compiled, package on disk"]
     console.print(f"model {described}: d_model {model.cfg.d_model}, {model.cfg.encoder_layers}+"
                   f"{model.cfg.decoder_layers} layers; {len(sources):,} sentences; beam {args.beam}, alpha "
                   f"{args.alpha}; {args.threads} threads on {args.device}")

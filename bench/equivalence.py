@@ -209,7 +209,7 @@ def record(args: argparse.Namespace) -> None:
             figures["decode"][key] = output_hash(out)
             theirs = earlier / "decode" / key.replace(" ", "_") if earlier else None
             if theirs is not None and theirs.exists():  # the earlier checkout's own output of the same model
-                mine, old = output_hash(out)["row_sha"], output_hash(theirs)["row_sha"]
+                mine, old = figures["decode"][key]["row_sha"], output_hash(theirs)["row_sha"]
                 figures["decode"][key]["same_rows_as_earlier"] = [sum(a == b for a, b in zip(mine, old)), len(old)]
             figures["seconds"][f"decode {key}"] = round(time.monotonic() - t0, 1)
             print(f"{key}: {figures['decode'][key]['sha256'][:12]} ({figures['seconds'][f'decode {key}']} s)",

@@ -285,6 +285,11 @@ def render_decode_speed(directory: Path = RESULTS) -> str:
                       "same output as mtpipe", "BLEU"], body) + "\n" + describe(doc))
 
 
+def _cpu_class(m: dict[str, Any]) -> str:
+    """A results file's CPU class, marked where the benchmark restricted it to AVX2 (``--isa avx2``)."""
+    return machine_class(m) + (" (restricted)" if m.get("environment", {}).get("ATEN_CPU_CAPABILITY") else "")
+
+
 def trick_rows(directory: Path = RESULTS) -> list[dict[str, Any]]:
     """Every decoding trick measured switched off (``bench/decode_speed.py --plain``), the newest measurement per
     trick, CPU class, precision and batches: the trick's worth per round is the seconds of the row without it over
@@ -294,8 +299,7 @@ def trick_rows(directory: Path = RESULTS) -> list[dict[str, Any]]:
         m = doc.get("machine", {})
         if m.get("gpu"):
             continue
-        restricted = bool(m.get("environment", {}).get("ATEN_CPU_CAPABILITY"))
-        cpu_class = machine_class(m) + (" (restricted)" if restricted else "")
+        cpu_class = _cpu_class(m)
         rows = doc["figures"]["rows"]
         for r in rows:
             base, _, trick = r["row"].partition(", plain ")
@@ -340,7 +344,7 @@ def build_rows(directory: Path = RESULTS) -> list[dict[str, Any]]:
         m = doc.get("machine", {})
         if m.get("gpu"):
             continue
-        cpu_class = machine_class(m) + (" (restricted)" if m.get("environment", {}).get("ATEN_CPU_CAPABILITY") else "")
+        cpu_class = _cpu_class(m)
         ready = {(w["row"], w["precision"]): w["seconds"] for w in doc["figures"].get("warmup_seconds", [])}
         for trick, (on, off, _) in BUILD_SAVERS.items():
             for (row, precision), seconds in ready.items():
@@ -359,8 +363,9 @@ def trick_verdicts(directory: Path = RESULTS) -> dict[str, str]:
     for t in trick_rows(directory):
         pays = _pays(t["worth"])
         verdict[t["trick"]] = "kept" if pays or verdict.get(t["trick"]) == "kept" else "deleted"
+    measured = build_rows(directory)
     for trick, (_, _, what) in BUILD_SAVERS.items():
-        builds = [b for b in build_rows(directory) if b["trick"] == trick]
+        builds = [b for b in measured if b["trick"] == trick]
         if builds and any(b["without"] > b["with"] for b in builds):
             verdict[trick] = f"kept: {what}"
         elif builds and verdict.get(trick) != "kept":  # neither a build saved nor a step faster
@@ -690,7 +695,8 @@ def render_distillation(directory: Path = RESULTS) -> str:
         if f"distilled_{search}" in res and f"reference_{search}" in res)
     return (_example_lead(f) + _table(["model", "search", *EXAMPLE_HEADER], body) + "\n" + verdict + "\n"
             + f"Decoding speed, test2016 with {_count(f['speed_threads'], 'thread')}: sentences/s (median of the "
-              "rounds); the speed over the teacher's, round by round: median (min-max).\n\n" + _table(["model", "beam 4", "greedy"], fast) + "\n" + describe(doc))
+              "rounds); the speed over the teacher's, round by round: median (min-max).\n\n"
+            + _table(["model", "beam 4", "greedy"], fast) + "\n" + describe(doc))
 
 
 def _flag(command: str, flag: str) -> str | None:
